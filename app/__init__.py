@@ -1,0 +1,1 @@
+"""The edge: settings, CLI, and (in later parts) the HTTP app and integrations."""

@@ -1,0 +1,230 @@
+"""`paralon`: the operator's command line. Every command takes --json; money
+fields are integers with the unit in the key."""
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from functools import wraps
+
+import click
+from sqlalchemy.exc import OperationalError
+
+from app.settings import Settings
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger import holds as hl
+from ledger.db import make_engine
+from ledger.errors import LedgerError
+from ledger.money import usd_to_nano_usd
+from ledger.service import append_now
+from ledger.verify import count_events, rebuild_balances, verify
+
+EXIT_INVALID = 2
+
+
+def _emit(as_json: bool, data: dict, text: str) -> None:
+    click.echo(json.dumps(data, sort_keys=True) if as_json else text)
+
+
+def _fail(as_json: bool, code: str, message: str) -> None:
+    if as_json:
+        click.echo(json.dumps({"error": {"code": code, "message": message}}), err=True)
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_INVALID)
+
+
+def handles_errors(fn):
+    """Typed errors become one clear line (or JSON) and exit status 2; nothing was written."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False)
+        try:
+            return fn(*args, **kwargs)
+        except LedgerError as exc:
+            _fail(as_json, exc.code, str(exc))
+        except ValueError as exc:
+            _fail(as_json, "invalid_input", str(exc))
+        except OperationalError as exc:
+            _fail(as_json, "database_unreachable", f"cannot use the database: {exc.orig}")
+
+    return wrapper
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def _engine():
+    return make_engine(Settings.from_env().database_url)
+
+
+def _progress(total: int, label: str):
+    return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True)
+
+
+@click.group()
+def main() -> None:
+    """Paralon: the money and traffic layer of a GPU inference network."""
+
+
+@main.command("migrate")
+@json_option
+@handles_errors
+def migrate_cmd(as_json: bool) -> None:
+    """Create or upgrade the schema (PARALON_DATABASE_URL)."""
+    from app.migrate import migrate
+
+    revision = migrate(_engine())
+    _emit(as_json, {"revision": revision}, f"database is at revision {revision}")
+
+
+@main.group()
+def accounts() -> None:
+    """Customer and GPU-owner accounts."""
+
+
+@accounts.command("create")
+@click.option("--kind", type=click.Choice([cmd.CUSTOMER, cmd.OWNER]), required=True)
+@click.option("--name", required=True)
+@click.option("--email", default=None, help="Where invoices and statements go.")
+@json_option
+@handles_errors
+def accounts_create(kind: str, name: str, email: str | None, as_json: bool) -> None:
+    with _engine().begin() as conn:
+        account_id = acc.create_account(conn, kind, name, email)
+    _emit(as_json, {"id": account_id, "kind": kind, "name": name, "email": email}, f"created {kind} account {account_id}")
+
+
+@main.group()
+def credits() -> None:
+    """Operator grants and adjustments (each with a reason)."""
+
+
+def _append(command: cmd.Command, as_json: bool, what: str) -> None:
+    result = append_now(_engine(), command)
+    _emit(
+        as_json,
+        {"status": result.status, "seq": result.seq, "event_type": result.event_type, "idempotency_key": command.idempotency_key},
+        f"{what}: event {result.seq} ({result.status})",
+    )
+
+
+@credits.command("grant")
+@click.argument("account_id", type=int)
+@click.option("--usd", required=True, help="Amount in USD, e.g. 12.50")
+@click.option("--reason", required=True)
+@click.option("--idempotency-key", default=None, help="Retry-safe key; the same key with another amount is refused.")
+@json_option
+@handles_errors
+def credits_grant(account_id: int, usd: str, reason: str, idempotency_key: str | None, as_json: bool) -> None:
+    amount = usd_to_nano_usd(usd)
+    key = idempotency_key or f"grant:{uuid.uuid4()}"
+    _append(cmd.GrantCredits(account_id, amount, reason, key), as_json, f"granted {usd} USD to account {account_id}")
+
+
+@credits.command("adjust")
+@click.argument("account_id", type=int)
+@click.option("--usd", required=True, help="Signed amount in USD, e.g. -1.25")
+@click.option("--reason", required=True)
+@click.option("--idempotency-key", default=None)
+@json_option
+@handles_errors
+def credits_adjust(account_id: int, usd: str, reason: str, idempotency_key: str | None, as_json: bool) -> None:
+    delta = usd_to_nano_usd(usd)
+    key = idempotency_key or f"adjust:{uuid.uuid4()}"
+    _append(cmd.AdjustBalance(account_id, delta, reason, key), as_json, f"adjusted account {account_id} by {usd} USD")
+
+
+@main.command("balance")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def balance_cmd(account_id: int, as_json: bool) -> None:
+    """Credits, holds and what is available (earnings for an owner)."""
+    with _engine().connect() as conn:
+        view = acc.read_balance(conn, account_id)
+    data = {
+        "account_id": account_id,
+        "kind": view.kind,
+        "balance_nano_usd": view.balance_nano_usd,
+        "available_nano_usd": view.available_nano_usd,
+        "held_nano_usd": view.held_nano_usd,
+        "last_event_seq": view.last_event_seq,
+    }
+    if view.kind == cmd.OWNER:
+        data["earnings_nano_usd"] = view.balance_nano_usd
+    text = "\n".join(f"{k}: {v}" for k, v in data.items())
+    _emit(as_json, data, text)
+
+
+@main.group()
+def ledger() -> None:
+    """Prove, rebuild and correct the ledger."""
+
+
+@ledger.command("verify")
+@json_option
+@handles_errors
+def ledger_verify(as_json: bool) -> None:
+    """Exit 0 when the chain, every zero sum and every balance hold; 1 with a report otherwise."""
+    with _engine().connect() as conn:
+        total = count_events(conn)
+        with _progress(total, "verifying") as bar:
+            report = verify(conn, progress=bar.update)
+    data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
+            "problems_total": report.problems_total, "problems": report.problems}
+    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts" if report.ok else "\n".join(
+        [f"FAILED: {report.problems_total} problem(s)"] + report.problems
+    )
+    _emit(as_json, data, text)
+    sys.exit(0 if report.ok else 1)
+
+
+@ledger.command("replay")
+@json_option
+@handles_errors
+def ledger_replay(as_json: bool) -> None:
+    """Rebuild the read models (balances) from the first event."""
+    engine = _engine()
+    with engine.connect() as conn:
+        total = count_events(conn)
+    with engine.begin() as conn, _progress(total, "replaying") as bar:
+        accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    _emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
+          f"replayed {total} events into {accounts_rebuilt} account balances")
+
+
+@ledger.command("reverse")
+@click.argument("seq", type=int)
+@click.option("--reason", required=True)
+@json_option
+@handles_errors
+def ledger_reverse(seq: int, reason: str, as_json: bool) -> None:
+    """Undo an event with a new event that negates its postings."""
+    _append(cmd.ReverseEvent(seq, reason, f"reverse:{seq}"), as_json, f"reversed event {seq}")
+
+
+@main.group()
+def holds() -> None:
+    """Reservations placed by the proxy."""
+
+
+@holds.command("expire")
+@json_option
+@handles_errors
+def holds_expire(as_json: bool) -> None:
+    """Void holds past their expiry (what the sweeper does)."""
+    with _engine().begin() as conn:
+        expired = hl.expire_holds(conn)
+    _emit(as_json, {"expired": expired}, f"expired {expired} hold(s)")
+
+
+@main.command("demo")
+@handles_errors
+def demo_cmd() -> None:
+    """A short scripted tour of the ledger on the configured database."""
+    from app.demo import run_demo
+
+    run_demo(_engine())

@@ -1,0 +1,39 @@
+"""Configuration from the environment. Secrets never have defaults."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ledger.db import normalise_url
+
+DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    group_commit_batch_size_max: int = 512
+    group_commit_wait_ms: float = 1.0
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        url = os.environ.get("PARALON_DATABASE_URL", "").strip() or DATABASE_URL_DEFAULT
+        normalise_url(url)  # a malformed URL fails here, before anything runs
+        return cls(
+            database_url=url,
+            group_commit_batch_size_max=_int("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", 512, 1, 10_000),
+            group_commit_wait_ms=float(_int("PARALON_GROUP_COMMIT_WAIT_MS", 1, 0, 100)),
+        )
+
+
+def _int(name: str, default: int, low: int, high: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+    return value

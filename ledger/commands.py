@@ -1,0 +1,212 @@
+"""Commands and the pure rules that turn one into an event and its postings.
+
+`decide` sees the world only through `BookView`, so the same rules run inside a
+group-commit batch (against balances loaded for the batch) and in tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ledger import events as ev
+from ledger.errors import (
+    CaptureExceedsHold,
+    HoldNotActive,
+    InsufficientFunds,
+    InvalidAmount,
+    InvalidInput,
+    NotReversible,
+    WrongAccountKind,
+)
+from ledger.money import AMOUNT_NANO_USD_MAX, require_positive, split_charge
+
+CUSTOMER, OWNER, PLATFORM, EXTERNAL = "customer", "owner", "platform", "external"
+ACCOUNT_KINDS = (CUSTOMER, OWNER, PLATFORM, EXTERNAL)
+# Kinds whose balance is money held for someone and may never go below zero.
+NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
+REASON_LENGTH_MAX = 500
+KEY_LENGTH_MAX = 200
+
+
+@dataclass(frozen=True, slots=True)
+class GrantCredits:
+    account_id: int
+    amount_nano_usd: int
+    reason: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdjustBalance:
+    account_id: int
+    delta_nano_usd: int
+    reason: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class SettleRequest:
+    """Capture `charge_nano_usd` from a hold, split it, release the rest of the hold."""
+
+    hold_id: int
+    owner_account_id: int
+    charge_nano_usd: int
+    request_id: str
+    idempotency_key: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReverseEvent:
+    seq: int
+    reason: str
+    idempotency_key: str
+
+
+Command = GrantCredits | AdjustBalance | SettleRequest | ReverseEvent
+
+
+@dataclass(frozen=True, slots=True)
+class HoldView:
+    hold_id: int
+    account_id: int
+    amount_nano_usd: int
+    active: bool
+
+
+class BookView(Protocol):
+    """What a decision may read. Balances reflect earlier commands of the same batch."""
+
+    def kind(self, account_id: int) -> str: ...  # raises UnknownAccount
+    def balance(self, account_id: int) -> int: ...
+    def held(self, account_id: int) -> int: ...  # active holds of a customer
+    def hold(self, hold_id: int) -> HoldView: ...  # raises HoldNotFound
+    def event_postings(self, seq: int) -> tuple[str, list[ev.Posting]]: ...  # raises UnknownEvent
+    def reversal_of(self, seq: int) -> int | None: ...
+    def system_account(self, code: str) -> int: ...
+
+
+GRANTS_ACCOUNT = "external:grants"
+ADJUSTMENTS_ACCOUNT = "external:adjustments"
+PLATFORM_REVENUE_ACCOUNT = "platform:revenue"
+
+
+def command_digest(command: Command) -> str:
+    fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
+    return ev.content_digest(type(command).__name__, fields)
+
+
+def validate_shape(command: Command) -> None:
+    """Checks that need no database: run before a command is queued."""
+    key = command.idempotency_key
+    if not isinstance(key, str) or not key or len(key) > KEY_LENGTH_MAX:
+        raise InvalidInput(f"idempotency key must be 1 to {KEY_LENGTH_MAX} characters")
+    reason = getattr(command, "reason", None)
+    if reason is not None and (not reason.strip() or len(reason) > REASON_LENGTH_MAX):
+        raise InvalidInput(f"a reason is required (at most {REASON_LENGTH_MAX} characters)")
+    match command:
+        case GrantCredits():
+            require_positive(command.amount_nano_usd)
+        case AdjustBalance():
+            if type(command.delta_nano_usd) is not int or command.delta_nano_usd == 0:
+                raise InvalidAmount("an adjustment must be a non-zero integer number of nano-USD")
+            if abs(command.delta_nano_usd) > AMOUNT_NANO_USD_MAX:
+                raise InvalidAmount("adjustment exceeds the amount limit")
+        case SettleRequest():
+            require_positive(command.charge_nano_usd, "charge")
+            ev.canonical_json(command.meta)  # integers and strings only
+            if any(isinstance(v, float) for v in command.meta.values()):
+                raise InvalidInput("settlement metadata must not contain floats")
+        case ReverseEvent():
+            if type(command.seq) is not int or command.seq <= 0:
+                raise InvalidInput("seq must be a positive integer")
+
+
+def decide(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
+    """The event this command produces and its postings, or a typed error."""
+    match command:
+        case GrantCredits():
+            _require_kind(book, command.account_id, CUSTOMER)
+            counter = book.system_account(GRANTS_ACCOUNT)
+            event = ev.CreditsGranted(command.account_id, command.amount_nano_usd, command.reason)
+            postings = [ev.Posting(command.account_id, command.amount_nano_usd), ev.Posting(counter, -command.amount_nano_usd)]
+        case AdjustBalance():
+            kind = book.kind(command.account_id)
+            if kind not in (CUSTOMER, OWNER):
+                raise WrongAccountKind(f"account {command.account_id} is a {kind} account; only customers and owners are adjusted")
+            counter = book.system_account(ADJUSTMENTS_ACCOUNT)
+            event = ev.BalanceAdjusted(command.account_id, command.delta_nano_usd, command.reason)
+            postings = [ev.Posting(command.account_id, command.delta_nano_usd), ev.Posting(counter, -command.delta_nano_usd)]
+        case SettleRequest():
+            event, postings = _settle(command, book)
+        case ReverseEvent():
+            event, postings = _reverse(command, book)
+        case _:
+            raise InvalidInput(f"unknown command {type(command).__name__}")
+    _require_covered(book, postings, settled_hold=getattr(event, "hold_id", None))
+    return event, postings
+
+
+def _settle(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, list[ev.Posting]]:
+    hold = book.hold(command.hold_id)
+    if not hold.active:
+        raise HoldNotActive(f"hold {hold.hold_id} is no longer active")
+    if command.charge_nano_usd > hold.amount_nano_usd:
+        raise CaptureExceedsHold(f"charge {command.charge_nano_usd} exceeds hold {hold.hold_id} of {hold.amount_nano_usd}")
+    _require_kind(book, command.owner_account_id, OWNER)
+    platform = book.system_account(PLATFORM_REVENUE_ACCOUNT)
+    owner_nano_usd, platform_nano_usd = split_charge(command.charge_nano_usd)
+    event = ev.RequestSettled(
+        hold_id=hold.hold_id,
+        customer_account_id=hold.account_id,
+        owner_account_id=command.owner_account_id,
+        charge_nano_usd=command.charge_nano_usd,
+        owner_nano_usd=owner_nano_usd,
+        platform_nano_usd=platform_nano_usd,
+        released_nano_usd=hold.amount_nano_usd - command.charge_nano_usd,
+        request_id=command.request_id,
+        meta=dict(command.meta),
+    )
+    postings = [
+        ev.Posting(hold.account_id, -command.charge_nano_usd),
+        ev.Posting(command.owner_account_id, owner_nano_usd),
+        ev.Posting(platform, platform_nano_usd),
+    ]
+    return event, postings
+
+
+def _reverse(command: ReverseEvent, book: BookView) -> tuple[ev.EventReversed, list[ev.Posting]]:
+    event_type, original = book.event_postings(command.seq)
+    if event_type == "EventReversed":
+        raise NotReversible(f"event {command.seq} is itself a reversal")
+    if not original:
+        raise NotReversible(f"event {command.seq} moved no money")
+    if book.reversal_of(command.seq) is not None:
+        raise NotReversible(f"event {command.seq} was already reversed by event {book.reversal_of(command.seq)}")
+    postings = [ev.Posting(p.account_id, -p.amount_nano_usd) for p in original]
+    return ev.EventReversed(command.seq, command.reason), postings
+
+
+def _require_kind(book: BookView, account_id: int, kind: str) -> None:
+    actual = book.kind(account_id)
+    if actual != kind:
+        raise WrongAccountKind(f"account {account_id} is a {actual} account, not a {kind} account")
+
+
+def _require_covered(book: BookView, postings: list[ev.Posting], settled_hold: int | None) -> None:
+    """No customer's available balance, and no owner's or platform's balance, goes below zero."""
+    if sum(p.amount_nano_usd for p in postings) != 0:
+        raise InvalidAmount("postings do not sum to zero")
+    for posting in postings:
+        if posting.amount_nano_usd >= 0:
+            continue
+        kind = book.kind(posting.account_id)
+        if kind not in NON_NEGATIVE_KINDS:
+            continue
+        after = book.balance(posting.account_id) + posting.amount_nano_usd
+        if kind == CUSTOMER and settled_hold is None:
+            after -= book.held(posting.account_id)
+        if after < 0:
+            raise InsufficientFunds(
+                f"account {posting.account_id} would go {-after} nano-USD below zero"
+            )

@@ -1,0 +1,74 @@
+"""Typed errors. Each carries a stable `code`, the name a result or an API reports."""
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    code = "ledger_error"
+
+
+class InvalidInput(LedgerError):
+    code = "invalid_input"
+
+
+class InvalidAmount(InvalidInput):
+    code = "invalid_amount"
+
+
+class UnknownAccount(InvalidInput):
+    code = "unknown_account"
+
+
+class WrongAccountKind(InvalidInput):
+    code = "wrong_account_kind"
+
+
+class UnknownEvent(InvalidInput):
+    code = "unknown_event"
+
+
+class NotReversible(InvalidInput):
+    code = "not_reversible"
+
+
+class InsufficientFunds(LedgerError):
+    """The customer's available balance (credits minus holds) would go below zero."""
+
+    code = "overdraft"
+
+
+class IdempotencyConflict(LedgerError):
+    """The key was used before for a command with other content."""
+
+    code = "exists_with_different_content"
+
+
+class HoldError(LedgerError):
+    code = "hold_error"
+
+
+class HoldNotFound(HoldError):
+    code = "hold_not_found"
+
+
+class HoldNotActive(HoldError):
+    code = "hold_not_active"
+
+
+class CaptureExceedsHold(HoldError):
+    code = "capture_exceeds_hold"
+
+
+class WriterOverloaded(LedgerError):
+    """The group-commit queue is full; the caller should back off."""
+
+    code = "overloaded"
+
+
+class WriterClosed(LedgerError):
+    code = "writer_closed"
+
+
+class InvariantBroken(LedgerError):
+    """Something that must never happen did; raised instead of `assert`."""
+
+    code = "invariant_broken"

@@ -1,0 +1,107 @@
+"""Events: what happened, named in the past tense, and how each is hashed.
+
+An event is stored as one `ledger_events` row (type, canonical JSON payload,
+idempotency key, time, hash chain) plus its postings, which sum to zero.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+GENESIS_HASH = "0" * 64
+
+
+@dataclass(frozen=True, slots=True)
+class Posting:
+    account_id: int
+    amount_nano_usd: int  # positive raises the account's balance, negative lowers it
+
+
+@dataclass(frozen=True, slots=True)
+class CreditsGranted:
+    """An operator gave a customer credits (promotion, goodwill, migration)."""
+
+    account_id: int
+    amount_nano_usd: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceAdjusted:
+    """An operator corrected a balance up or down, with a mandatory reason."""
+
+    account_id: int
+    delta_nano_usd: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSettled:
+    """One inference request was charged: 80% to the GPU owner, the rest to the platform."""
+
+    hold_id: int
+    customer_account_id: int
+    owner_account_id: int
+    charge_nano_usd: int
+    owner_nano_usd: int
+    platform_nano_usd: int
+    released_nano_usd: int
+    request_id: str
+    meta: dict = field(default_factory=dict)  # model, tokens, worker: integers and strings only
+
+
+@dataclass(frozen=True, slots=True)
+class EventReversed:
+    """A former event's postings, negated. The only way a mistake is undone."""
+
+    reversed_seq: int
+    reason: str
+
+
+EVENT_TYPES = {cls.__name__: cls for cls in (CreditsGranted, BalanceAdjusted, RequestSettled, EventReversed)}
+
+
+def event_type_name(event: object) -> str:
+    return type(event).__name__
+
+
+def event_payload(event: object) -> dict:
+    return asdict(event)  # type: ignore[call-overload]
+
+
+def canonical_json(value: object) -> str:
+    """One byte sequence per value: sorted keys, no spaces, no floats."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_refuse)
+
+
+def _refuse(value: object) -> object:
+    raise TypeError(f"not canonical JSON: {type(value).__name__}")
+
+
+def format_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def event_hash(
+    prev_hash: str,
+    seq: int,
+    event_type: str,
+    idempotency_key: str,
+    recorded_at: datetime,
+    payload_json: str,
+    postings: list[tuple[int, int]],
+) -> str:
+    """SHA-256 over the previous hash and the canonical event, postings included."""
+    body = (
+        f'{{"seq":{seq},"type":{json.dumps(event_type)},"key":{json.dumps(idempotency_key)},'
+        f'"at":"{format_time(recorded_at)}","payload":{payload_json},'
+        f'"postings":{json.dumps(postings, separators=(",", ":"))}}}'
+    )
+    return hashlib.sha256(f"{prev_hash}\n{body}".encode()).hexdigest()
+
+
+def content_digest(kind: str, fields: dict) -> str:
+    """What an idempotency key is compared on: the command's own content."""
+    return hashlib.sha256(f"{kind}\n{canonical_json(fields)}".encode()).hexdigest()

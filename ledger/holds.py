@@ -1,0 +1,193 @@
+"""Two-phase holds: reservations beside the log, committed without waiting for a flush.
+
+A hold is placed (amount, expiry), then closed exactly once: settled by the
+durable `RequestSettled` append (which captures part or all and releases the
+rest), released without a charge, or expired by the sweeper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, func, select, update
+
+from ledger import commands as cmd
+from ledger import events as ev
+from ledger.db import skip_flush_wait
+from ledger.errors import (
+    IdempotencyConflict,
+    InsufficientFunds,
+    InvalidInput,
+    LedgerError,
+    UnknownAccount,
+    WrongAccountKind,
+)
+from ledger.money import require_positive
+from ledger.schema import account_balances, accounts, hold_locks, holds, utc_now
+from ledger.store import CREATED, EXISTS, in_chunks
+
+HOLD_TTL_S_DEFAULT = 15 * 60
+HOLD_TTL_S_MAX = 24 * 3600
+EXPIRE_BATCH_SIZE_MAX = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceHold:
+    account_id: int
+    amount_nano_usd: int
+    idempotency_key: str
+    ttl_s: int = HOLD_TTL_S_DEFAULT
+
+
+@dataclass(frozen=True, slots=True)
+class HoldResult:
+    status: str  # "created" or "exists"
+    hold_id: int
+    amount_nano_usd: int
+    expires_at: datetime
+
+
+def validate_place_hold(request: PlaceHold) -> None:
+    require_positive(request.amount_nano_usd, "hold amount")
+    if not (0 < request.ttl_s <= HOLD_TTL_S_MAX):
+        raise InvalidInput(f"hold ttl must be 1 to {HOLD_TTL_S_MAX} s")
+    if not request.idempotency_key or len(request.idempotency_key) > cmd.KEY_LENGTH_MAX:
+        raise InvalidInput(f"idempotency key must be 1 to {cmd.KEY_LENGTH_MAX} characters")
+
+
+def _digest(request: PlaceHold) -> str:
+    return ev.content_digest("PlaceHold", {"account_id": request.account_id, "amount_nano_usd": request.amount_nano_usd})
+
+
+def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
+    """Place holds in the caller's transaction, each checked against credits minus active holds."""
+    skip_flush_wait(conn)
+    results: list[HoldResult | LedgerError | None] = [None] * len(requests)
+    digests = [_digest(r) for r in requests]
+    existing = {}
+    for chunk in in_chunks(sorted({r.idempotency_key for r in requests})):
+        for row in conn.execute(select(holds).where(holds.c.idempotency_key.in_(chunk))):
+            existing[row.idempotency_key] = row
+    to_place = []
+    for i, request in enumerate(requests):
+        row = existing.get(request.idempotency_key)
+        if row is None:
+            to_place.append(i)
+        elif row.content_digest == digests[i]:
+            results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at)
+        else:
+            results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
+
+    account_ids = sorted({requests[i].account_id for i in to_place})
+    _lock_hold_rows(conn, account_ids)
+    kinds, balances, held = _read_available(conn, account_ids)
+    now = utc_now()
+    rows, seen_keys = [], {}
+    for i in to_place:
+        request = requests[i]
+        if request.idempotency_key in seen_keys:
+            results[i] = _same_batch_duplicate(seen_keys[request.idempotency_key], digests[i], request)
+            continue
+        kind = kinds.get(request.account_id)
+        if kind is None:
+            results[i] = UnknownAccount(f"account {request.account_id} does not exist")
+            continue
+        if kind != cmd.CUSTOMER:
+            results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is a {kind} account")
+            continue
+        available = balances[request.account_id] - held[request.account_id]
+        if request.amount_nano_usd > available:
+            results[i] = InsufficientFunds(
+                f"account {request.account_id} has {available} nano-USD available, hold needs {request.amount_nano_usd}"
+            )
+            continue
+        held[request.account_id] += request.amount_nano_usd
+        seen_keys[request.idempotency_key] = (i, digests[i])
+        rows.append(
+            {
+                "account_id": request.account_id,
+                "amount_nano_usd": request.amount_nano_usd,
+                "state": "active",
+                "idempotency_key": request.idempotency_key,
+                "content_digest": digests[i],
+                "created_at": now,
+                "expires_at": now + timedelta(seconds=request.ttl_s),
+            }
+        )
+    if rows:
+        inserted = conn.execute(
+            holds.insert().returning(holds.c.id, holds.c.idempotency_key, sort_by_parameter_order=True), rows
+        ).all()
+        ids = {key: hold_id for hold_id, key in inserted}
+        for i in to_place:
+            if results[i] is None and requests[i].idempotency_key in ids:
+                r = requests[i]
+                results[i] = HoldResult(CREATED, ids[r.idempotency_key], r.amount_nano_usd, now + timedelta(seconds=r.ttl_s))
+    for i, request in enumerate(requests):  # duplicates inside the batch point at the first
+        if isinstance(results[i], tuple):
+            first = results[results[i][0]]
+            results[i] = HoldResult(EXISTS, first.hold_id, first.amount_nano_usd, first.expires_at)
+    return results  # type: ignore[return-value]
+
+
+def _same_batch_duplicate(first, digest, request):
+    first_index, first_digest = first
+    if first_digest != digest:
+        return IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
+    return (first_index,)
+
+
+def _lock_hold_rows(conn: Connection, account_ids: list[int]) -> None:
+    """Serialise hold placement per customer (id order, so two batches never deadlock)."""
+    for chunk in in_chunks(account_ids):
+        conn.execute(
+            select(hold_locks.c.account_id).where(hold_locks.c.account_id.in_(chunk)).order_by(hold_locks.c.account_id).with_for_update()
+        ).all()
+
+
+def _read_available(conn: Connection, account_ids: list[int]) -> tuple[dict[int, str], dict[int, int], dict[int, int]]:
+    """Kind, credits and active holds per account, read in ONE statement.
+
+    One statement is one snapshot: a settlement committing meanwhile is seen
+    whole (credits lowered and its hold closed) or not at all, never half."""
+    active_held = (
+        select(func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
+        .where(holds.c.account_id == accounts.c.id, holds.c.state == "active")
+        .scalar_subquery()
+    )
+    kinds, balances, held = {}, {}, {}
+    for chunk in in_chunks(account_ids):
+        for r in conn.execute(
+            select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd, active_held)
+            .join(account_balances, account_balances.c.account_id == accounts.c.id)
+            .where(accounts.c.id.in_(chunk))
+        ):
+            kinds[r[0]], balances[r[0]], held[r[0]] = r[1], r[2], int(r[3])
+    return kinds, balances, held
+
+
+def release_hold(conn: Connection, hold_id: int) -> bool:
+    """Release a hold without charging; False when it was already closed."""
+    skip_flush_wait(conn)
+    done = conn.execute(
+        update(holds).where(holds.c.id == hold_id, holds.c.state == "active").values(state="released", closed_at=utc_now(), captured_nano_usd=0)
+    )
+    return done.rowcount == 1
+
+
+def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXPIRE_BATCH_SIZE_MAX) -> int:
+    """Void holds past their expiry (a proxy crashed or forgot); returns how many."""
+    skip_flush_wait(conn)
+    now = now or utc_now()
+    due = (
+        select(holds.c.id)
+        .where(holds.c.state == "active", holds.c.expires_at < now)
+        .order_by(holds.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    ids = [r[0] for r in conn.execute(due)]
+    if not ids:
+        return 0
+    conn.execute(update(holds).where(holds.c.id.in_(ids), holds.c.state == "active").values(state="expired", closed_at=now, captured_nano_usd=0))
+    return len(ids)

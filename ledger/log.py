@@ -1,0 +1,97 @@
+"""Reading the log in order, and consumers that keep their position exactly once.
+
+Appends are serialised on `ledger_head`, so an event with a higher sequence
+number can never become visible before a lower one: reading `seq > position`
+in order never skips a late commit.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Callable, Iterator
+
+from sqlalchemy import Connection, Engine, func, select, update
+
+from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
+
+PAGE_SIZE_DEFAULT = 2000
+PAGE_SIZE_MAX = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    seq: int
+    event_type: str
+    payload_json: str
+    idempotency_key: str
+    recorded_at: datetime
+    prev_hash: str
+    hash: str
+    postings: list[tuple[int, int]] = field(default_factory=list)  # (account_id, amount_nano_usd) in leg order
+
+    @property
+    def payload(self) -> dict:
+        return json.loads(self.payload_json)
+
+
+def last_seq(conn: Connection) -> int:
+    return conn.execute(select(func.coalesce(func.max(ledger_events.c.seq), 0))).scalar_one()
+
+
+def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT) -> list[StoredEvent]:
+    """Events with seq > after_seq, in order, postings included."""
+    limit = max(1, min(limit, PAGE_SIZE_MAX))
+    rows = conn.execute(
+        select(ledger_events).where(ledger_events.c.seq > after_seq).order_by(ledger_events.c.seq).limit(limit)
+    ).all()
+    if not rows:
+        return []
+    by_seq: dict[int, list[tuple[int, int]]] = {r.seq: [] for r in rows}
+    for p in conn.execute(
+        select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
+        .where(ledger_postings.c.event_seq.between(rows[0].seq, rows[-1].seq))
+        .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+    ):
+        if p.event_seq in by_seq:
+            by_seq[p.event_seq].append((p.account_id, p.amount_nano_usd))
+    return [
+        StoredEvent(r.seq, r.event_type, r.payload, r.idempotency_key, r.recorded_at, r.prev_hash, r.hash, by_seq[r.seq])
+        for r in rows
+    ]
+
+
+def iter_events(conn: Connection, page_size: int = PAGE_SIZE_DEFAULT) -> Iterator[StoredEvent]:
+    position = 0
+    while page := read_events(conn, position, page_size):
+        yield from page
+        position = page[-1].seq
+
+
+Handler = Callable[[Connection, list[StoredEvent]], None]
+
+
+def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int = PAGE_SIZE_DEFAULT) -> int:
+    """Hand the next page of events to `handler` and advance the position in the
+    same transaction as the handler's writes: each event takes effect exactly once."""
+    with engine.begin() as conn:
+        position = conn.execute(
+            select(consumer_positions.c.last_seq).where(consumer_positions.c.consumer == consumer).with_for_update()
+        ).scalar_one_or_none()
+        if position is None:
+            conn.execute(consumer_positions.insert().values(consumer=consumer, last_seq=0, updated_at=utc_now()))
+            position = 0
+        page = read_events(conn, position, page_size)
+        if not page:
+            return 0
+        handler(conn, page)
+        conn.execute(
+            update(consumer_positions)
+            .where(consumer_positions.c.consumer == consumer)
+            .values(last_seq=page[-1].seq, updated_at=utc_now())
+        )
+        return len(page)
+
+
+def consumer_position(conn: Connection, consumer: str) -> int:
+    return conn.execute(select(consumer_positions.c.last_seq).where(consumer_positions.c.consumer == consumer)).scalar_one_or_none() or 0

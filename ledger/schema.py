@@ -1,0 +1,141 @@
+"""Tables, shared by the code and the Alembic revisions."""
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.types import TypeDecorator
+
+metadata = MetaData()
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC in and out, on both databases (SQLite stores naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime refused: times are UTC-aware")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+accounts = Table(
+    "accounts",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("kind", String(16), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("email", String(320)),
+    Column("system_code", String(64), unique=True),  # platform and external accounts
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Inline projection: written in the same transaction as the events it comes from.
+account_balances = Table(
+    "account_balances",
+    metadata,
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
+    Column("balance_nano_usd", BigInteger, nullable=False, server_default=text("0")),
+    Column("last_event_seq", BigInteger, nullable=False, server_default=text("0")),
+)
+
+# The one row every durable append locks: it serialises the hash chain and
+# makes commit order equal sequence order.
+ledger_head = Table(
+    "ledger_head",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),
+    Column("last_hash", String(64), nullable=False),
+)
+
+ledger_events = Table(
+    "ledger_events",
+    metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=False),
+    Column("event_type", String(64), nullable=False),
+    Column("payload", Text, nullable=False),  # canonical JSON, exactly as hashed
+    Column("idempotency_key", String(200), nullable=False, unique=True),
+    Column("content_digest", String(64), nullable=False),
+    Column("reverses_seq", BigInteger, unique=True),  # an event is reversed at most once
+    Column("recorded_at", UTCDateTime, nullable=False),
+    Column("prev_hash", String(64), nullable=False),
+    Column("hash", String(64), nullable=False),
+)
+
+ledger_postings = Table(
+    "ledger_postings",
+    metadata,
+    Column("event_seq", BigInteger, ForeignKey("ledger_events.seq"), primary_key=True),
+    Column("leg", Integer, primary_key=True, autoincrement=False),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("amount_nano_usd", BigInteger, nullable=False),
+    Index("ix_ledger_postings_account", "account_id", "event_seq"),
+)
+
+# Reservations beside the log: never hashed, never locked by a durable write
+# except the settlement that closes the hold itself.
+holds = Table(
+    "holds",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("amount_nano_usd", BigInteger, nullable=False),
+    Column("state", String(16), nullable=False),  # active, settled, released, expired
+    Column("idempotency_key", String(200), nullable=False, unique=True),
+    Column("content_digest", String(64), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False),
+    Column("closed_at", UTCDateTime),
+    Column("captured_nano_usd", BigInteger),
+    Column("settled_event_seq", BigInteger),
+    Index("ix_holds_active_account", "account_id", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
+    Index("ix_holds_active_expiry", "expires_at", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
+)
+
+# One row per customer, locked by whoever places a hold (and by the rare durable
+# debit that has no hold), so concurrent holds on one account serialise.
+hold_locks = Table(
+    "hold_locks",
+    metadata,
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
+)
+
+# Where each asynchronous consumer of the log has got to, written in the same
+# transaction as the consumer's own writes.
+consumer_positions = Table(
+    "consumer_positions",
+    metadata,
+    Column("consumer", String(100), primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)

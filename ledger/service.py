@@ -1,0 +1,85 @@
+"""The ledger's application functions: what the CLI, the API and integrations call."""
+from __future__ import annotations
+
+from sqlalchemy import Engine
+
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger import holds as hl
+from ledger.errors import LedgerError
+from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, GroupCommitWriter
+from ledger.store import AppendResult, append_batch
+
+
+def _single(results: list):
+    result = results[0]
+    if isinstance(result, LedgerError):
+        raise result
+    return result
+
+
+class Ledger:
+    """One engine, one durable group-commit writer for money, one for holds.
+
+    Holds get their own writer and connections, so placing one never queues
+    behind a settlement batch that is waiting for its flush."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        batch_size_max: int = BATCH_SIZE_MAX_DEFAULT,
+        batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
+        hold_batch_wait_ms: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        self.appender: GroupCommitWriter[cmd.Command, AppendResult] = GroupCommitWriter(
+            engine, append_batch, name="ledger-appender", batch_size_max=batch_size_max,
+            batch_wait_ms=batch_wait_ms, validate=cmd.validate_shape,
+        )
+        self.holder: GroupCommitWriter[hl.PlaceHold, hl.HoldResult] = GroupCommitWriter(
+            engine, hl.place_holds, name="ledger-holds", batch_size_max=batch_size_max,
+            batch_wait_ms=hold_batch_wait_ms, validate=hl.validate_place_hold,
+        )
+
+    def close(self) -> None:
+        self.appender.close()
+        self.holder.close()
+
+    # Accounts and balances
+    def create_account(self, kind: str, name: str, email: str | None = None) -> int:
+        with self.engine.begin() as conn:
+            return acc.create_account(conn, kind, name, email)
+
+    def balance(self, account_id: int) -> acc.BalanceView:
+        with self.engine.connect() as conn:
+            return acc.read_balance(conn, account_id)
+
+    # Money movements: durable, through group commit
+    def append(self, command: cmd.Command) -> AppendResult:
+        return self.appender.execute(command)
+
+    async def append_async(self, command: cmd.Command) -> AppendResult:
+        return await self.appender.execute_async(command)
+
+    # Holds: reservations, committed without waiting for the flush
+    def place_hold(self, request: hl.PlaceHold) -> hl.HoldResult:
+        return self.holder.execute(request)
+
+    async def place_hold_async(self, request: hl.PlaceHold) -> hl.HoldResult:
+        return await self.holder.execute_async(request)
+
+    def release_hold(self, hold_id: int) -> bool:
+        with self.engine.begin() as conn:
+            return hl.release_hold(conn, hold_id)
+
+    def expire_holds(self) -> int:
+        with self.engine.begin() as conn:
+            return hl.expire_holds(conn)
+
+
+def append_now(engine: Engine, command: cmd.Command) -> AppendResult:
+    """One command in its own transaction, for the CLI and scripts (no writer thread)."""
+    cmd.validate_shape(command)
+    with engine.begin() as conn:
+        return _single(append_batch(conn, [command]))

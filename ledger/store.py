@@ -1,0 +1,305 @@
+"""Durable appends: a batch of commands in one transaction, each with its own result.
+
+Every append locks `ledger_head` first. That one lock serialises the hash chain,
+makes commit order equal sequence order (so a consumer reading by sequence can
+never skip a late commit), and guards every balance row, which only appends
+write. Holds are never locked here except the ones being settled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from sqlalchemy import Connection, bindparam, func, select, update
+
+from ledger import commands as cmd
+from ledger import events as ev
+from ledger.errors import (
+    HoldNotFound,
+    IdempotencyConflict,
+    InvariantBroken,
+    LedgerError,
+    UnknownAccount,
+    UnknownEvent,
+)
+from ledger.schema import (
+    account_balances,
+    accounts,
+    hold_locks,
+    holds,
+    ledger_events,
+    ledger_head,
+    ledger_postings,
+    utc_now,
+)
+
+CREATED, EXISTS = "created", "exists"
+IN_CLAUSE_SIZE_MAX = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    status: str  # "created" or "exists": a retry with the same key is safe
+    seq: int
+    event_type: str
+
+
+class _BatchBook:
+    """The state a batch decides against; later commands see earlier ones' effects."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[int, str] = {}
+        self.balances: dict[int, int] = {}
+        self.held_by_account: dict[int, int] = {}
+        self.holds: dict[int, cmd.HoldView] = {}
+        self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
+        self.reversals: dict[int, int] = {}
+        self.system: dict[str, int] = {}
+
+    def kind(self, account_id: int) -> str:
+        try:
+            return self.kinds[account_id]
+        except KeyError:
+            raise UnknownAccount(f"account {account_id} does not exist") from None
+
+    def balance(self, account_id: int) -> int:
+        return self.balances[account_id]
+
+    def held(self, account_id: int) -> int:
+        try:
+            return self.held_by_account[account_id]
+        except KeyError:
+            raise InvariantBroken(f"holds of account {account_id} were not locked for this batch") from None
+
+    def hold(self, hold_id: int) -> cmd.HoldView:
+        try:
+            return self.holds[hold_id]
+        except KeyError:
+            raise HoldNotFound(f"hold {hold_id} does not exist") from None
+
+    def event_postings(self, seq: int) -> tuple[str, list[ev.Posting]]:
+        try:
+            return self.events[seq]
+        except KeyError:
+            raise UnknownEvent(f"event {seq} does not exist") from None
+
+    def reversal_of(self, seq: int) -> int | None:
+        return self.reversals.get(seq)
+
+    def system_account(self, code: str) -> int:
+        try:
+            return self.system[code]
+        except KeyError:
+            raise InvariantBroken(f"system account {code!r} is missing: run `paralon migrate`") from None
+
+
+def in_chunks(values: list, size: int = IN_CLAUSE_SIZE_MAX) -> Iterable[list]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendResult | LedgerError]:
+    """Decide and write `commands` in the caller's transaction; one result per command.
+
+    A command that fails (overdraft, conflict, bad input) gets its error and
+    writes nothing; the others in the batch are unaffected."""
+    head = conn.execute(
+        select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
+    ).one()
+    results: list[AppendResult | LedgerError | None] = [None] * len(commands)
+    digests = [cmd.command_digest(c) for c in commands]
+    pending = _resolve_known_keys(conn, commands, digests, results)
+    book = _load_book(conn, [commands[i] for i in pending])
+
+    seq, prev_hash = head.last_seq, head.last_hash
+    recorded_at = utc_now()
+    event_rows, posting_rows, settled_holds = [], [], []
+    touched: set[int] = set()
+    claimed: dict[str, tuple[str, AppendResult]] = {}
+    for i in pending:
+        command = commands[i]
+        key = command.idempotency_key
+        if key in claimed:  # the same key twice in one batch
+            digest, first = claimed[key]
+            results[i] = (
+                AppendResult(EXISTS, first.seq, first.event_type)
+                if digest == digests[i]
+                else IdempotencyConflict(f"idempotency key {key!r} was used with other content")
+            )
+            continue
+        try:
+            event, postings = cmd.decide(command, book)
+        except LedgerError as exc:
+            results[i] = exc
+            continue
+        seq += 1
+        event_type = ev.event_type_name(event)
+        payload_json = ev.canonical_json(ev.event_payload(event))
+        legs = [(p.account_id, p.amount_nano_usd) for p in postings]
+        event_hash = ev.event_hash(prev_hash, seq, event_type, key, recorded_at, payload_json, legs)
+        event_rows.append(
+            {
+                "seq": seq,
+                "event_type": event_type,
+                "payload": payload_json,
+                "idempotency_key": key,
+                "content_digest": digests[i],
+                "reverses_seq": getattr(event, "reversed_seq", None),
+                "recorded_at": recorded_at,
+                "prev_hash": prev_hash,
+                "hash": event_hash,
+            }
+        )
+        for leg, (account_id, amount) in enumerate(legs):
+            posting_rows.append({"event_seq": seq, "leg": leg, "account_id": account_id, "amount_nano_usd": amount})
+            book.balances[account_id] += amount
+            touched.add(account_id)
+        _note_effects(book, event, seq, postings, settled_holds, recorded_at)
+        prev_hash = event_hash
+        results[i] = AppendResult(CREATED, seq, event_type)
+        claimed[key] = (digests[i], results[i])
+
+    if event_rows:
+        _write(conn, event_rows, posting_rows, book, touched, settled_holds, seq, prev_hash)
+    if any(r is None for r in results):
+        raise InvariantBroken("a command in the batch got no result")
+    return results  # type: ignore[return-value]
+
+
+def _resolve_known_keys(conn, commands, digests, results) -> list[int]:
+    """Answer commands whose key is already in the log; return the indexes still to decide."""
+    keys = sorted({c.idempotency_key for c in commands})
+    known: dict[str, tuple[str, int, str]] = {}
+    for chunk in in_chunks(keys):
+        rows = conn.execute(
+            select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq, ledger_events.c.event_type)
+            .where(ledger_events.c.idempotency_key.in_(chunk))
+        )
+        known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
+    pending = []
+    for i, command in enumerate(commands):
+        found = known.get(command.idempotency_key)
+        if found is None:
+            pending.append(i)
+        elif found[0] == digests[i]:
+            results[i] = AppendResult(EXISTS, found[1], found[2])
+        else:
+            results[i] = IdempotencyConflict(
+                f"idempotency key {command.idempotency_key!r} was used for event {found[1]} with other content"
+            )
+    return pending
+
+
+def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
+    book = _BatchBook()
+    book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
+    hold_ids = sorted({c.hold_id for c in commands if isinstance(c, cmd.SettleRequest)})
+    for chunk in in_chunks(hold_ids):
+        rows = conn.execute(
+            select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state)
+            .where(holds.c.id.in_(chunk))
+            .order_by(holds.c.id)
+            .with_for_update()
+        )
+        for r in rows:
+            book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, r.state == "active")
+    reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
+    _load_reversal_targets(conn, book, reversed_seqs)
+
+    account_ids = set(book.system.values())
+    debited_outside_hold: set[int] = set()
+    for c in commands:
+        match c:
+            case cmd.GrantCredits() | cmd.AdjustBalance():
+                account_ids.add(c.account_id)
+                if isinstance(c, cmd.AdjustBalance) and c.delta_nano_usd < 0:
+                    debited_outside_hold.add(c.account_id)
+            case cmd.SettleRequest():
+                account_ids.add(c.owner_account_id)
+                if c.hold_id in book.holds:
+                    account_ids.add(book.holds[c.hold_id].account_id)
+            case cmd.ReverseEvent() if c.seq in book.events:
+                for p in book.events[c.seq][1]:
+                    account_ids.add(p.account_id)
+                    if p.amount_nano_usd > 0:
+                        debited_outside_hold.add(p.account_id)
+    for chunk in in_chunks(sorted(account_ids)):
+        rows = conn.execute(
+            select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd)
+            .join(account_balances, account_balances.c.account_id == accounts.c.id)
+            .where(accounts.c.id.in_(chunk))
+        )
+        for r in rows:
+            book.kinds[r.id] = r.kind
+            book.balances[r.id] = r.balance_nano_usd
+    customers = sorted(a for a in debited_outside_hold if book.kinds.get(a) == cmd.CUSTOMER)
+    book.held_by_account.update(lock_and_sum_holds(conn, customers))
+    return book
+
+
+def lock_and_sum_holds(conn: Connection, customer_ids: list[int]) -> dict[int, int]:
+    """Lock these customers' hold rows (in id order) and sum their active holds."""
+    held = {}
+    for chunk in in_chunks(customer_ids):
+        conn.execute(select(hold_locks.c.account_id).where(hold_locks.c.account_id.in_(chunk)).order_by(hold_locks.c.account_id).with_for_update()).all()
+        rows = conn.execute(
+            select(holds.c.account_id, func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
+            .where(holds.c.account_id.in_(chunk), holds.c.state == "active")
+            .group_by(holds.c.account_id)
+        )
+        held.update({account_id: 0 for account_id in chunk})
+        held.update({r[0]: int(r[1]) for r in rows})
+    return held
+
+
+def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
+    for chunk in in_chunks(seqs):
+        for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(ledger_events.c.seq.in_(chunk))):
+            book.events[r.seq] = (r.event_type, [])
+        for r in conn.execute(
+            select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
+            .where(ledger_postings.c.event_seq.in_(chunk))
+            .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+        ):
+            book.events[r.event_seq][1].append(ev.Posting(r.account_id, r.amount_nano_usd))
+        for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(ledger_events.c.reverses_seq.in_(chunk))):
+            book.reversals[r.reverses_seq] = r.seq
+
+
+def _note_effects(book: _BatchBook, event: object, seq: int, postings, settled_holds: list, recorded_at) -> None:
+    """Keep the batch's view current for the commands after this one."""
+    if isinstance(event, ev.RequestSettled):
+        hold = book.holds[event.hold_id]
+        book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
+        if hold.account_id in book.held_by_account:
+            book.held_by_account[hold.account_id] -= hold.amount_nano_usd
+        settled_holds.append(
+            {"b_id": event.hold_id, "b_captured": event.charge_nano_usd, "b_seq": seq, "b_closed_at": recorded_at}
+        )
+    elif isinstance(event, ev.EventReversed):
+        book.reversals[event.reversed_seq] = seq
+
+
+_UPDATE_BALANCE = (
+    update(account_balances)
+    .where(account_balances.c.account_id == bindparam("b_account_id"))
+    .values(balance_nano_usd=bindparam("b_balance"), last_event_seq=bindparam("b_seq"))
+)
+_SETTLE_HOLD = (
+    update(holds)
+    .where(holds.c.id == bindparam("b_id"))
+    .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_event_seq=bindparam("b_seq"), closed_at=bindparam("b_closed_at"))
+)
+
+
+def _write(conn, event_rows, posting_rows, book, touched, settled_holds, last_seq, last_hash) -> None:
+    conn.execute(ledger_events.insert(), event_rows)
+    if posting_rows:
+        conn.execute(ledger_postings.insert(), posting_rows)
+    conn.execute(
+        _UPDATE_BALANCE,
+        [{"b_account_id": a, "b_balance": book.balances[a], "b_seq": last_seq} for a in sorted(touched)],
+    )
+    if settled_holds:
+        conn.execute(_SETTLE_HOLD, settled_holds)
+    conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=last_seq, last_hash=last_hash))
