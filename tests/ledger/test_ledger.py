@@ -1,0 +1,294 @@
+"""The ledger's rules, on SQLite and on PostgreSQL (one shared suite)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, text, update
+
+from ledger import commands as cmd
+from ledger.errors import (
+    CaptureExceedsHold,
+    HoldNotActive,
+    HoldNotFound,
+    IdempotencyConflict,
+    InsufficientFunds,
+    InvalidAmount,
+    InvalidInput,
+    NotReversible,
+    UnknownAccount,
+    WrongAccountKind,
+)
+from ledger.holds import PlaceHold, expire_holds
+from ledger.log import consume_once, consumer_position, read_events
+from ledger.schema import account_balances, accounts, utc_now
+from ledger.verify import rebuild_balances, verify
+from tests.ledger.helpers import customer_with, key, money_snapshot
+
+USD = 1_000_000_000
+
+
+def test_grant_raises_credits_and_its_counter_account_by_the_same_amount(ledger, engine):
+    customer = customer_with(ledger, 0)
+    result = ledger.append(cmd.GrantCredits(customer, 12 * USD + 500_000_000, "welcome", key()))
+    assert result.status == "created"
+    assert ledger.balance(customer).available_nano_usd == 12_500_000_000
+    with engine.connect() as conn:
+        [event] = read_events(conn, result.seq - 1, 1)
+    assert event.event_type == "CreditsGranted"
+    assert sum(amount for _, amount in event.postings) == 0
+
+
+def test_same_key_same_content_returns_the_original_event(ledger, engine):
+    customer = customer_with(ledger, 0)
+    grant = cmd.GrantCredits(customer, 5 * USD, "welcome", "grant-once")
+    first = ledger.append(grant)
+    before = money_snapshot(engine)
+    again = ledger.append(grant)
+    assert (again.status, again.seq) == ("exists", first.seq)
+    assert money_snapshot(engine) == before
+
+
+def test_same_key_other_content_is_a_conflict_and_moves_nothing(ledger, engine):
+    customer = customer_with(ledger, 0)
+    ledger.append(cmd.GrantCredits(customer, 5 * USD, "welcome", "grant-k"))
+    before = money_snapshot(engine)
+    with pytest.raises(IdempotencyConflict) as caught:
+        ledger.append(cmd.GrantCredits(customer, 6 * USD, "welcome", "grant-k"))
+    assert caught.value.code == "exists_with_different_content"
+    assert money_snapshot(engine) == before
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (lambda a: cmd.GrantCredits(a, 0, "zero", key()), InvalidAmount),
+        (lambda a: cmd.GrantCredits(a, -5, "negative", key()), InvalidAmount),
+        (lambda a: cmd.GrantCredits(a, 5, "   ", key()), InvalidInput),
+        (lambda a: cmd.GrantCredits(a + 999, 5, "nobody", key()), UnknownAccount),
+        (lambda a: cmd.AdjustBalance(a, -11 * USD, "too much", key()), InsufficientFunds),
+        (lambda a: cmd.AdjustBalance(a, 0, "nothing", key()), InvalidAmount),
+        (lambda a: cmd.ReverseEvent(10_000, "no such event", key()), Exception),
+    ],
+)
+def test_bad_commands_fail_with_a_typed_error_and_move_nothing(ledger, engine, bad, error):
+    customer = customer_with(ledger, 10 * USD)
+    before = money_snapshot(engine)
+    with pytest.raises(error):
+        ledger.append(bad(customer))
+    assert money_snapshot(engine) == before
+
+
+def test_grant_to_an_owner_is_refused(ledger, engine):
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    before = money_snapshot(engine)
+    with pytest.raises(WrongAccountKind):
+        ledger.append(cmd.GrantCredits(owner, USD, "wrong", key()))
+    assert money_snapshot(engine) == before
+
+
+def test_settlement_pays_the_owner_80_percent_and_releases_the_rest_of_the_hold(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold")))
+    assert ledger.balance(customer).available_nano_usd == 7 * USD
+    charge = 1_234_567_891
+    ledger.append(cmd.SettleRequest(hold.hold_id, owner, charge, "req-1", key("settle"), {"model": "m", "completion_tokens": 7}))
+    customer_view, owner_view = ledger.balance(customer), ledger.balance(owner)
+    assert customer_view.held_nano_usd == 0
+    assert customer_view.available_nano_usd == 10 * USD - charge
+    assert owner_view.balance_nano_usd == charge * 80 // 100 == 987_654_312
+    platform_id = _system(engine, cmd.PLATFORM_REVENUE_ACCOUNT)
+    assert ledger.balance(platform_id).balance_nano_usd == charge - charge * 80 // 100
+
+
+def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    with pytest.raises(CaptureExceedsHold):
+        ledger.append(cmd.SettleRequest(hold.hold_id, owner, USD + 1, "r", key(), {}))
+    ledger.append(cmd.SettleRequest(hold.hold_id, owner, USD // 2, "r", key(), {}))
+    before = money_snapshot(engine)
+    with pytest.raises(HoldNotActive):
+        ledger.append(cmd.SettleRequest(hold.hold_id, owner, 1, "r", key(), {}))
+    with pytest.raises(HoldNotFound):
+        ledger.append(cmd.SettleRequest(987_654, owner, 1, "r", key(), {}))
+    assert money_snapshot(engine) == before
+
+
+def test_holds_never_take_available_below_zero(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    ledger.place_hold(PlaceHold(customer, 6 * USD, key("hold")))
+    before = money_snapshot(engine)
+    with pytest.raises(InsufficientFunds):
+        ledger.place_hold(PlaceHold(customer, 4 * USD + 1, key("hold")))
+    assert money_snapshot(engine) == before
+    ledger.place_hold(PlaceHold(customer, 4 * USD, key("hold")))
+    assert ledger.balance(customer).available_nano_usd == 0
+
+
+def test_a_debit_outside_a_hold_cannot_spend_what_holds_reserve(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    ledger.place_hold(PlaceHold(customer, 8 * USD, key("hold")))
+    before = money_snapshot(engine)
+    with pytest.raises(InsufficientFunds):
+        ledger.append(cmd.AdjustBalance(customer, -3 * USD, "correction", key()))
+    assert money_snapshot(engine) == before
+    ledger.append(cmd.AdjustBalance(customer, -2 * USD, "correction", key()))
+    assert ledger.balance(customer).available_nano_usd == 0
+
+
+def test_release_and_expiry_give_the_reservation_back_without_moving_money(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    released = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold")))
+    expiring = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=60))
+    before = money_snapshot(engine)["balances"]
+    assert ledger.release_hold(released.hold_id) is True
+    assert ledger.release_hold(released.hold_id) is False
+    with engine.begin() as conn:
+        assert expire_holds(conn, now=utc_now()) == 0
+        assert expire_holds(conn, now=utc_now() + timedelta(seconds=61)) == 1
+    view = ledger.balance(customer)
+    assert (view.held_nano_usd, view.available_nano_usd) == (0, 10 * USD)
+    assert money_snapshot(engine)["balances"] == before
+
+
+def test_hold_key_reused_with_another_amount_is_a_conflict(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    first = ledger.place_hold(PlaceHold(customer, USD, "hold-k"))
+    assert ledger.place_hold(PlaceHold(customer, USD, "hold-k")).hold_id == first.hold_id
+    with pytest.raises(IdempotencyConflict):
+        ledger.place_hold(PlaceHold(customer, 2 * USD, "hold-k"))
+    assert ledger.balance(customer).held_nano_usd == USD
+
+
+def test_reversal_negates_an_event_once(ledger, engine):
+    customer = customer_with(ledger, 0)
+    grant = ledger.append(cmd.GrantCredits(customer, 4 * USD, "by mistake", key()))
+    reversal = ledger.append(cmd.ReverseEvent(grant.seq, "granted by mistake", key()))
+    assert reversal.event_type == "EventReversed"
+    assert ledger.balance(customer).balance_nano_usd == 0
+    before = money_snapshot(engine)
+    with pytest.raises(NotReversible):
+        ledger.append(cmd.ReverseEvent(grant.seq, "again", key()))
+    with pytest.raises(NotReversible):
+        ledger.append(cmd.ReverseEvent(reversal.seq, "reverse a reversal", key()))
+    assert money_snapshot(engine) == before
+
+
+def test_reversal_of_spent_credits_is_refused(ledger, engine):
+    customer = customer_with(ledger, 0)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    grant = ledger.append(cmd.GrantCredits(customer, 4 * USD, "promo", key()))
+    hold = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold")))
+    ledger.append(cmd.SettleRequest(hold.hold_id, owner, 3 * USD, "r", key(), {}))
+    before = money_snapshot(engine)
+    with pytest.raises(InsufficientFunds):
+        ledger.append(cmd.ReverseEvent(grant.seq, "promo withdrawn", key()))
+    assert money_snapshot(engine) == before
+
+
+def test_one_overdraft_does_not_fail_the_rest_of_its_batch(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    commands = [cmd.AdjustBalance(customer, -3 * USD, f"debit {i}", key()) for i in range(4)]
+    futures = [ledger.appender.submit(c) for c in commands]
+    outcomes = []
+    for future in futures:
+        try:
+            outcomes.append(future.result().status)
+        except InsufficientFunds:
+            outcomes.append("overdraft")
+    assert outcomes.count("created") == 3 and outcomes.count("overdraft") == 1
+    assert ledger.balance(customer).available_nano_usd == USD
+
+
+def test_the_log_refuses_update_and_delete(engine, ledger):
+    customer_with(ledger, USD)
+    for statement in (
+        "UPDATE ledger_events SET payload = '{}'",
+        "DELETE FROM ledger_events",
+        "UPDATE ledger_postings SET amount_nano_usd = 0",
+        "DELETE FROM ledger_postings",
+    ):
+        with pytest.raises(Exception, match="append-only"):
+            with engine.begin() as conn:
+                conn.execute(text(statement))
+    if engine.dialect.name == "postgresql":
+        for table in ("ledger_events", "ledger_postings"):
+            with pytest.raises(Exception, match="append-only"):
+                with engine.begin() as conn:
+                    conn.execute(text(f"TRUNCATE {table} CASCADE"))
+    assert verify_now(engine).ok
+
+
+def _tamper(engine, statement: str) -> None:
+    """What a superuser could do: switch the triggers off and edit the log."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
+            conn.execute(text(statement))
+            return
+        triggers = conn.execute(text("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")).all()
+        for name, _ in triggers:
+            conn.execute(text(f'DROP TRIGGER "{name}"'))
+        conn.execute(text(statement))
+        for _, sql in triggers:
+            conn.execute(text(sql))
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        ("UPDATE ledger_events SET payload = replace(payload, 'welcome', 'welcomE') WHERE seq = 1", "event 1 (CreditsGranted): stored hash"),
+        ("UPDATE ledger_postings SET amount_nano_usd = amount_nano_usd + 1 WHERE event_seq = 2 AND leg = 0", "event 2 (CreditsGranted): postings sum to 1"),
+        ("DELETE FROM ledger_postings WHERE event_seq = 2 AND leg = 1", "event 2 (CreditsGranted): postings sum to"),
+        ("UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 7 WHERE account_id = (SELECT max(account_id) FROM account_balances)", "differs by 7"),
+    ],
+)
+def test_verify_finds_a_superuser_edit(engine, ledger, edit, expected):
+    customer = customer_with(ledger, 0)
+    ledger.append(cmd.GrantCredits(customer, USD, "welcome", key()))
+    ledger.append(cmd.GrantCredits(customer, 2 * USD, "second", key()))
+    assert verify_now(engine).ok
+    _tamper(engine, edit)
+    report = verify_now(engine)
+    assert not report.ok
+    assert any(expected in problem for problem in report.problems), report.problems
+
+
+def test_replay_equals_the_inline_balances(engine, ledger):
+    customer = customer_with(ledger, 20 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    for i in range(10):
+        hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+        ledger.append(cmd.SettleRequest(hold.hold_id, owner, 1000 * (i + 1) + 7, f"r{i}", key(), {}))
+    inline = money_snapshot(engine)["balances"]
+    with engine.begin() as conn:
+        conn.execute(update(account_balances).values(balance_nano_usd=0))
+    with engine.begin() as conn:
+        rebuild_balances(conn)
+    assert money_snapshot(engine)["balances"] == inline
+    assert verify_now(engine).ok
+
+
+def test_a_consumer_sees_every_event_once_in_order(engine, ledger):
+    customer = customer_with(ledger, 0)
+    for _ in range(7):
+        ledger.append(cmd.GrantCredits(customer, USD, "g", key()))
+    seen = []
+    while consume_once(engine, "test-consumer", lambda conn, page: seen.extend(e.seq for e in page), page_size=3):
+        pass
+    assert seen == list(range(1, 8))
+    with engine.connect() as conn:
+        assert consumer_position(conn, "test-consumer") == 7
+
+
+def verify_now(engine):
+    with engine.connect() as conn:
+        return verify(conn)
+
+
+def _system(engine, code: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(accounts.c.id).where(accounts.c.system_code == code)).scalar_one()
