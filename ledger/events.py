@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 GENESIS_HASH = "0" * 64
@@ -68,7 +68,8 @@ def event_type_name(event: object) -> str:
 
 
 def event_payload(event: object) -> dict:
-    return asdict(event)  # type: ignore[call-overload]
+    """Shallow on purpose: payload values are ints, strings and one flat `meta` dict."""
+    return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]
 
 
 def canonical_json(value: object) -> str:
@@ -89,14 +90,17 @@ def event_hash(
     seq: int,
     event_type: str,
     idempotency_key: str,
-    recorded_at: datetime,
+    recorded_at_text: str,
     payload_json: str,
     postings: list[tuple[int, int]],
 ) -> str:
-    """SHA-256 over the previous hash and the canonical event, postings included."""
+    """SHA-256 over the previous hash and the canonical event, postings included.
+
+    `recorded_at_text` is `format_time(recorded_at)`; callers hashing a batch
+    format the shared timestamp once."""
     body = (
         f'{{"seq":{seq},"type":{json.dumps(event_type)},"key":{json.dumps(idempotency_key)},'
-        f'"at":"{format_time(recorded_at)}","payload":{payload_json},'
+        f'"at":"{recorded_at_text}","payload":{payload_json},'
         f'"postings":{json.dumps(postings, separators=(",", ":"))}}}'
     )
     return hashlib.sha256(f"{prev_hash}\n{body}".encode()).hexdigest()

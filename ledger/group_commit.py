@@ -2,22 +2,25 @@
 
 A writer thread takes what is queued (up to `batch_size_max`, waiting at most
 `batch_wait_ms` for more once the first arrives), runs the whole batch in one
-transaction and resolves each caller's future with its own result. On
-PostgreSQL that turns one fsync per command into one per batch; a command's
-own failure (an overdraft) is its result alone and does not fail the batch.
+transaction and hands each caller its own result. On PostgreSQL that turns one
+fsync per command into one per batch; a command's own failure (an overdraft)
+is its result alone and does not fail the batch.
+
+Async callers are woken with one `call_soon_threadsafe` per batch, not one per
+command: at tens of thousands of commands a second, that is the difference.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from ledger.errors import LedgerError, WriterClosed, WriterOverloaded
 
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 C = TypeVar("C")
 R = TypeVar("R")
 
-BATCH_SIZE_MAX_DEFAULT = 512
+BATCH_SIZE_MAX_DEFAULT = 1024
 BATCH_WAIT_MS_DEFAULT = 1.0
 QUEUE_DEPTH_MAX_DEFAULT = 50_000
 TRANSIENT_RETRIES_MAX = 3
@@ -53,24 +56,32 @@ class GroupCommitWriter(Generic[C, R]):
         self._validate = validate
         self.batch_size_max = batch_size_max
         self.batch_wait_s = batch_wait_ms / 1000
-        self._queue: queue.Queue[tuple[C, Future] | None] = queue.Queue(maxsize=queue_depth_max)
+        self.queue_depth_max = queue_depth_max
+        # Items are (command, waiter): a concurrent Future, or (loop, asyncio Future).
+        self._queue: deque = deque()
+        self._ready = threading.Condition(threading.Lock())
         self._closed = False
         self.batches_committed = 0
         self.commands_committed = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, command: C) -> Future:
-        """Queue a command; the future resolves after its batch commits."""
+    def _put(self, command: C, waiter) -> None:
         if self._closed:
             raise WriterClosed("the writer is closed")
         if self._validate is not None:
             self._validate(command)  # bad input fails at once, before it can join a batch
+        with self._ready:
+            if len(self._queue) >= self.queue_depth_max:
+                raise WriterOverloaded(f"more than {self.queue_depth_max} commands are waiting")
+            self._queue.append((command, waiter))
+            if len(self._queue) == 1:
+                self._ready.notify()
+
+    def submit(self, command: C) -> Future:
+        """Queue a command; the future resolves after its batch commits."""
         future: Future = Future()
-        try:
-            self._queue.put_nowait((command, future))
-        except queue.Full:
-            raise WriterOverloaded(f"more than {self._queue.maxsize} commands are waiting") from None
+        self._put(command, future)
         return future
 
     def execute(self, command: C) -> R:
@@ -78,70 +89,88 @@ class GroupCommitWriter(Generic[C, R]):
         return self.submit(command).result()
 
     async def execute_async(self, command: C) -> R:
-        return await asyncio.wrap_future(self.submit(command))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._put(command, (loop, future))
+        return await future
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish what is queued, then stop."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._ready:
+            if self._closed:
+                return
+            self._closed = True
+            self._ready.notify()
         self._thread.join(timeout_s)
 
-    def _take_batch(self) -> tuple[list[tuple[C, Future]], bool]:
-        first = self._queue.get()
-        if first is None:
-            return [], True
-        batch = [first]
-        deadline = time.monotonic() + self.batch_wait_s
-        while len(batch) < self.batch_size_max:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
-                    break
-                try:
-                    item = self._queue.get(timeout=remaining_s)
-                except queue.Empty:
-                    break
-            if item is None:
-                return batch, True
-            batch.append(item)
-        return batch, False
+    def _take_batch(self) -> list:
+        with self._ready:
+            while not self._queue:
+                if self._closed:
+                    return []
+                self._ready.wait()
+            if self.batch_wait_s and len(self._queue) < self.batch_size_max and not self._closed:
+                deadline = time.monotonic() + self.batch_wait_s
+                while len(self._queue) < self.batch_size_max and (remaining := deadline - time.monotonic()) > 0:
+                    self._ready.wait(remaining)
+            count = min(len(self._queue), self.batch_size_max)
+            return [self._queue.popleft() for _ in range(count)]
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            batch, stopping = self._take_batch()
-            if batch:
-                self._commit(batch)
+        while batch := self._take_batch():
+            self._commit(batch)
 
-    def _commit(self, batch: list[tuple[C, Future]]) -> None:
+    def _commit(self, batch: list) -> None:
         commands = [command for command, _ in batch]
         for attempt in range(1, TRANSIENT_RETRIES_MAX + 1):
             try:
                 with self._engine.begin() as conn:
                     results = self._apply_batch(conn, commands)
                 break
-            except (OperationalError, DBAPIError) as exc:
-                if attempt == TRANSIENT_RETRIES_MAX or not _is_transient(exc):
-                    log.exception("batch of %d failed", len(batch))
-                    for _, future in batch:
-                        future.set_exception(exc)
-                    return
-            except BaseException as exc:  # a bug: fail every caller loudly, keep serving
+            except DBAPIError as exc:
+                if attempt < TRANSIENT_RETRIES_MAX and _is_transient(exc):
+                    continue  # idempotency keys make the retry safe
                 log.exception("batch of %d failed", len(batch))
-                for _, future in batch:
-                    future.set_exception(exc)
-                return
-        self.batches_committed += 1
-        self.commands_committed += len(batch)
-        for (_, future), result in zip(batch, results):
+                results = [exc] * len(batch)
+                break
+            except Exception as exc:  # a bug: fail every caller loudly, keep serving
+                log.exception("batch of %d failed", len(batch))
+                results = [exc] * len(batch)
+                break
+        else:  # pragma: no cover - the loop always breaks
+            return
+        if not isinstance(results[0], Exception) or len(batch) == 1:
+            self.batches_committed += 1
+            self.commands_committed += len(batch)
+        _deliver(batch, results)
+
+
+def _deliver(batch: list, results: list) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for (_, waiter), result in zip(batch, results):
+        if isinstance(waiter, Future):
             if isinstance(result, BaseException):
-                future.set_exception(result)
+                waiter.set_exception(result)
             else:
-                future.set_result(result)
+                waiter.set_result(result)
+        else:
+            loop, future = waiter
+            by_loop.setdefault(loop, []).append((future, result))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, pairs)
+        except RuntimeError:  # the caller's loop has closed; nobody is waiting
+            pass
+
+
+def _resolve(pairs: list) -> None:
+    for future, result in pairs:
+        if future.done():  # the caller was cancelled (e.g. it disconnected)
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 def _is_transient(exc: DBAPIError) -> bool:

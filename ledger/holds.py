@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, func, select, update
 
+from ledger import bulk
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.db import skip_flush_wait
@@ -103,26 +104,12 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
             continue
         held[request.account_id] += request.amount_nano_usd
         seen_keys[request.idempotency_key] = (i, digests[i])
-        rows.append(
-            {
-                "account_id": request.account_id,
-                "amount_nano_usd": request.amount_nano_usd,
-                "state": "active",
-                "idempotency_key": request.idempotency_key,
-                "content_digest": digests[i],
-                "created_at": now,
-                "expires_at": now + timedelta(seconds=request.ttl_s),
-            }
-        )
-    if rows:
-        inserted = conn.execute(
-            holds.insert().returning(holds.c.id, holds.c.idempotency_key, sort_by_parameter_order=True), rows
-        ).all()
-        ids = {key: hold_id for hold_id, key in inserted}
-        for i in to_place:
-            if results[i] is None and requests[i].idempotency_key in ids:
-                r = requests[i]
-                results[i] = HoldResult(CREATED, ids[r.idempotency_key], r.amount_nano_usd, now + timedelta(seconds=r.ttl_s))
+        rows.append((request.account_id, request.amount_nano_usd, request.idempotency_key, digests[i], request.ttl_s))
+    ids = bulk.insert_holds(conn, rows, now)
+    for i in to_place:
+        if results[i] is None:
+            r = requests[i]
+            results[i] = HoldResult(CREATED, ids[r.idempotency_key], r.amount_nano_usd, now + timedelta(seconds=r.ttl_s))
     for i, request in enumerate(requests):  # duplicates inside the batch point at the first
         if isinstance(results[i], tuple):
             first = results[results[i][0]]

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from sqlalchemy import Connection, bindparam, func, select, update
+from sqlalchemy import Connection, func, select, update
 
+from ledger import bulk
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.errors import (
@@ -113,6 +114,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
 
     seq, prev_hash = head.last_seq, head.last_hash
     recorded_at = utc_now()
+    at_text = ev.format_time(recorded_at)
     event_rows, posting_rows, settled_holds = [], [], []
     touched: set[int] = set()
     claimed: dict[str, tuple[str, AppendResult]] = {}
@@ -133,34 +135,26 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
             results[i] = exc
             continue
         seq += 1
-        event_type = ev.event_type_name(event)
+        event_type = type(event).__name__
         payload_json = ev.canonical_json(ev.event_payload(event))
         legs = [(p.account_id, p.amount_nano_usd) for p in postings]
-        event_hash = ev.event_hash(prev_hash, seq, event_type, key, recorded_at, payload_json, legs)
-        event_rows.append(
-            {
-                "seq": seq,
-                "event_type": event_type,
-                "payload": payload_json,
-                "idempotency_key": key,
-                "content_digest": digests[i],
-                "reverses_seq": getattr(event, "reversed_seq", None),
-                "recorded_at": recorded_at,
-                "prev_hash": prev_hash,
-                "hash": event_hash,
-            }
-        )
+        event_hash = ev.event_hash(prev_hash, seq, event_type, key, at_text, payload_json, legs)
+        event_rows.append((seq, event_type, payload_json, key, digests[i], getattr(event, "reversed_seq", None), prev_hash, event_hash))
         for leg, (account_id, amount) in enumerate(legs):
-            posting_rows.append({"event_seq": seq, "leg": leg, "account_id": account_id, "amount_nano_usd": amount})
+            posting_rows.append((seq, leg, account_id, amount))
             book.balances[account_id] += amount
             touched.add(account_id)
-        _note_effects(book, event, seq, postings, settled_holds, recorded_at)
+        _note_effects(book, event, seq, settled_holds)
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
         claimed[key] = (digests[i], results[i])
 
     if event_rows:
-        _write(conn, event_rows, posting_rows, book, touched, settled_holds, seq, prev_hash)
+        bulk.insert_events(conn, event_rows, recorded_at)
+        bulk.insert_postings(conn, posting_rows)
+        bulk.set_balances(conn, {a: book.balances[a] for a in touched}, seq)
+        bulk.settle_holds(conn, settled_holds, recorded_at)
+        conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=seq, last_hash=prev_hash))
     if any(r is None for r in results):
         raise InvariantBroken("a command in the batch got no result")
     return results  # type: ignore[return-value]
@@ -266,40 +260,13 @@ def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) 
             book.reversals[r.reverses_seq] = r.seq
 
 
-def _note_effects(book: _BatchBook, event: object, seq: int, postings, settled_holds: list, recorded_at) -> None:
+def _note_effects(book: _BatchBook, event: object, seq: int, settled_holds: list) -> None:
     """Keep the batch's view current for the commands after this one."""
     if isinstance(event, ev.RequestSettled):
         hold = book.holds[event.hold_id]
         book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
         if hold.account_id in book.held_by_account:
             book.held_by_account[hold.account_id] -= hold.amount_nano_usd
-        settled_holds.append(
-            {"b_id": event.hold_id, "b_captured": event.charge_nano_usd, "b_seq": seq, "b_closed_at": recorded_at}
-        )
+        settled_holds.append((event.hold_id, event.charge_nano_usd, seq))
     elif isinstance(event, ev.EventReversed):
         book.reversals[event.reversed_seq] = seq
-
-
-_UPDATE_BALANCE = (
-    update(account_balances)
-    .where(account_balances.c.account_id == bindparam("b_account_id"))
-    .values(balance_nano_usd=bindparam("b_balance"), last_event_seq=bindparam("b_seq"))
-)
-_SETTLE_HOLD = (
-    update(holds)
-    .where(holds.c.id == bindparam("b_id"))
-    .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_event_seq=bindparam("b_seq"), closed_at=bindparam("b_closed_at"))
-)
-
-
-def _write(conn, event_rows, posting_rows, book, touched, settled_holds, last_seq, last_hash) -> None:
-    conn.execute(ledger_events.insert(), event_rows)
-    if posting_rows:
-        conn.execute(ledger_postings.insert(), posting_rows)
-    conn.execute(
-        _UPDATE_BALANCE,
-        [{"b_account_id": a, "b_balance": book.balances[a], "b_seq": last_seq} for a in sorted(touched)],
-    )
-    if settled_holds:
-        conn.execute(_SETTLE_HOLD, settled_holds)
-    conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=last_seq, last_hash=last_hash))

@@ -73,7 +73,7 @@ def _check_event(event, expected_seq: int, prev_hash: str, report: VerifyReport)
         canonical = False
     if not canonical:
         report.add(f"{where}: payload is not canonical JSON")
-    computed = ev.event_hash(event.prev_hash, event.seq, event.event_type, event.idempotency_key, event.recorded_at, event.payload_json, event.postings)
+    computed = ev.event_hash(event.prev_hash, event.seq, event.event_type, event.idempotency_key, ev.format_time(event.recorded_at), event.payload_json, event.postings)
     if computed != event.hash:
         report.add(f"{where}: stored hash {event.hash} but the event and its postings hash to {computed}")
     total = sum(amount for _, amount in event.postings)

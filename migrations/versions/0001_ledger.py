@@ -57,16 +57,16 @@ def upgrade() -> None:
     )
     op.create_table(
         "ledger_postings",
-        sa.Column("event_seq", sa.BigInteger, sa.ForeignKey("ledger_events.seq"), primary_key=True),
+        sa.Column("event_seq", sa.BigInteger, primary_key=True),
         sa.Column("leg", sa.Integer, primary_key=True, autoincrement=False),
-        sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), nullable=False),
+        sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
     )
     op.create_index("ix_ledger_postings_account", "ledger_postings", ["account_id", "event_seq"])
     op.create_table(
         "holds",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), nullable=False),
+        sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),

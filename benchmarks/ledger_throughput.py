@@ -1,0 +1,171 @@
+"""Settlements per second through group commit, against pgbench on the same server.
+
+Many concurrent producers each place a hold (committed without waiting for the
+flush) and settle it (80/20, durable), as the proxy will. pgbench tpcb-like runs
+before and after on the same server, and the ratio is what to read: this
+machine is shared and absolute numbers drift.
+
+    python benchmarks/ledger_throughput.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
+
+The database in the URL is only used to create (and finally drop) two scratch
+databases of the benchmark's own.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sqlalchemy import create_engine, text  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
+
+from app.migrate import migrate  # noqa: E402
+from ledger import commands as cmd  # noqa: E402
+from ledger.db import make_engine, normalise_url  # noqa: E402
+from ledger.holds import PlaceHold  # noqa: E402
+from ledger.service import Ledger  # noqa: E402
+from ledger.verify import verify  # noqa: E402
+
+CUSTOMERS = 64
+OWNERS = 8
+HOLD_NANO_USD = 5_000_000
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ScratchDatabase:
+    def __init__(self, server_url: str, prefix: str) -> None:
+        self.admin_url = normalise_url(server_url)
+        self.name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+        self.url = self.admin_url.set(database=self.name)
+
+    def __enter__(self) -> "ScratchDatabase":
+        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
+
+    def libpq_args(self) -> tuple[list[str], dict]:
+        url = self.url
+        args = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432), "-U", url.username or "postgres"]
+        env = dict(os.environ, PGPASSWORD=url.password or "")
+        return args, env
+
+
+def pgbench_tps(server_url: str, seconds: int) -> float:
+    if shutil.which("pgbench") is None:
+        raise SystemExit("pgbench is not installed (Debian: postgresql-contrib or postgresql-client)")
+    with ScratchDatabase(server_url, "paralon_pgbench") as scratch:
+        args, env = scratch.libpq_args()
+        subprocess.run(["pgbench", "-i", "-q", "-s", "8", *args, scratch.name], env=env, check=True, capture_output=True)
+        out = subprocess.run(
+            ["pgbench", "-b", "tpcb-like", "-c", "8", "-j", "2", "-T", str(seconds), *args, scratch.name],
+            env=env, check=True, capture_output=True, text=True,
+        ).stdout
+    match = re.search(r"tps = ([0-9.]+)", out)
+    if not match:
+        raise RuntimeError(f"cannot read pgbench output:\n{out}")
+    return float(match.group(1))
+
+
+async def producer(ledger: Ledger, customer: int, owner: int, worker: int, deadline: float, latencies_ms: list[float]) -> int:
+    done = 0
+    while time.monotonic() < deadline:
+        tag = f"{worker}:{done}"
+        hold = await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, f"h:{tag}"))
+        charge = 150 * (900 + done % 97) + 600 * (100 + done % 53)
+        started = time.perf_counter()
+        await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, f"req:{tag}", f"s:{tag}",
+                                                    {"model": "bench", "prompt_tokens": 900 + done % 97}))
+        latencies_ms.append((time.perf_counter() - started) * 1000)
+        done += 1
+    return done
+
+
+async def run_load(url: str, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float) -> dict:
+    engine = make_engine(url, pool_size=4)
+    migrate(engine)
+    ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms)
+    customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
+    owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
+    for c in customers:
+        ledger.append(cmd.GrantCredits(c, 10**15, "benchmark credits", f"grant:{c}"))
+    latencies_ms: list[float] = []
+    cpu_started, started = time.process_time(), time.monotonic()
+    deadline = started + seconds
+    counts = await asyncio.gather(*(
+        producer(ledger, customers[i % CUSTOMERS], owners[i % OWNERS], i, deadline, latencies_ms) for i in range(producers)
+    ))
+    elapsed_s = time.monotonic() - started
+    cpu_s = time.process_time() - cpu_started
+    batches = ledger.appender.batches_committed
+    ledger.close()
+    with engine.connect() as conn:
+        report = verify(conn)
+    engine.dispose()
+    latencies_ms.sort()
+    settled = sum(counts)
+    return {
+        "settlements": settled,
+        "settlements_per_s": round(settled / elapsed_s, 1),
+        "settle_latency_ms_p50": round(statistics.median(latencies_ms), 2),
+        "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
+        "settle_batch_size_mean": round(settled / max(batches, 1), 1),
+        "benchmark_process_cpu_s_per_settlement_us": round(cpu_s / max(settled, 1) * 1e6, 1),
+        "verify_ok": report.ok,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--producers", type=int, default=512)
+    parser.add_argument("--batch-size-max", type=int, default=1024)
+    parser.add_argument("--batch-wait-ms", type=float, default=2.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    args = parser.parse_args()
+    if normalise_url(args.database_url).get_backend_name() != "postgresql":
+        raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
+
+    log("pgbench (before) ...")
+    tps_before = pgbench_tps(args.database_url, int(args.seconds))
+    log(f"  {tps_before:.0f} tps; ledger load ...")
+    with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
+        result = asyncio.run(run_load(scratch.url.render_as_string(hide_password=False), args.producers, args.seconds,
+                                      args.batch_size_max, args.batch_wait_ms))
+    log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
+    tps_after = pgbench_tps(args.database_url, int(args.seconds))
+    pgbench = (tps_before + tps_after) / 2
+    result.update(
+        pgbench_tps_before=round(tps_before, 1),
+        pgbench_tps_after=round(tps_after, 1),
+        ratio_to_pgbench_tps=round(result["settlements_per_s"] / pgbench, 2),
+        producers=args.producers,
+        seconds=args.seconds,
+    )
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for k, v in sorted(result.items()):
+            print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
