@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -84,9 +85,9 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     return float(match.group(1))
 
 
-async def producer(ledger: Ledger, customer: int, owner: int, worker: int, deadline: float, latencies_ms: list[float]) -> int:
+async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadline: float, latencies_ms: list[float]) -> int:
     done = 0
-    while time.monotonic() < deadline:
+    while time.time() < deadline:
         tag = f"{worker}:{done}"
         hold = await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, f"h:{tag}"))
         charge = 150 * (900 + done % 97) + 600 * (100 + done % 53)
@@ -98,36 +99,55 @@ async def producer(ledger: Ledger, customer: int, owner: int, worker: int, deadl
     return done
 
 
-async def run_load(url: str, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float) -> dict:
+async def _process_load(url: str, index: int, producers: int, customers: list[int], owners: list[int],
+                        start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float) -> dict:
+    engine = make_engine(url, pool_size=4)
+    ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms)
+    latencies_ms: list[float] = []
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu_started = time.process_time()
+    counts = await asyncio.gather(*(
+        producer(ledger, customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}", start_at + seconds, latencies_ms)
+        for i in range(producers)
+    ))
+    cpu_s = time.process_time() - cpu_started
+    batches = ledger.appender.batches_committed
+    ledger.close()
+    engine.dispose()
+    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "batches": batches}
+
+
+def process_load(args: tuple) -> dict:
+    return asyncio.run(_process_load(*args))
+
+
+def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float) -> dict:
+    """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
-    ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms)
+    ledger = Ledger(engine)
     customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
     owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
     for c in customers:
         ledger.append(cmd.GrantCredits(c, 10**15, "benchmark credits", f"grant:{c}"))
-    latencies_ms: list[float] = []
-    cpu_started, started = time.process_time(), time.monotonic()
-    deadline = started + seconds
-    counts = await asyncio.gather(*(
-        producer(ledger, customers[i % CUSTOMERS], owners[i % OWNERS], i, deadline, latencies_ms) for i in range(producers)
-    ))
-    elapsed_s = time.monotonic() - started
-    cpu_s = time.process_time() - cpu_started
-    batches = ledger.appender.batches_committed
     ledger.close()
+    start_at = time.time() + 3.0  # every process starts producing at the same moment
+    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms)
+            for p in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.map(process_load, jobs)
     with engine.connect() as conn:
         report = verify(conn)
     engine.dispose()
-    latencies_ms.sort()
-    settled = sum(counts)
+    latencies_ms = sorted(x for part in parts for x in part["latencies_ms"])
+    settled = sum(part["settlements"] for part in parts)
     return {
         "settlements": settled,
-        "settlements_per_s": round(settled / elapsed_s, 1),
+        "settlements_per_s": round(settled / seconds, 1),
         "settle_latency_ms_p50": round(statistics.median(latencies_ms), 2),
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
-        "settle_batch_size_mean": round(settled / max(batches, 1), 1),
-        "benchmark_process_cpu_s_per_settlement_us": round(cpu_s / max(settled, 1) * 1e6, 1),
+        "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
+        "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
         "verify_ok": report.ok,
     }
 
@@ -136,7 +156,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--producers", type=int, default=512)
+    parser.add_argument("--producers", type=int, default=1024, help="concurrent producers in all")
+    parser.add_argument("--processes", type=int, default=2, help="processes the producers are spread over")
     parser.add_argument("--batch-size-max", type=int, default=1024)
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -148,8 +169,8 @@ def main() -> None:
     tps_before = pgbench_tps(args.database_url, int(args.seconds))
     log(f"  {tps_before:.0f} tps; ledger load ...")
     with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
-        result = asyncio.run(run_load(scratch.url.render_as_string(hide_password=False), args.producers, args.seconds,
-                                      args.batch_size_max, args.batch_wait_ms))
+        result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
+                          args.seconds, args.batch_size_max, args.batch_wait_ms)
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -158,6 +179,7 @@ def main() -> None:
         pgbench_tps_after=round(tps_after, 1),
         ratio_to_pgbench_tps=round(result["settlements_per_s"] / pgbench, 2),
         producers=args.producers,
+        processes=args.processes,
         seconds=args.seconds,
     )
     if args.json:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, bindparam, update
+from sqlalchemy import Connection, any_, bindparam, update
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from ledger.db import is_postgres
 from ledger.schema import account_balances, holds, ledger_events, ledger_postings
@@ -43,6 +44,14 @@ FROM unnest(%(account_id)b::bigint[], %(amount_nano_usd)b::bigint[], %(idempoten
     %(content_digest)b::text[], %(ttl_s)b::int[]) AS u(account_id, amount, key, digest, ttl_s)
 RETURNING id, idempotency_key
 """
+
+
+def one_of(conn: Connection, column, values: list):
+    """`column IN values`; on PostgreSQL one array parameter (`= ANY`), so the
+    statement text, and every cache keyed on it, is the same for any batch size."""
+    if is_postgres(conn):
+        return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+    return column.in_(values)
 
 
 def _columns(names: tuple[str, ...], rows: list[tuple]) -> dict[str, list]:

@@ -67,7 +67,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     digests = [_digest(r) for r in requests]
     existing = {}
     for chunk in in_chunks(sorted({r.idempotency_key for r in requests})):
-        for row in conn.execute(select(holds).where(holds.c.idempotency_key.in_(chunk))):
+        for row in conn.execute(select(holds).where(bulk.one_of(conn, holds.c.idempotency_key, chunk))):
             existing[row.idempotency_key] = row
     to_place = []
     for i, request in enumerate(requests):
@@ -128,7 +128,7 @@ def _lock_hold_rows(conn: Connection, account_ids: list[int]) -> None:
     """Serialise hold placement per customer (id order, so two batches never deadlock)."""
     for chunk in in_chunks(account_ids):
         conn.execute(
-            select(hold_locks.c.account_id).where(hold_locks.c.account_id.in_(chunk)).order_by(hold_locks.c.account_id).with_for_update()
+            select(hold_locks.c.account_id).where(bulk.one_of(conn, hold_locks.c.account_id, chunk)).order_by(hold_locks.c.account_id).with_for_update()
         ).all()
 
 
@@ -147,7 +147,7 @@ def _read_available(conn: Connection, account_ids: list[int]) -> tuple[dict[int,
         for r in conn.execute(
             select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd, active_held)
             .join(account_balances, account_balances.c.account_id == accounts.c.id)
-            .where(accounts.c.id.in_(chunk))
+            .where(bulk.one_of(conn, accounts.c.id, chunk))
         ):
             kinds[r[0]], balances[r[0]], held[r[0]] = r[1], r[2], int(r[3])
     return kinds, balances, held
@@ -176,5 +176,5 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXP
     ids = [r[0] for r in conn.execute(due)]
     if not ids:
         return 0
-    conn.execute(update(holds).where(holds.c.id.in_(ids), holds.c.state == "active").values(state="expired", closed_at=now, captured_nano_usd=0))
+    conn.execute(update(holds).where(bulk.one_of(conn, holds.c.id, ids), holds.c.state == "active").values(state="expired", closed_at=now, captured_nano_usd=0))
     return len(ids)

@@ -167,7 +167,7 @@ def _resolve_known_keys(conn, commands, digests, results) -> list[int]:
     for chunk in in_chunks(keys):
         rows = conn.execute(
             select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq, ledger_events.c.event_type)
-            .where(ledger_events.c.idempotency_key.in_(chunk))
+            .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
         )
         known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
     pending = []
@@ -191,7 +191,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     for chunk in in_chunks(hold_ids):
         rows = conn.execute(
             select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state)
-            .where(holds.c.id.in_(chunk))
+            .where(bulk.one_of(conn, holds.c.id, chunk))
             .order_by(holds.c.id)
             .with_for_update()
         )
@@ -221,7 +221,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
         rows = conn.execute(
             select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd)
             .join(account_balances, account_balances.c.account_id == accounts.c.id)
-            .where(accounts.c.id.in_(chunk))
+            .where(bulk.one_of(conn, accounts.c.id, chunk))
         )
         for r in rows:
             book.kinds[r.id] = r.kind
@@ -235,10 +235,10 @@ def lock_and_sum_holds(conn: Connection, customer_ids: list[int]) -> dict[int, i
     """Lock these customers' hold rows (in id order) and sum their active holds."""
     held = {}
     for chunk in in_chunks(customer_ids):
-        conn.execute(select(hold_locks.c.account_id).where(hold_locks.c.account_id.in_(chunk)).order_by(hold_locks.c.account_id).with_for_update()).all()
+        conn.execute(select(hold_locks.c.account_id).where(bulk.one_of(conn, hold_locks.c.account_id, chunk)).order_by(hold_locks.c.account_id).with_for_update()).all()
         rows = conn.execute(
             select(holds.c.account_id, func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
-            .where(holds.c.account_id.in_(chunk), holds.c.state == "active")
+            .where(bulk.one_of(conn, holds.c.account_id, chunk), holds.c.state == "active")
             .group_by(holds.c.account_id)
         )
         held.update({account_id: 0 for account_id in chunk})
@@ -248,15 +248,15 @@ def lock_and_sum_holds(conn: Connection, customer_ids: list[int]) -> dict[int, i
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
     for chunk in in_chunks(seqs):
-        for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(ledger_events.c.seq.in_(chunk))):
+        for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(bulk.one_of(conn, ledger_events.c.seq, chunk))):
             book.events[r.seq] = (r.event_type, [])
         for r in conn.execute(
             select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-            .where(ledger_postings.c.event_seq.in_(chunk))
+            .where(bulk.one_of(conn, ledger_postings.c.event_seq, chunk))
             .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
         ):
             book.events[r.event_seq][1].append(ev.Posting(r.account_id, r.amount_nano_usd))
-        for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(ledger_events.c.reverses_seq.in_(chunk))):
+        for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(bulk.one_of(conn, ledger_events.c.reverses_seq, chunk))):
             book.reversals[r.reverses_seq] = r.seq
 
 
