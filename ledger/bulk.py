@@ -32,9 +32,9 @@ UPDATE account_balances AS b SET balance_nano_usd = u.balance, last_event_seq = 
 FROM unnest(%(account_id)b::bigint[], %(balance)b::bigint[]) AS u(account_id, balance)
 WHERE b.account_id = u.account_id
 """
-_PG_SETTLE_HOLDS = """
-UPDATE holds AS h SET state = 'settled', captured_nano_usd = u.captured, settled_event_seq = u.seq, closed_at = %(closed_at)s
-FROM unnest(%(id)b::bigint[], %(captured)b::bigint[], %(seq)b::bigint[]) AS u(id, captured, seq)
+_PG_CLOSE_HOLDS = """
+UPDATE holds AS h SET state = 'settled', captured_nano_usd = u.captured, settled_by_key = u.key, closed_at = %(closed_at)s
+FROM unnest(%(id)b::bigint[], %(captured)b::bigint[], %(key)b::text[]) AS u(id, captured, key)
 WHERE h.id = u.id
 """
 _PG_INSERT_HOLDS = """
@@ -93,21 +93,32 @@ def set_balances(conn: Connection, balances: dict[int, int], last_seq: int) -> N
         conn.execute(_SET_BALANCE, [{"b_account_id": a, "b_balance": balances[a], "b_seq": last_seq} for a in account_ids])
 
 
-_SETTLE_HOLD = (
+_CLOSE_HOLD = (
     update(holds)
     .where(holds.c.id == bindparam("b_id"))
-    .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_event_seq=bindparam("b_seq"), closed_at=bindparam("b_closed_at"))
+    .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_by_key=bindparam("b_key"), closed_at=bindparam("b_closed_at"))
+)
+_REOPEN_HOLD = (
+    update(holds)
+    .where(holds.c.id == bindparam("b_id"))
+    .values(state="active", captured_nano_usd=None, settled_by_key=None, closed_at=None)
 )
 
 
-def settle_holds(conn: Connection, rows: list[tuple[int, int, int]], closed_at: datetime) -> None:
-    """rows: (hold id, captured nano-USD, settling event seq)."""
+def close_settled_holds(conn: Connection, rows: list[tuple[int, int, str]], closed_at: datetime) -> None:
+    """rows: (hold id, captured nano-USD, idempotency key of the settlement)."""
     if not rows:
         return
     if is_postgres(conn):
-        conn.exec_driver_sql(_PG_SETTLE_HOLDS, {**_columns(("id", "captured", "seq"), rows), "closed_at": closed_at})
+        conn.exec_driver_sql(_PG_CLOSE_HOLDS, {**_columns(("id", "captured", "key"), rows), "closed_at": closed_at})
     else:
-        conn.execute(_SETTLE_HOLD, [{"b_id": h, "b_captured": c, "b_seq": s, "b_closed_at": closed_at} for h, c, s in rows])
+        conn.execute(_CLOSE_HOLD, [{"b_id": h, "b_captured": c, "b_key": k, "b_closed_at": closed_at} for h, c, k in rows])
+
+
+def reopen_holds(conn: Connection, hold_ids: list[int]) -> None:
+    """Undo `close_settled_holds` for settlements that failed under the append lock (rare)."""
+    if hold_ids:
+        conn.execute(_REOPEN_HOLD, [{"b_id": h} for h in hold_ids])
 
 
 def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str, int]:

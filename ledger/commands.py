@@ -15,6 +15,7 @@ from ledger.errors import (
     InsufficientFunds,
     InvalidAmount,
     InvalidInput,
+    InvariantBroken,
     NotReversible,
     WrongAccountKind,
 )
@@ -124,6 +125,13 @@ def validate_shape(command: Command) -> None:
 
 def decide(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
     """The event this command produces and its postings, or a typed error."""
+    event, postings = prepare(command, book)
+    require_covered(book, event, postings)
+    return event, postings
+
+
+def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
+    """Every rule that does not read a balance; `require_covered` is the rest."""
     match command:
         case GrantCredits():
             _require_kind(book, command.account_id, CUSTOMER)
@@ -143,7 +151,8 @@ def decide(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
             event, postings = _reverse(command, book)
         case _:
             raise InvalidInput(f"unknown command {type(command).__name__}")
-    _require_covered(book, postings, settled_hold=getattr(event, "hold_id", None))
+    if sum(p.amount_nano_usd for p in postings) != 0:
+        raise InvariantBroken(f"{type(event).__name__} postings do not sum to zero")
     return event, postings
 
 
@@ -193,10 +202,12 @@ def _require_kind(book: BookView, account_id: int, kind: str) -> None:
         raise WrongAccountKind(f"account {account_id} is a {actual} account, not a {kind} account")
 
 
-def _require_covered(book: BookView, postings: list[ev.Posting], settled_hold: int | None) -> None:
-    """No customer's available balance, and no owner's or platform's balance, goes below zero."""
-    if sum(p.amount_nano_usd for p in postings) != 0:
-        raise InvalidAmount("postings do not sum to zero")
+def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -> None:
+    """No customer's available balance, and no owner's or platform's balance, goes below zero.
+
+    A settlement's debit is covered by its own hold, so it is checked against
+    credits alone; any other debit must also leave every active hold covered."""
+    settled_hold = getattr(event, "hold_id", None)
     for posting in postings:
         if posting.amount_nano_usd >= 0:
             continue

@@ -120,7 +120,7 @@ holds = Table(
     Column("expires_at", UTCDateTime, nullable=False),
     Column("closed_at", UTCDateTime),
     Column("captured_nano_usd", BigInteger),
-    Column("settled_event_seq", BigInteger),
+    Column("settled_by_key", String(200)),  # idempotency key of the RequestSettled event
     Index("ix_holds_active_account", "account_id", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
     Index("ix_holds_active_expiry", "expires_at", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
 )

@@ -20,6 +20,7 @@ from ledger.errors import (
     IdempotencyConflict,
     InvariantBroken,
     LedgerError,
+    NotReversible,
     UnknownAccount,
     UnknownEvent,
 )
@@ -103,65 +104,121 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     """Decide and write `commands` in the caller's transaction; one result per command.
 
     A command that fails (overdraft, conflict, bad input) gets its error and
-    writes nothing; the others in the batch are unaffected."""
-    head = conn.execute(
-        select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
-    ).one()
+    writes nothing; the others in the batch are unaffected.
+
+    Work is split around the append lock so that the lock, which every
+    durable append in every process waits for, is held as briefly as possible:
+    before it, everything that does not depend on balances or on the chain
+    (hold rows locked and closed, accounts and reversed events loaded, rules
+    checked, payloads serialised); under it, balances, the hash chain and the
+    inserts."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
     digests = [cmd.command_digest(c) for c in commands]
     pending = _resolve_known_keys(conn, commands, digests, results)
     book = _load_book(conn, [commands[i] for i in pending])
+    prepared, same_batch = _prepare(commands, digests, pending, book, results)
+    closed_at = utc_now()
+    bulk.close_settled_holds(conn, [(e.hold_id, e.charge_nano_usd, commands[i].idempotency_key)
+                                    for i, (e, _, _) in prepared.items() if isinstance(e, ev.RequestSettled)], closed_at)
+
+    head = conn.execute(
+        select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
+    ).one()
+    # Keys another batch committed while this one was preparing.
+    late = _resolve_known_keys(conn, [commands[i] for i in prepared], [digests[i] for i in prepared], None, indexes=list(prepared))
+    _load_balances(conn, book, prepared.values())
+    if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
+        _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
     seq, prev_hash = head.last_seq, head.last_hash
-    recorded_at = utc_now()
-    at_text = ev.format_time(recorded_at)
-    event_rows, posting_rows, settled_holds = [], [], []
+    at_text = ev.format_time(closed_at)
+    event_rows, posting_rows, reopen = [], [], []
     touched: set[int] = set()
-    claimed: dict[str, tuple[str, AppendResult]] = {}
-    for i in pending:
-        command = commands[i]
-        key = command.idempotency_key
-        if key in claimed:  # the same key twice in one batch
-            digest, first = claimed[key]
-            results[i] = (
-                AppendResult(EXISTS, first.seq, first.event_type)
-                if digest == digests[i]
-                else IdempotencyConflict(f"idempotency key {key!r} was used with other content")
-            )
-            continue
+    for i, (event, postings, payload_json) in prepared.items():
         try:
-            event, postings = cmd.decide(command, book)
-        except LedgerError as exc:
-            results[i] = exc
+            if i in late:
+                results[i] = late[i]
+                raise _Skip
+            if isinstance(event, ev.EventReversed) and book.reversal_of(event.reversed_seq) is not None:
+                raise NotReversible(f"event {event.reversed_seq} was already reversed by event {book.reversal_of(event.reversed_seq)}")
+            cmd.require_covered(book, event, postings)
+        except (LedgerError, _Skip) as exc:
+            if isinstance(exc, LedgerError):
+                results[i] = exc
+            if isinstance(event, ev.RequestSettled):
+                reopen.append(event.hold_id)
             continue
         seq += 1
-        event_type = type(event).__name__
-        payload_json = ev.canonical_json(ev.event_payload(event))
+        key = commands[i].idempotency_key
         legs = [(p.account_id, p.amount_nano_usd) for p in postings]
+        event_type = type(event).__name__
         event_hash = ev.event_hash(prev_hash, seq, event_type, key, at_text, payload_json, legs)
         event_rows.append((seq, event_type, payload_json, key, digests[i], getattr(event, "reversed_seq", None), prev_hash, event_hash))
         for leg, (account_id, amount) in enumerate(legs):
             posting_rows.append((seq, leg, account_id, amount))
             book.balances[account_id] += amount
             touched.add(account_id)
-        _note_effects(book, event, seq, settled_holds)
+        if isinstance(event, ev.EventReversed):
+            book.reversals[event.reversed_seq] = seq
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
-        claimed[key] = (digests[i], results[i])
 
+    bulk.reopen_holds(conn, reopen)
     if event_rows:
-        bulk.insert_events(conn, event_rows, recorded_at)
+        bulk.insert_events(conn, event_rows, closed_at)
         bulk.insert_postings(conn, posting_rows)
         bulk.set_balances(conn, {a: book.balances[a] for a in touched}, seq)
-        bulk.settle_holds(conn, settled_holds, recorded_at)
         conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=seq, last_hash=prev_hash))
+    for i, first in same_batch.items():
+        results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):
         raise InvariantBroken("a command in the batch got no result")
     return results  # type: ignore[return-value]
 
 
-def _resolve_known_keys(conn, commands, digests, results) -> list[int]:
-    """Answer commands whose key is already in the log; return the indexes still to decide."""
+class _Skip(Exception):
+    """This command was answered meanwhile; it writes nothing."""
+
+
+def _prepare(commands, digests, pending, book, results):
+    """Rules that read no balance, for each command not yet answered.
+
+    Returns {index: (event, postings, payload JSON)} in command order, and
+    {index: index of the first command} for keys repeated inside the batch."""
+    prepared: dict[int, tuple[object, list[ev.Posting], str]] = {}
+    first_by_key: dict[str, int] = {}
+    same_batch: dict[int, int] = {}
+    for i in pending:
+        key = commands[i].idempotency_key
+        if key in first_by_key:
+            same_batch[i] = first_by_key[key]
+            continue
+        first_by_key[key] = i
+        try:
+            event, postings = cmd.prepare(commands[i], book)
+        except LedgerError as exc:
+            results[i] = exc
+            continue
+        if isinstance(event, ev.RequestSettled):  # a second settlement of it in this batch must fail
+            hold = book.holds[event.hold_id]
+            book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
+        prepared[i] = (event, postings, ev.canonical_json(ev.event_payload(event)))
+    return prepared, same_batch
+
+
+def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_content: bool) -> AppendResult | LedgerError:
+    if not same_content:
+        return IdempotencyConflict(f"idempotency key {command.idempotency_key!r} was used with other content")
+    if isinstance(first, AppendResult):
+        return AppendResult(EXISTS, first.seq, first.event_type)
+    return first
+
+
+def _resolve_known_keys(conn, commands, digests, results, indexes: list[int] | None = None):
+    """Answer commands whose key is already in the log.
+
+    With `results`, fills them and returns the indexes still to decide; without,
+    returns {index: result or error} for the keys found (the late check)."""
     keys = sorted({c.idempotency_key for c in commands})
     known: dict[str, tuple[str, int, str]] = {}
     for chunk in in_chunks(keys):
@@ -170,21 +227,29 @@ def _resolve_known_keys(conn, commands, digests, results) -> list[int]:
             .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
         )
         known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
+    indexes = indexes if indexes is not None else list(range(len(commands)))
+    answered: dict[int, AppendResult | LedgerError] = {}
     pending = []
-    for i, command in enumerate(commands):
+    for index, command, digest in zip(indexes, commands, digests):
         found = known.get(command.idempotency_key)
         if found is None:
-            pending.append(i)
-        elif found[0] == digests[i]:
-            results[i] = AppendResult(EXISTS, found[1], found[2])
+            pending.append(index)
+        elif found[0] == digest:
+            answered[index] = AppendResult(EXISTS, found[1], found[2])
         else:
-            results[i] = IdempotencyConflict(
+            answered[index] = IdempotencyConflict(
                 f"idempotency key {command.idempotency_key!r} was used for event {found[1]} with other content"
             )
+    if results is None:
+        return answered
+    for index, result in answered.items():
+        results[index] = result
     return pending
 
 
 def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
+    """What the rules need before the append lock: hold rows (locked, so no one
+    else closes them), reversed events, and the kind of every account named."""
     book = _BatchBook()
     book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
     hold_ids = sorted({c.hold_id for c in commands if isinstance(c, cmd.SettleRequest)})
@@ -199,36 +264,38 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
             book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, r.state == "active")
     reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
     _load_reversal_targets(conn, book, reversed_seqs)
+    _load_reversals(conn, book, reversed_seqs)
 
-    account_ids = set(book.system.values())
-    debited_outside_hold: set[int] = set()
+    account_ids = set(book.system.values()) | {h.account_id for h in book.holds.values()}
     for c in commands:
         match c:
             case cmd.GrantCredits() | cmd.AdjustBalance():
                 account_ids.add(c.account_id)
-                if isinstance(c, cmd.AdjustBalance) and c.delta_nano_usd < 0:
-                    debited_outside_hold.add(c.account_id)
             case cmd.SettleRequest():
                 account_ids.add(c.owner_account_id)
-                if c.hold_id in book.holds:
-                    account_ids.add(book.holds[c.hold_id].account_id)
             case cmd.ReverseEvent() if c.seq in book.events:
-                for p in book.events[c.seq][1]:
-                    account_ids.add(p.account_id)
-                    if p.amount_nano_usd > 0:
-                        debited_outside_hold.add(p.account_id)
+                account_ids.update(p.account_id for p in book.events[c.seq][1])
     for chunk in in_chunks(sorted(account_ids)):
-        rows = conn.execute(
-            select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd)
-            .join(account_balances, account_balances.c.account_id == accounts.c.id)
-            .where(bulk.one_of(conn, accounts.c.id, chunk))
-        )
-        for r in rows:
-            book.kinds[r.id] = r.kind
-            book.balances[r.id] = r.balance_nano_usd
-    customers = sorted(a for a in debited_outside_hold if book.kinds.get(a) == cmd.CUSTOMER)
-    book.held_by_account.update(lock_and_sum_holds(conn, customers))
+        book.kinds.update(conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all())
     return book
+
+
+def _load_balances(conn: Connection, book: _BatchBook, prepared) -> None:
+    """Under the append lock: balances of every account posted to, and the
+    active holds of customers debited outside a hold (their hold rows locked)."""
+    account_ids, debited_outside_hold = set(), set()
+    for event, postings, _ in prepared:
+        for p in postings:
+            account_ids.add(p.account_id)
+            if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
+                debited_outside_hold.add(p.account_id)
+    for chunk in in_chunks(sorted(account_ids)):
+        book.balances.update(
+            conn.execute(
+                select(account_balances.c.account_id, account_balances.c.balance_nano_usd).where(bulk.one_of(conn, account_balances.c.account_id, chunk))
+            ).all()
+        )
+    book.held_by_account.update(lock_and_sum_holds(conn, sorted(debited_outside_hold)))
 
 
 def lock_and_sum_holds(conn: Connection, customer_ids: list[int]) -> dict[int, int]:
@@ -256,17 +323,9 @@ def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) 
             .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
         ):
             book.events[r.event_seq][1].append(ev.Posting(r.account_id, r.amount_nano_usd))
+
+
+def _load_reversals(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
+    for chunk in in_chunks(seqs):
         for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(bulk.one_of(conn, ledger_events.c.reverses_seq, chunk))):
             book.reversals[r.reverses_seq] = r.seq
-
-
-def _note_effects(book: _BatchBook, event: object, seq: int, settled_holds: list) -> None:
-    """Keep the batch's view current for the commands after this one."""
-    if isinstance(event, ev.RequestSettled):
-        hold = book.holds[event.hold_id]
-        book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
-        if hold.account_id in book.held_by_account:
-            book.held_by_account[hold.account_id] -= hold.amount_nano_usd
-        settled_holds.append((event.hold_id, event.charge_nano_usd, seq))
-    elif isinstance(event, ev.EventReversed):
-        book.reversals[event.reversed_seq] = seq

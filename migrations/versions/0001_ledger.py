@@ -75,7 +75,7 @@ def upgrade() -> None:
         sa.Column("expires_at", UTCDateTime, nullable=False),
         sa.Column("closed_at", UTCDateTime),
         sa.Column("captured_nano_usd", sa.BigInteger),
-        sa.Column("settled_event_seq", sa.BigInteger),
+        sa.Column("settled_by_key", sa.String(200)),
         sa.CheckConstraint("amount_nano_usd > 0", name="ck_holds_amount_positive"),
         sa.CheckConstraint("state IN ('active', 'settled', 'released', 'expired')", name="ck_holds_state"),
     )
