@@ -72,13 +72,17 @@ def event_payload(event: object) -> dict:
     return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]
 
 
-def canonical_json(value: object) -> str:
-    """One byte sequence per value: sorted keys, no spaces, no floats."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_refuse)
-
-
 def _refuse(value: object) -> object:
     raise TypeError(f"not canonical JSON: {type(value).__name__}")
+
+
+# One encoder for the process: json.dumps with options builds a new one per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_refuse)
+
+
+def canonical_json(value: object) -> str:
+    """One text per value: sorted keys, no spaces (callers keep floats out)."""
+    return _CANONICAL.encode(value)
 
 
 def format_time(moment: datetime) -> str:
@@ -98,10 +102,10 @@ def event_hash(
 
     `recorded_at_text` is `format_time(recorded_at)`; callers hashing a batch
     format the shared timestamp once."""
+    legs = ",".join([f"[{account_id},{amount}]" for account_id, amount in postings])
     body = (
-        f'{{"seq":{seq},"type":{json.dumps(event_type)},"key":{json.dumps(idempotency_key)},'
-        f'"at":"{recorded_at_text}","payload":{payload_json},'
-        f'"postings":{json.dumps(postings, separators=(",", ":"))}}}'
+        f'{{"seq":{seq},"type":{_CANONICAL.encode(event_type)},"key":{_CANONICAL.encode(idempotency_key)},'
+        f'"at":"{recorded_at_text}","payload":{payload_json},"postings":[{legs}]}}'
     )
     return hashlib.sha256(f"{prev_hash}\n{body}".encode()).hexdigest()
 

@@ -6,6 +6,7 @@ rest), released without a charge, or expired by the sweeper.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -57,7 +58,7 @@ def validate_place_hold(request: PlaceHold) -> None:
 
 
 def _digest(request: PlaceHold) -> str:
-    return ev.content_digest("PlaceHold", {"account_id": request.account_id, "amount_nano_usd": request.amount_nano_usd})
+    return hashlib.sha256(f"PlaceHold\n{request.account_id}\n{request.amount_nano_usd}".encode()).hexdigest()
 
 
 def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
