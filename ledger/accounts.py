@@ -8,7 +8,8 @@ from sqlalchemy import Connection, func, select
 
 from ledger import commands as cmd
 from ledger.errors import InvalidInput, UnknownAccount
-from ledger.schema import account_balances, accounts, hold_locks, holds, utc_now
+from ledger import bulk
+from ledger.schema import account_balances, accounts, customer_holds, utc_now
 
 NAME_LENGTH_MAX = 200
 EMAIL_LENGTH_MAX = 320
@@ -48,7 +49,7 @@ def create_account(conn: Connection, kind: str, name: str, email: str | None = N
     ).scalar_one()
     conn.execute(account_balances.insert().values(account_id=account_id, balance_nano_usd=0, last_event_seq=0))
     if kind == cmd.CUSTOMER:
-        conn.execute(hold_locks.insert().values(account_id=account_id))
+        conn.execute(customer_holds.insert().values(account_id=account_id, holds_placed_nano_usd=0))
     return account_id
 
 
@@ -66,17 +67,42 @@ def get_account(conn: Connection, account_id: int):
     return row
 
 
-def read_balance(conn: Connection, account_id: int) -> BalanceView:
-    active_held = (
-        select(func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
-        .where(holds.c.account_id == accounts.c.id, holds.c.state == "active")
-        .scalar_subquery()
-    )
-    row = conn.execute(
-        select(accounts.c.kind, account_balances.c.balance_nano_usd, account_balances.c.last_event_seq, active_held)
+HELD_NANO_USD = func.coalesce(customer_holds.c.holds_placed_nano_usd, 0) - account_balances.c.holds_closed_nano_usd
+
+
+def _books_query():
+    return (
+        select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd, HELD_NANO_USD, account_balances.c.last_event_seq)
         .join(account_balances, account_balances.c.account_id == accounts.c.id)
-        .where(accounts.c.id == account_id)
-    ).first()
-    if row is None:
+        .outerjoin(customer_holds, customer_holds.c.account_id == accounts.c.id)
+    )
+
+
+def read_books(conn: Connection, account_ids: list[int]) -> dict[int, BalanceView]:
+    """Kind, balance and active holds per account, in ONE statement.
+
+    One statement is one snapshot: a settlement committing meanwhile is seen
+    whole (credits lowered and its hold closed, both in one row) or not at all."""
+    views = {}
+    for chunk in bulk.in_chunks(account_ids):
+        for r in conn.execute(_books_query().where(bulk.one_of(conn, accounts.c.id, chunk))):
+            views[r[0]] = BalanceView(r[0], r[1], r[2], int(r[3]), r[4])
+    return views
+
+
+def lock_customer_holds(conn: Connection, account_ids: list[int]) -> None:
+    """Serialise hold placement per customer (id order, so two batches never deadlock)."""
+    for chunk in bulk.in_chunks(account_ids):
+        conn.execute(
+            select(customer_holds.c.account_id)
+            .where(bulk.one_of(conn, customer_holds.c.account_id, chunk))
+            .order_by(customer_holds.c.account_id)
+            .with_for_update()
+        ).all()
+
+
+def read_balance(conn: Connection, account_id: int) -> BalanceView:
+    view = read_books(conn, [account_id]).get(account_id)
+    if view is None:
         raise UnknownAccount(f"account {account_id} does not exist")
-    return BalanceView(account_id, row[0], row[1], int(row[3]), row[2])
+    return view

@@ -13,7 +13,7 @@ from sqlalchemy import Connection, String, any_, bindparam, cast, update
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ledger.db import is_postgres
-from ledger.schema import account_balances, holds, ledger_events, ledger_postings
+from ledger.schema import account_balances, customer_holds, holds, ledger_events, ledger_postings
 
 
 # PostgreSQL array literals, built at C speed: psycopg adapts a list element by
@@ -65,10 +65,22 @@ _PG_INSERT_POSTINGS = """
 INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd)
 SELECT * FROM unnest(%(event_seq)s::bigint[], %(leg)s::int[], %(account_id)s::bigint[], %(amount_nano_usd)s::bigint[])
 """
+# holds_closed_nano_usd is added to, not set: releases change it without the append lock.
 _PG_SET_BALANCES = """
-UPDATE account_balances AS b SET balance_nano_usd = u.balance, last_event_seq = %(seq)s
-FROM unnest(%(account_id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance)
+UPDATE account_balances AS b
+SET balance_nano_usd = u.balance, last_event_seq = %(seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
+FROM unnest(%(account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
 WHERE b.account_id = u.account_id
+"""
+_PG_ADD_CLOSED = """
+UPDATE account_balances AS b SET holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
+FROM unnest(%(account_id)s::bigint[], %(closed)s::bigint[]) AS u(account_id, closed)
+WHERE b.account_id = u.account_id
+"""
+_PG_ADD_PLACED = """
+UPDATE customer_holds AS c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.placed
+FROM unnest(%(account_id)s::bigint[], %(placed)s::bigint[]) AS u(account_id, placed)
+WHERE c.account_id = u.account_id
 """
 _PG_CLOSE_HOLDS = """
 UPDATE holds AS h SET state = 'settled', captured_nano_usd = u.captured, settled_by_key = u.key, closed_at = %(closed_at)s
@@ -82,6 +94,14 @@ FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempoten
     %(content_digest)s::text[], %(ttl_s)s::int[]) AS u(account_id, amount, key, digest, ttl_s)
 RETURNING id, idempotency_key
 """
+
+
+IN_CLAUSE_SIZE_MAX = 1000
+
+
+def in_chunks(values: list, size: int = IN_CLAUSE_SIZE_MAX):
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
 
 
 def one_of(conn: Connection, column, values: list):
@@ -112,18 +132,55 @@ def insert_postings(conn: Connection, rows: list[tuple]) -> None:
 _SET_BALANCE = (
     update(account_balances)
     .where(account_balances.c.account_id == bindparam("b_account_id"))
-    .values(balance_nano_usd=bindparam("b_balance"), last_event_seq=bindparam("b_seq"))
+    .values(
+        balance_nano_usd=bindparam("b_balance"),
+        last_event_seq=bindparam("b_seq"),
+        holds_closed_nano_usd=account_balances.c.holds_closed_nano_usd + bindparam("b_closed"),
+    )
+)
+_ADD_CLOSED = (
+    update(account_balances)
+    .where(account_balances.c.account_id == bindparam("b_account_id"))
+    .values(holds_closed_nano_usd=account_balances.c.holds_closed_nano_usd + bindparam("b_closed"))
+)
+_ADD_PLACED = (
+    update(customer_holds)
+    .where(customer_holds.c.account_id == bindparam("b_account_id"))
+    .values(holds_placed_nano_usd=customer_holds.c.holds_placed_nano_usd + bindparam("b_placed"))
 )
 
 
-def set_balances(conn: Connection, balances: dict[int, int], last_seq: int) -> None:
-    account_ids = sorted(balances)
+def set_balances(conn: Connection, balances: dict[int, int], holds_closed: dict[int, int], last_seq: int) -> None:
+    """Balances as decided under the append lock; `holds_closed` adds the full
+    amount of every hold the batch settled."""
+    ids = sorted(balances)
+    closed = [holds_closed.get(a, 0) for a in ids]
     if is_postgres(conn):
         conn.exec_driver_sql(
-            _PG_SET_BALANCES, {"account_id": _ints(account_ids), "balance": _ints([balances[a] for a in account_ids]), "seq": last_seq}
+            _PG_SET_BALANCES,
+            {"account_id": _ints(ids), "balance": _ints([balances[a] for a in ids]), "closed": _ints(closed), "seq": last_seq},
         )
     else:
-        conn.execute(_SET_BALANCE, [{"b_account_id": a, "b_balance": balances[a], "b_seq": last_seq} for a in account_ids])
+        conn.execute(_SET_BALANCE, [{"b_account_id": a, "b_balance": balances[a], "b_seq": last_seq, "b_closed": c} for a, c in zip(ids, closed)])
+
+
+def add_holds_closed(conn: Connection, closed: dict[int, int]) -> None:
+    """Released or expired holds stop counting against their customers."""
+    _add(conn, _PG_ADD_CLOSED, _ADD_CLOSED, "closed", closed)
+
+
+def add_holds_placed(conn: Connection, placed: dict[int, int]) -> None:
+    _add(conn, _PG_ADD_PLACED, _ADD_PLACED, "placed", placed)
+
+
+def _add(conn: Connection, pg_sql: str, statement, name: str, amounts: dict[int, int]) -> None:
+    if not amounts:
+        return
+    ids = sorted(amounts)
+    if is_postgres(conn):
+        conn.exec_driver_sql(pg_sql, {"account_id": _ints(ids), name: _ints([amounts[a] for a in ids])})
+    else:
+        conn.execute(statement, [{"b_account_id": a, f"b_{name}": amounts[a]} for a in ids])
 
 
 _CLOSE_HOLD = (

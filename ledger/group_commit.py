@@ -174,8 +174,10 @@ def _resolve(pairs: list) -> None:
 
 
 def _is_transient(exc: DBAPIError) -> bool:
-    """Serialisation failures, deadlocks and dropped connections are worth one more try."""
+    """Worth one more try: serialisation failures, deadlocks, dropped connections,
+    and a unique key another process inserted meanwhile (the retry finds it and
+    answers `exists` or a conflict)."""
     if exc.connection_invalidated:
         return True
     sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    return sqlstate in ("40001", "40P01")
+    return sqlstate in ("40001", "40P01", "23505") or "UNIQUE constraint failed" in str(exc.orig)

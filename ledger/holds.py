@@ -10,8 +10,9 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, select, update
 
+from ledger import accounts as acc
 from ledger import bulk
 from ledger import commands as cmd
 from ledger import events as ev
@@ -25,8 +26,8 @@ from ledger.errors import (
     WrongAccountKind,
 )
 from ledger.money import require_positive
-from ledger.schema import account_balances, accounts, hold_locks, holds, utc_now
-from ledger.store import CREATED, EXISTS, in_chunks
+from ledger.schema import holds, utc_now
+from ledger.store import CREATED, EXISTS
 
 HOLD_TTL_S_DEFAULT = 15 * 60
 HOLD_TTL_S_MAX = 24 * 3600
@@ -67,7 +68,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)
     digests = [_digest(r) for r in requests]
     existing = {}
-    for chunk in in_chunks(sorted({r.idempotency_key for r in requests})):
+    for chunk in bulk.in_chunks(sorted({r.idempotency_key for r in requests})):
         for row in conn.execute(select(holds).where(bulk.one_of(conn, holds.c.idempotency_key, chunk))):
             existing[row.idempotency_key] = row
     to_place = []
@@ -81,8 +82,10 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
             results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
 
     account_ids = sorted({requests[i].account_id for i in to_place})
-    _lock_hold_rows(conn, account_ids)
-    kinds, balances, held = _read_available(conn, account_ids)
+    acc.lock_customer_holds(conn, account_ids)
+    books = acc.read_books(conn, account_ids)
+    available = {a: view.available_nano_usd for a, view in books.items()}
+    placed: dict[int, int] = {}
     now = utc_now()
     rows, seen_keys = [], {}
     for i in to_place:
@@ -90,23 +93,24 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         if request.idempotency_key in seen_keys:
             results[i] = _same_batch_duplicate(seen_keys[request.idempotency_key], digests[i], request)
             continue
-        kind = kinds.get(request.account_id)
-        if kind is None:
+        view = books.get(request.account_id)
+        if view is None:
             results[i] = UnknownAccount(f"account {request.account_id} does not exist")
             continue
-        if kind != cmd.CUSTOMER:
-            results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is a {kind} account")
+        if view.kind != cmd.CUSTOMER:
+            results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is a {view.kind} account")
             continue
-        available = balances[request.account_id] - held[request.account_id]
-        if request.amount_nano_usd > available:
+        if request.amount_nano_usd > available[request.account_id]:
             results[i] = InsufficientFunds(
-                f"account {request.account_id} has {available} nano-USD available, hold needs {request.amount_nano_usd}"
+                f"account {request.account_id} has {available[request.account_id]} nano-USD available, hold needs {request.amount_nano_usd}"
             )
             continue
-        held[request.account_id] += request.amount_nano_usd
+        available[request.account_id] -= request.amount_nano_usd
+        placed[request.account_id] = placed.get(request.account_id, 0) + request.amount_nano_usd
         seen_keys[request.idempotency_key] = (i, digests[i])
         rows.append((request.account_id, request.amount_nano_usd, request.idempotency_key, digests[i], request.ttl_s))
     ids = bulk.insert_holds(conn, rows, now)
+    bulk.add_holds_placed(conn, placed)
     for i in to_place:
         if results[i] is None:
             r = requests[i]
@@ -125,42 +129,19 @@ def _same_batch_duplicate(first, digest, request):
     return (first_index,)
 
 
-def _lock_hold_rows(conn: Connection, account_ids: list[int]) -> None:
-    """Serialise hold placement per customer (id order, so two batches never deadlock)."""
-    for chunk in in_chunks(account_ids):
-        conn.execute(
-            select(hold_locks.c.account_id).where(bulk.one_of(conn, hold_locks.c.account_id, chunk)).order_by(hold_locks.c.account_id).with_for_update()
-        ).all()
-
-
-def _read_available(conn: Connection, account_ids: list[int]) -> tuple[dict[int, str], dict[int, int], dict[int, int]]:
-    """Kind, credits and active holds per account, read in ONE statement.
-
-    One statement is one snapshot: a settlement committing meanwhile is seen
-    whole (credits lowered and its hold closed) or not at all, never half."""
-    active_held = (
-        select(func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
-        .where(holds.c.account_id == accounts.c.id, holds.c.state == "active")
-        .scalar_subquery()
-    )
-    kinds, balances, held = {}, {}, {}
-    for chunk in in_chunks(account_ids):
-        for r in conn.execute(
-            select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd, active_held)
-            .join(account_balances, account_balances.c.account_id == accounts.c.id)
-            .where(bulk.one_of(conn, accounts.c.id, chunk))
-        ):
-            kinds[r[0]], balances[r[0]], held[r[0]] = r[1], r[2], int(r[3])
-    return kinds, balances, held
-
-
 def release_hold(conn: Connection, hold_id: int) -> bool:
     """Release a hold without charging; False when it was already closed."""
     skip_flush_wait(conn)
-    done = conn.execute(
-        update(holds).where(holds.c.id == hold_id, holds.c.state == "active").values(state="released", closed_at=utc_now(), captured_nano_usd=0)
-    )
-    return done.rowcount == 1
+    closed = conn.execute(
+        update(holds)
+        .where(holds.c.id == hold_id, holds.c.state == "active")
+        .values(state="released", closed_at=utc_now(), captured_nano_usd=0)
+        .returning(holds.c.account_id, holds.c.amount_nano_usd)
+    ).first()
+    if closed is None:
+        return False
+    bulk.add_holds_closed(conn, {closed.account_id: closed.amount_nano_usd})
+    return True
 
 
 def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXPIRE_BATCH_SIZE_MAX) -> int:
@@ -177,5 +158,14 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXP
     ids = [r[0] for r in conn.execute(due)]
     if not ids:
         return 0
-    conn.execute(update(holds).where(bulk.one_of(conn, holds.c.id, ids), holds.c.state == "active").values(state="expired", closed_at=now, captured_nano_usd=0))
-    return len(ids)
+    expired = conn.execute(
+        update(holds)
+        .where(bulk.one_of(conn, holds.c.id, ids), holds.c.state == "active")
+        .values(state="expired", closed_at=now, captured_nano_usd=0)
+        .returning(holds.c.account_id, holds.c.amount_nano_usd)
+    ).all()
+    closed: dict[int, int] = {}
+    for account_id, amount in expired:
+        closed[account_id] = closed.get(account_id, 0) + amount
+    bulk.add_holds_closed(conn, closed)
+    return len(expired)

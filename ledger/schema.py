@@ -66,6 +66,10 @@ account_balances = Table(
     Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
     Column("balance_nano_usd", BigInteger, nullable=False, server_default=text("0")),
     Column("last_event_seq", BigInteger, nullable=False, server_default=text("0")),
+    # Reservation bookkeeping, not money: the amount of every hold of this
+    # customer that has been closed. Settlements add to it in the row they write
+    # anyway; releases and expiries add to it without waiting for a flush.
+    Column("holds_closed_nano_usd", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # The one row every durable append locks: it serialises the hash chain and
@@ -121,16 +125,19 @@ holds = Table(
     Column("closed_at", UTCDateTime),
     Column("captured_nano_usd", BigInteger),
     Column("settled_by_key", String(200)),  # idempotency key of the RequestSettled event
-    Index("ix_holds_active_account", "account_id", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
     Index("ix_holds_active_expiry", "expires_at", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
 )
 
 # One row per customer, locked by whoever places a hold (and by the rare durable
-# debit that has no hold), so concurrent holds on one account serialise.
-hold_locks = Table(
-    "hold_locks",
+# debit that has no hold), so concurrent holds on one account serialise. No
+# durable write locks it. A customer's active holds are
+# holds_placed_nano_usd - account_balances.holds_closed_nano_usd: two numbers
+# read in one statement, however many holds there have been.
+customer_holds = Table(
+    "customer_holds",
     metadata,
     Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
+    Column("holds_placed_nano_usd", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # Where each asynchronous consumer of the log has got to, written in the same

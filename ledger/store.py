@@ -12,6 +12,7 @@ from typing import Iterable
 
 from sqlalchemy import Connection, func, select, update
 
+from ledger import accounts as acc
 from ledger import bulk
 from ledger import commands as cmd
 from ledger import events as ev
@@ -27,7 +28,6 @@ from ledger.errors import (
 from ledger.schema import (
     account_balances,
     accounts,
-    hold_locks,
     holds,
     ledger_events,
     ledger_head,
@@ -36,7 +36,6 @@ from ledger.schema import (
 )
 
 CREATED, EXISTS = "created", "exists"
-IN_CLAUSE_SIZE_MAX = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +94,6 @@ class _BatchBook:
             raise InvariantBroken(f"system account {code!r} is missing: run `paralon migrate`") from None
 
 
-def in_chunks(values: list, size: int = IN_CLAUSE_SIZE_MAX) -> Iterable[list]:
-    for start in range(0, len(values), size):
-        yield values[start : start + size]
-
-
 def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendResult | LedgerError]:
     """Decide and write `commands` in the caller's transaction; one result per command.
 
@@ -133,6 +127,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     seq, prev_hash = head.last_seq, head.last_hash
     at_text = ev.format_time(closed_at)
     event_rows, posting_rows, reopen = [], [], []
+    holds_closed: dict[int, int] = {}
     touched: set[int] = set()
     for i, (event, postings, payload_json) in prepared.items():
         try:
@@ -160,6 +155,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
             touched.add(account_id)
         if isinstance(event, ev.EventReversed):
             book.reversals[event.reversed_seq] = seq
+        elif isinstance(event, ev.RequestSettled):
+            holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + book.holds[event.hold_id].amount_nano_usd
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
 
@@ -167,7 +164,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     if event_rows:
         bulk.insert_events(conn, event_rows, closed_at)
         bulk.insert_postings(conn, posting_rows)
-        bulk.set_balances(conn, {a: book.balances[a] for a in touched}, seq)
+        bulk.set_balances(conn, {a: book.balances[a] for a in touched}, holds_closed, seq)
         conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=seq, last_hash=prev_hash))
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
@@ -221,7 +218,7 @@ def _resolve_known_keys(conn, commands, digests, results, indexes: list[int] | N
     returns {index: result or error} for the keys found (the late check)."""
     keys = sorted({c.idempotency_key for c in commands})
     known: dict[str, tuple[str, int, str]] = {}
-    for chunk in in_chunks(keys):
+    for chunk in bulk.in_chunks(keys):
         rows = conn.execute(
             select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq, ledger_events.c.event_type)
             .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
@@ -253,7 +250,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     book = _BatchBook()
     book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
     hold_ids = sorted({c.hold_id for c in commands if isinstance(c, cmd.SettleRequest)})
-    for chunk in in_chunks(hold_ids):
+    for chunk in bulk.in_chunks(hold_ids):
         rows = conn.execute(
             select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state)
             .where(bulk.one_of(conn, holds.c.id, chunk))
@@ -275,7 +272,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
                 account_ids.add(c.owner_account_id)
             case cmd.ReverseEvent() if c.seq in book.events:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
-    for chunk in in_chunks(sorted(account_ids)):
+    for chunk in bulk.in_chunks(sorted(account_ids)):
         book.kinds.update(conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all())
     return book
 
@@ -289,32 +286,19 @@ def _load_balances(conn: Connection, book: _BatchBook, prepared) -> None:
             account_ids.add(p.account_id)
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
-    for chunk in in_chunks(sorted(account_ids)):
+    for chunk in bulk.in_chunks(sorted(account_ids)):
         book.balances.update(
             conn.execute(
                 select(account_balances.c.account_id, account_balances.c.balance_nano_usd).where(bulk.one_of(conn, account_balances.c.account_id, chunk))
             ).all()
         )
-    book.held_by_account.update(lock_and_sum_holds(conn, sorted(debited_outside_hold)))
-
-
-def lock_and_sum_holds(conn: Connection, customer_ids: list[int]) -> dict[int, int]:
-    """Lock these customers' hold rows (in id order) and sum their active holds."""
-    held = {}
-    for chunk in in_chunks(customer_ids):
-        conn.execute(select(hold_locks.c.account_id).where(bulk.one_of(conn, hold_locks.c.account_id, chunk)).order_by(hold_locks.c.account_id).with_for_update()).all()
-        rows = conn.execute(
-            select(holds.c.account_id, func.coalesce(func.sum(holds.c.amount_nano_usd), 0))
-            .where(bulk.one_of(conn, holds.c.account_id, chunk), holds.c.state == "active")
-            .group_by(holds.c.account_id)
-        )
-        held.update({account_id: 0 for account_id in chunk})
-        held.update({r[0]: int(r[1]) for r in rows})
-    return held
+    customers = sorted(debited_outside_hold)
+    acc.lock_customer_holds(conn, customers)
+    book.held_by_account.update({a: view.held_nano_usd for a, view in acc.read_books(conn, customers).items()})
 
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
-    for chunk in in_chunks(seqs):
+    for chunk in bulk.in_chunks(seqs):
         for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(bulk.one_of(conn, ledger_events.c.seq, chunk))):
             book.events[r.seq] = (r.event_type, [])
         for r in conn.execute(
@@ -326,6 +310,6 @@ def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) 
 
 
 def _load_reversals(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
-    for chunk in in_chunks(seqs):
+    for chunk in bulk.in_chunks(seqs):
         for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(bulk.one_of(conn, ledger_events.c.reverses_seq, chunk))):
             book.reversals[r.reverses_seq] = r.seq

@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), primary_key=True),
         sa.Column("balance_nano_usd", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("last_event_seq", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("holds_closed_nano_usd", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     )
     op.create_table(
         "ledger_head",
@@ -80,9 +81,12 @@ def upgrade() -> None:
         sa.CheckConstraint("state IN ('active', 'settled', 'released', 'expired')", name="ck_holds_state"),
     )
     active = sa.text("state = 'active'")
-    op.create_index("ix_holds_active_account", "holds", ["account_id"], postgresql_where=active, sqlite_where=active)
     op.create_index("ix_holds_active_expiry", "holds", ["expires_at"], postgresql_where=active, sqlite_where=active)
-    op.create_table("hold_locks", sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), primary_key=True))
+    op.create_table(
+        "customer_holds",
+        sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), primary_key=True),
+        sa.Column("holds_placed_nano_usd", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    )
     op.create_table(
         "consumer_positions",
         sa.Column("consumer", sa.String(100), primary_key=True),
