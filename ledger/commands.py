@@ -115,9 +115,10 @@ def validate_shape(command: Command) -> None:
                 raise InvalidAmount("adjustment exceeds the amount limit")
         case SettleRequest():
             require_positive(command.charge_nano_usd, "charge")
-            ev.canonical_json(command.meta)  # integers and strings only
-            if any(isinstance(v, float) for v in command.meta.values()):
-                raise InvalidInput("settlement metadata must not contain floats")
+            if type(command.meta) is not dict or not all(
+                type(k) is str and type(v) in (int, str) for k, v in command.meta.items()
+            ):
+                raise InvalidInput("settlement metadata maps names to integers or strings")
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")

@@ -90,10 +90,13 @@ ledger_events = Table(
     Column("payload", Text, nullable=False),  # canonical JSON, exactly as hashed
     Column("idempotency_key", String(200), nullable=False, unique=True),
     Column("content_digest", String(64), nullable=False),
-    Column("reverses_seq", BigInteger, unique=True),  # an event is reversed at most once
+    Column("reverses_seq", BigInteger),
     Column("recorded_at", UTCDateTime, nullable=False),
     Column("prev_hash", String(64), nullable=False),
     Column("hash", String(64), nullable=False),
+    # An event is reversed at most once; partial, so ordinary events add no index entry.
+    Index("ux_ledger_events_reverses_seq", "reverses_seq", unique=True,
+          postgresql_where=text("reverses_seq IS NOT NULL"), sqlite_where=text("reverses_seq IS NOT NULL")),
 )
 
 # No foreign keys on the hot append tables (postings, holds): a foreign-key

@@ -108,8 +108,13 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     inserts."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
     digests = [cmd.command_digest(c) for c in commands]
-    pending = _resolve_known_keys(conn, commands, digests, results)
-    book = _load_book(conn, [commands[i] for i in pending])
+    book = _load_book(conn, commands)
+    # A settlement whose hold is still active cannot have been appended yet, so
+    # only the others are looked up now; every key is checked again under the lock.
+    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if not _holds_active_hold(c, book)])
+    for i, result in answered.items():
+        results[i] = result
+    pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, pending, book, results)
     closed_at = utc_now()
     bulk.close_settled_holds(conn, [(e.hold_id, e.charge_nano_usd, commands[i].idempotency_key)
@@ -119,7 +124,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
         select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
     ).one()
     # Keys another batch committed while this one was preparing.
-    late = _resolve_known_keys(conn, [commands[i] for i in prepared], [digests[i] for i in prepared], None, indexes=list(prepared))
+    late = _known_keys(conn, [(i, commands[i], digests[i]) for i in prepared])
     _load_balances(conn, book, prepared.values())
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
@@ -173,6 +178,13 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     return results  # type: ignore[return-value]
 
 
+def _holds_active_hold(command: cmd.Command, book: _BatchBook) -> bool:
+    if not isinstance(command, cmd.SettleRequest):
+        return False
+    hold = book.holds.get(command.hold_id)
+    return hold is not None and hold.active
+
+
 class _Skip(Exception):
     """This command was answered meanwhile; it writes nothing."""
 
@@ -211,12 +223,10 @@ def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_con
     return first
 
 
-def _resolve_known_keys(conn, commands, digests, results, indexes: list[int] | None = None):
-    """Answer commands whose key is already in the log.
-
-    With `results`, fills them and returns the indexes still to decide; without,
-    returns {index: result or error} for the keys found (the late check)."""
-    keys = sorted({c.idempotency_key for c in commands})
+def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, str]]) -> dict[int, AppendResult | LedgerError]:
+    """For (index, command, digest) items whose key is already in the log: `exists`
+    when the content matches, a conflict when it does not."""
+    keys = sorted({command.idempotency_key for _, command, _ in items})
     known: dict[str, tuple[str, int, str]] = {}
     for chunk in bulk.in_chunks(keys):
         rows = conn.execute(
@@ -224,24 +234,18 @@ def _resolve_known_keys(conn, commands, digests, results, indexes: list[int] | N
             .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
         )
         known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
-    indexes = indexes if indexes is not None else list(range(len(commands)))
     answered: dict[int, AppendResult | LedgerError] = {}
-    pending = []
-    for index, command, digest in zip(indexes, commands, digests):
+    for index, command, digest in items:
         found = known.get(command.idempotency_key)
         if found is None:
-            pending.append(index)
-        elif found[0] == digest:
+            continue
+        if found[0] == digest:
             answered[index] = AppendResult(EXISTS, found[1], found[2])
         else:
             answered[index] = IdempotencyConflict(
                 f"idempotency key {command.idempotency_key!r} was used for event {found[1]} with other content"
             )
-    if results is None:
-        return answered
-    for index, result in answered.items():
-        results[index] = result
-    return pending
+    return answered
 
 
 def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:

@@ -51,11 +51,14 @@ def upgrade() -> None:
         sa.Column("payload", sa.Text, nullable=False),
         sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),
         sa.Column("content_digest", sa.String(64), nullable=False),
-        sa.Column("reverses_seq", sa.BigInteger, unique=True),
+        sa.Column("reverses_seq", sa.BigInteger),
         sa.Column("recorded_at", UTCDateTime, nullable=False),
         sa.Column("prev_hash", sa.String(64), nullable=False),
         sa.Column("hash", sa.String(64), nullable=False),
     )
+    reversal = sa.text("reverses_seq IS NOT NULL")
+    op.create_index("ux_ledger_events_reverses_seq", "ledger_events", ["reverses_seq"], unique=True,
+                    postgresql_where=reversal, sqlite_where=reversal)
     op.create_table(
         "ledger_postings",
         sa.Column("event_seq", sa.BigInteger, primary_key=True),
