@@ -11,7 +11,8 @@ from sqlalchemy import Connection, func, select, update
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.log import iter_events
-from ledger.schema import account_balances, accounts, ledger_events, ledger_head
+from ledger.accounts import read_books
+from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head
 
 Progress = Callable[[int], None]  # called with the number of events just processed
 PROBLEMS_LISTED_MAX = 100
@@ -100,7 +101,21 @@ def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
             report.add(f"account {account_id} ({kind}): replayed balance {expected} is below zero")
     for account_id in sorted(set(replayed) - known):
         report.add(f"postings name account {account_id}, which does not exist")
+    _check_hold_counters(conn, report)
     return report
+
+
+def _check_hold_counters(conn: Connection, report: VerifyReport) -> None:
+    """Each customer's hold counters (placed minus closed) equal its active holds."""
+    active = dict(
+        conn.execute(
+            select(holds.c.account_id, func.sum(holds.c.amount_nano_usd)).where(holds.c.state == "active").group_by(holds.c.account_id)
+        ).all()
+    )
+    for view in read_books(conn, conn.execute(select(customer_holds.c.account_id)).scalars().all()).values():
+        expected = int(active.get(view.account_id, 0))
+        if view.held_nano_usd != expected:
+            report.add(f"account {view.account_id}: hold counters say {view.held_nano_usd} nano-USD held, active holds sum to {expected}")
 
 
 def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:

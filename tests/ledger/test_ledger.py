@@ -292,3 +292,19 @@ def verify_now(engine):
 def _system(engine, code: str) -> int:
     with engine.connect() as conn:
         return conn.execute(select(accounts.c.id).where(accounts.c.system_code == code)).scalar_one()
+
+
+NASTY_TEXTS = ['say "hi"', "back\\slash", "{braces},commas", "NULL", "ünïcödé ✓ 雪", "tab\tnew\nline", "'single'"]
+
+
+def test_any_text_survives_the_batch_writer_and_the_chain(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    for i, nasty in enumerate(NASTY_TEXTS):
+        grant = ledger.append(cmd.GrantCredits(customer, i + 1, nasty, f"{nasty}:{i}"))
+        hold = ledger.place_hold(PlaceHold(customer, 100, f"hold {nasty} {i}"))
+        ledger.append(cmd.SettleRequest(hold.hold_id, owner, 50, nasty, f"settle {nasty} {i}", {"model": nasty, "n": i}))
+        with engine.connect() as conn:
+            [stored] = read_events(conn, grant.seq - 1, 1)
+        assert stored.payload["reason"] == nasty and stored.idempotency_key == f"{nasty}:{i}"
+    assert verify_now(engine).ok

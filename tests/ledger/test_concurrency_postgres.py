@@ -1,0 +1,168 @@
+"""Concurrency on PostgreSQL: separate transactions racing for one account, one
+key, and the order in which a consumer sees the log."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import func, select
+
+from ledger import commands as cmd
+from ledger.errors import InsufficientFunds
+from ledger.holds import PlaceHold, place_holds
+from ledger.log import consume_once
+from ledger.schema import ledger_events
+from ledger.service import Ledger, append_now
+from ledger.store import append_batch
+from tests.ledger.helpers import customer_with, key, money_snapshot
+
+HOLD = 1_000_000
+
+
+def _race(count: int, work):
+    """Run `work(i)` in `count` threads released at the same instant."""
+    barrier = threading.Barrier(count)
+
+    def start(i):
+        barrier.wait()
+        try:
+            return work(i)
+        except Exception as exc:  # the outcome, not a crash
+            return exc
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(start, range(count)))
+
+
+def test_50_concurrent_holds_on_one_account_never_overdraw(pg_engine):
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 20 * HOLD + HOLD // 2)  # room for 20 holds, not 21
+    before = money_snapshot(pg_engine)["balances"]
+
+    def one_hold(i):
+        with pg_engine.begin() as conn:
+            [result] = place_holds(conn, [PlaceHold(customer, HOLD, f"race-hold-{i}")])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    outcomes = _race(50, one_hold)
+    placed = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(placed) == 20
+    assert all(isinstance(o, InsufficientFunds) for o in refused) and len(refused) == 30
+    view = ledger.balance(customer)
+    assert view.held_nano_usd == 20 * HOLD
+    assert view.available_nano_usd == HOLD // 2
+    assert money_snapshot(pg_engine)["balances"] == before  # holds move no money
+    ledger.close()
+
+
+def test_holds_from_several_replicas_at_once_never_overdraw(pg_engine):
+    replicas = [Ledger(pg_engine) for _ in range(5)]
+    customer = customer_with(replicas[0], 7 * HOLD)
+    outcomes = _race(40, lambda i: replicas[i % 5].place_hold(PlaceHold(customer, HOLD, f"replica-hold-{i}")))
+    assert sum(not isinstance(o, Exception) for o in outcomes) == 7
+    assert replicas[0].balance(customer).available_nano_usd == 0
+    for replica in replicas:
+        replica.close()
+
+
+def test_20_concurrent_callers_with_one_key_have_one_effect(pg_engine):
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 0)
+    grant = cmd.GrantCredits(customer, 5 * HOLD, "once", "the-one-key")
+    outcomes = _race(20, lambda i: append_now(pg_engine, grant))
+    assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+    assert sorted(o.status for o in outcomes) == ["created"] + ["exists"] * 19
+    assert len({o.seq for o in outcomes}) == 1
+    assert ledger.balance(customer).balance_nano_usd == 5 * HOLD
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(ledger_events).where(ledger_events.c.idempotency_key == "the-one-key")).scalar_one() == 1
+    ledger.close()
+
+
+def test_one_settlement_key_from_several_replicas_settles_once(pg_engine):
+    replicas = [Ledger(pg_engine) for _ in range(4)]
+    customer = customer_with(replicas[0], 10 * HOLD)
+    owner = replicas[0].create_account(cmd.OWNER, "gpu owner")
+    hold = replicas[0].place_hold(PlaceHold(customer, HOLD, key("hold")))
+    settle = cmd.SettleRequest(hold.hold_id, owner, HOLD // 3, "req-1", "settle-req-1", {"model": "m"})
+    outcomes = _race(20, lambda i: replicas[i % 4].append(settle))
+    assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+    assert sorted(o.status for o in outcomes) == ["created"] + ["exists"] * 19
+    assert replicas[0].balance(customer).balance_nano_usd == 10 * HOLD - HOLD // 3
+    assert replicas[0].balance(owner).balance_nano_usd == (HOLD // 3) * 80 // 100
+    for replica in replicas:
+        replica.close()
+
+
+def test_a_consumer_never_skips_an_event_that_commits_late(pg_engine):
+    """Appenders hold their transactions open for random times after taking a
+    sequence number; a consumer polling all along must see every event once, in order."""
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 0)
+    appenders, per_appender = 8, 6
+    done = threading.Event()
+    seen: list[int] = []
+
+    def append_slowly(worker: int):
+        rng = random.Random(worker)
+        for n in range(per_appender):
+            with pg_engine.begin() as conn:
+                [result] = append_batch(conn, [cmd.GrantCredits(customer, 1, "late", f"late-{worker}-{n}")])
+                time.sleep(rng.uniform(0, 0.05))  # committed late, after others may have queued
+            assert result.status == "created"
+
+    def consume():
+        while not done.is_set():
+            consume_once(pg_engine, "late-commit-test", lambda conn, page: seen.extend(e.seq for e in page), page_size=3)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    with ThreadPoolExecutor(max_workers=appenders) as pool:
+        list(pool.map(append_slowly, range(appenders)))
+    done.set()
+    consumer.join()
+    while consume_once(pg_engine, "late-commit-test", lambda conn, page: seen.extend(e.seq for e in page)):
+        pass
+    with pg_engine.connect() as conn:
+        last = conn.execute(select(func.max(ledger_events.c.seq))).scalar_one()
+    assert seen == list(range(1, last + 1))
+    ledger.close()
+
+
+def test_a_hold_does_not_wait_for_an_unflushed_settlement_of_the_same_customer(pg_engine):
+    """A settlement holding the append lock and its rows (as while it waits for
+    its flush) does not block a new hold on the same customer."""
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 10 * HOLD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, HOLD, key("hold")))
+    settling = pg_engine.connect()
+    transaction = settling.begin()
+    [settled] = append_batch(settling, [cmd.SettleRequest(hold.hold_id, owner, HOLD, "r", key(), {})])
+    assert settled.status == "created"
+    try:
+        with pg_engine.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")  # a wait on any lock would raise
+            [new_hold] = place_holds(conn, [PlaceHold(customer, 9 * HOLD, key("hold"))])
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        assert new_hold.status == "created"  # 10 - 1 held: the settlement is not yet visible
+    finally:
+        transaction.commit()
+        settling.close()
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (9 * HOLD, 9 * HOLD)
+    with pg_engine.begin() as conn:
+        append_batch(conn, [cmd.GrantCredits(customer, 1, "durable", key())])
+        assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+    ledger.close()
+
+
+@pytest.fixture(autouse=True)
+def _postgres_only(pg_engine):
+    assert pg_engine.dialect.name == "postgresql"
