@@ -9,6 +9,7 @@ import click
 from sqlalchemy import Engine
 
 from app.migrate import migrate
+from app.runtime import tune_garbage_collector
 from ledger import commands as cmd
 from ledger.holds import PlaceHold
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
@@ -22,6 +23,7 @@ OUT_PRICE_NANO_USD_PER_TOKEN = 600  # $0.60 per million tokens
 
 def run_demo(engine: Engine) -> None:
     migrate(engine)
+    tune_garbage_collector()
     ledger = Ledger(engine)
     run = uuid.uuid4().hex[:8]
     customer = ledger.create_account(cmd.CUSTOMER, f"Demo customer {run}", "customer@example.com")

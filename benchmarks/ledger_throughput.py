@@ -32,6 +32,7 @@ from sqlalchemy import create_engine, text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from app.migrate import migrate  # noqa: E402
+from app.runtime import tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import make_engine, normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
@@ -118,6 +119,7 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
 
 
 def process_load(args: tuple) -> dict:
+    tune_garbage_collector()  # as every long-running Paralon process does
     return asyncio.run(_process_load(*args))
 
 
