@@ -85,7 +85,8 @@ WHERE c.account_id = u.account_id
 _PG_CLOSE_HOLDS = """
 UPDATE holds AS h SET state = 'settled', captured_nano_usd = u.captured, settled_by_key = u.key, closed_at = %(closed_at)s
 FROM unnest(%(id)s::bigint[], %(captured)s::bigint[], %(key)s::text[]) AS u(id, captured, key)
-WHERE h.id = u.id
+WHERE h.id = u.id AND h.state = 'active' AND u.captured <= h.amount_nano_usd
+RETURNING h.id, h.account_id, h.amount_nano_usd
 """
 _PG_INSERT_HOLDS = """
 INSERT INTO holds (account_id, amount_nano_usd, state, idempotency_key, content_digest, created_at, expires_at)
@@ -185,8 +186,9 @@ def _add(conn: Connection, pg_sql: str, statement, name: str, amounts: dict[int,
 
 _CLOSE_HOLD = (
     update(holds)
-    .where(holds.c.id == bindparam("b_id"))
+    .where(holds.c.id == bindparam("b_id"), holds.c.state == "active", holds.c.amount_nano_usd >= bindparam("b_captured"))
     .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_by_key=bindparam("b_key"), closed_at=bindparam("b_closed_at"))
+    .returning(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd)
 )
 _REOPEN_HOLD = (
     update(holds)
@@ -195,14 +197,19 @@ _REOPEN_HOLD = (
 )
 
 
-def close_settled_holds(conn: Connection, rows: list[tuple[int, int, str]], closed_at: datetime) -> None:
-    """rows: (hold id, captured nano-USD, idempotency key of the settlement)."""
+def close_settled_holds(conn: Connection, rows: list[tuple[int, int, str]], closed_at: datetime) -> list[tuple[int, int, int]]:
+    """rows: (hold id, nano-USD to capture, idempotency key of the settlement).
+
+    Closes the holds that are active and large enough; returns (hold id,
+    customer account id, hold amount) for each one closed."""
     if not rows:
-        return
+        return []
     if is_postgres(conn):
-        conn.exec_driver_sql(_PG_CLOSE_HOLDS, {**_columns(CLOSE_SPEC, rows), "closed_at": closed_at})
-    else:
-        conn.execute(_CLOSE_HOLD, [{"b_id": h, "b_captured": c, "b_key": k, "b_closed_at": closed_at} for h, c, k in rows])
+        return [tuple(r) for r in conn.exec_driver_sql(_PG_CLOSE_HOLDS, {**_columns(CLOSE_SPEC, rows), "closed_at": closed_at})]
+    closed = []
+    for h, c, k in rows:  # SQLite: executemany cannot return rows
+        closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": h, "b_captured": c, "b_key": k, "b_closed_at": closed_at}))
+    return closed
 
 
 def reopen_holds(conn: Connection, hold_ids: list[int]) -> None:

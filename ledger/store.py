@@ -53,6 +53,7 @@ class _BatchBook:
         self.balances: dict[int, int] = {}
         self.held_by_account: dict[int, int] = {}
         self.holds: dict[int, cmd.HoldView] = {}
+        self.closing: set[int] = set()  # holds this batch closed, until their settlement is written
         self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
         self.reversals: dict[int, int] = {}
         self.system: dict[str, int] = {}
@@ -108,17 +109,15 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     inserts."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
     digests = [cmd.command_digest(c) for c in commands]
-    book = _load_book(conn, commands)
-    # A settlement whose hold is still active cannot have been appended yet, so
-    # only the others are looked up now; every key is checked again under the lock.
-    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if not _holds_active_hold(c, book)])
+    closed_at = utc_now()
+    book = _load_book(conn, commands, closed_at)
+    # A settlement that just closed its hold cannot have been appended before,
+    # so only the others are looked up now; every key is checked again under the lock.
+    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if not _closes_hold(c, book)])
     for i, result in answered.items():
         results[i] = result
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, pending, book, results)
-    closed_at = utc_now()
-    bulk.close_settled_holds(conn, [(e.hold_id, e.charge_nano_usd, commands[i].idempotency_key)
-                                    for i, (e, _, _) in prepared.items() if isinstance(e, ev.RequestSettled)], closed_at)
 
     head = conn.execute(
         select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
@@ -131,7 +130,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
 
     seq, prev_hash = head.last_seq, head.last_hash
     at_text = ev.format_time(closed_at)
-    event_rows, posting_rows, reopen = [], [], []
+    event_rows, posting_rows = [], []
     holds_closed: dict[int, int] = {}
     touched: set[int] = set()
     for i, (event, postings, payload_json) in prepared.items():
@@ -145,8 +144,6 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
         except (LedgerError, _Skip) as exc:
             if isinstance(exc, LedgerError):
                 results[i] = exc
-            if isinstance(event, ev.RequestSettled):
-                reopen.append(event.hold_id)
             continue
         seq += 1
         key = commands[i].idempotency_key
@@ -162,10 +159,11 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
             book.reversals[event.reversed_seq] = seq
         elif isinstance(event, ev.RequestSettled):
             holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + book.holds[event.hold_id].amount_nano_usd
+            book.closing.discard(event.hold_id)
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
 
-    bulk.reopen_holds(conn, reopen)
+    bulk.reopen_holds(conn, sorted(book.closing))  # closed early for a command that then failed (rare)
     if event_rows:
         bulk.insert_events(conn, event_rows, closed_at)
         bulk.insert_postings(conn, posting_rows)
@@ -178,11 +176,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     return results  # type: ignore[return-value]
 
 
-def _holds_active_hold(command: cmd.Command, book: _BatchBook) -> bool:
-    if not isinstance(command, cmd.SettleRequest):
-        return False
-    hold = book.holds.get(command.hold_id)
-    return hold is not None and hold.active
+def _closes_hold(command: cmd.Command, book: _BatchBook) -> bool:
+    return isinstance(command, cmd.SettleRequest) and command.hold_id in book.closing
 
 
 class _Skip(Exception):
@@ -248,26 +243,16 @@ def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, str]]) -> 
     return answered
 
 
-def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
-    """What the rules need before the append lock: hold rows (locked, so no one
-    else closes them), reversed events, and the kind of every account named."""
+def _load_book(conn: Connection, commands: list[cmd.Command], closed_at) -> _BatchBook:
+    """What the rules need before the append lock: the kind of every account
+    named, reversed events, and the holds being settled, which are closed here
+    in one statement (the row lock keeps anyone else from closing them)."""
     book = _BatchBook()
     book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
-    hold_ids = sorted({c.hold_id for c in commands if isinstance(c, cmd.SettleRequest)})
-    for chunk in bulk.in_chunks(hold_ids):
-        rows = conn.execute(
-            select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state)
-            .where(bulk.one_of(conn, holds.c.id, chunk))
-            .order_by(holds.c.id)
-            .with_for_update()
-        )
-        for r in rows:
-            book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, r.state == "active")
     reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
     _load_reversal_targets(conn, book, reversed_seqs)
     _load_reversals(conn, book, reversed_seqs)
-
-    account_ids = set(book.system.values()) | {h.account_id for h in book.holds.values()}
+    account_ids = set(book.system.values())
     for c in commands:
         match c:
             case cmd.GrantCredits() | cmd.AdjustBalance():
@@ -278,7 +263,28 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
     for chunk in bulk.in_chunks(sorted(account_ids)):
         book.kinds.update(conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all())
+    _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)], closed_at)
     return book
+
+
+def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest], closed_at) -> None:
+    """Close, in one statement, every hold a settlement here may capture; read the rest as they are."""
+    closable, seen = [], set()
+    for c in settles:
+        if c.hold_id not in seen and book.kinds.get(c.owner_account_id) == cmd.OWNER:
+            closable.append((c.hold_id, c.charge_nano_usd, c.idempotency_key))
+        seen.add(c.hold_id)
+    for hold_id, account_id, amount in bulk.close_settled_holds(conn, closable, closed_at):
+        book.holds[hold_id] = cmd.HoldView(hold_id, account_id, amount, True)
+        book.kinds[account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
+        book.closing.add(hold_id)
+    others = sorted(seen - book.closing)
+    for chunk in bulk.in_chunks(others):  # not closable: say why (gone, closed, or too small)
+        for r in conn.execute(
+            select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state).where(bulk.one_of(conn, holds.c.id, chunk))
+        ):
+            book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, r.state == "active")
+            book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
 def _load_balances(conn: Connection, book: _BatchBook, prepared) -> None:
