@@ -107,15 +107,28 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     latencies_ms: list[float] = []
     await asyncio.sleep(max(0.0, start_at - time.time()))
     cpu_started = time.process_time()
+    per_second: list[int] = []
+    sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
         producer(ledger, customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}", start_at + seconds, latencies_ms)
         for i in range(producers)
     ))
     cpu_s = time.process_time() - cpu_started
+    sampler.cancel()
     batches = ledger.appender.batches_committed
     ledger.close()
     engine.dispose()
-    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "batches": batches}
+    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "batches": batches, "per_second": per_second}
+
+
+async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
+    """Appends committed in each second: a falling series means the run is not steady."""
+    last = ledger.appender.commands_committed
+    while True:
+        await asyncio.sleep(1.0)
+        now = ledger.appender.commands_committed
+        out.append(now - last)
+        last = now
 
 
 def process_load(args: tuple) -> dict:
@@ -165,6 +178,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
+        "settlements_by_second": [sum(seconds_) for seconds_ in zip(*(part["per_second"] for part in parts))],
         "verify_ok": report.ok,
     }
 

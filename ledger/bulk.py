@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Callable
 
-from sqlalchemy import Connection, String, any_, bindparam, cast, update
+from sqlalchemy import Connection, String, any_, bindparam, cast, delete, update
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ledger.db import is_postgres
@@ -44,7 +44,7 @@ POSTING_SPEC: Spec = (("event_seq", _ints), ("leg", _ints), ("account_id", _ints
 HOLD_SPEC: Spec = (
     ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("content_digest", _words), ("ttl_s", _ints),
 )
-CLOSE_SPEC: Spec = (("id", _ints), ("captured", _ints), ("key", _texts))
+HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "content_digest", "created_at", "expires_at")
 
 
 def _columns(spec: Spec, rows: list[tuple]) -> dict[str, str]:
@@ -83,14 +83,12 @@ FROM unnest(%(account_id)s::bigint[], %(placed)s::bigint[]) AS u(account_id, pla
 WHERE c.account_id = u.account_id
 """
 _PG_CLOSE_HOLDS = """
-UPDATE holds AS h SET state = 'settled', captured_nano_usd = u.captured, settled_by_key = u.key, closed_at = %(closed_at)s
-FROM unnest(%(id)s::bigint[], %(captured)s::bigint[], %(key)s::text[]) AS u(id, captured, key)
-WHERE h.id = u.id AND h.state = 'active' AND u.captured <= h.amount_nano_usd
-RETURNING h.id, h.account_id, h.amount_nano_usd
+DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
+RETURNING id, account_id, amount_nano_usd, idempotency_key, content_digest, created_at, expires_at
 """
 _PG_INSERT_HOLDS = """
-INSERT INTO holds (account_id, amount_nano_usd, state, idempotency_key, content_digest, created_at, expires_at)
-SELECT u.account_id, u.amount, 'active', u.key, u.digest, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
+INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, content_digest, created_at, expires_at)
+SELECT u.account_id, u.amount, u.key, u.digest, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
 FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempotency_key)s::text[],
     %(content_digest)s::text[], %(ttl_s)s::int[]) AS u(account_id, amount, key, digest, ttl_s)
 RETURNING id, idempotency_key
@@ -184,38 +182,25 @@ def _add(conn: Connection, pg_sql: str, statement, name: str, amounts: dict[int,
         conn.execute(statement, [{"b_account_id": a, f"b_{name}": amounts[a]} for a in ids])
 
 
-_CLOSE_HOLD = (
-    update(holds)
-    .where(holds.c.id == bindparam("b_id"), holds.c.state == "active", holds.c.amount_nano_usd >= bindparam("b_captured"))
-    .values(state="settled", captured_nano_usd=bindparam("b_captured"), settled_by_key=bindparam("b_key"), closed_at=bindparam("b_closed_at"))
-    .returning(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd)
-)
-_REOPEN_HOLD = (
-    update(holds)
-    .where(holds.c.id == bindparam("b_id"))
-    .values(state="active", captured_nano_usd=None, settled_by_key=None, closed_at=None)
-)
+_CLOSE_HOLD = delete(holds).where(holds.c.id == bindparam("b_id")).returning(*(holds.c[name] for name in HOLD_ROW))
 
 
-def close_settled_holds(conn: Connection, rows: list[tuple[int, int, str]], closed_at: datetime) -> list[tuple[int, int, int]]:
-    """rows: (hold id, nano-USD to capture, idempotency key of the settlement).
-
-    Closes the holds that are active and large enough; returns (hold id,
-    customer account id, hold amount) for each one closed."""
-    if not rows:
+def close_holds(conn: Connection, hold_ids: list[int]) -> list[tuple]:
+    """Delete these holds; returns each one that existed as a HOLD_ROW tuple."""
+    if not hold_ids:
         return []
     if is_postgres(conn):
-        return [tuple(r) for r in conn.exec_driver_sql(_PG_CLOSE_HOLDS, {**_columns(CLOSE_SPEC, rows), "closed_at": closed_at})]
+        return [tuple(r) for r in conn.exec_driver_sql(_PG_CLOSE_HOLDS, {"id": _ints(hold_ids)})]
     closed = []
-    for h, c, k in rows:  # SQLite: executemany cannot return rows
-        closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": h, "b_captured": c, "b_key": k, "b_closed_at": closed_at}))
+    for hold_id in hold_ids:  # SQLite: executemany cannot return rows
+        closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": hold_id}))
     return closed
 
 
-def reopen_holds(conn: Connection, hold_ids: list[int]) -> None:
-    """Undo `close_settled_holds` for settlements that failed under the append lock (rare)."""
-    if hold_ids:
-        conn.execute(_REOPEN_HOLD, [{"b_id": h} for h in hold_ids])
+def reopen_holds(conn: Connection, rows: list[tuple]) -> None:
+    """Put back holds closed for settlements that then failed under the append lock (rare)."""
+    if rows:
+        conn.execute(holds.insert(), [dict(zip(HOLD_ROW, row)) for row in rows])
 
 
 def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str, int]:
@@ -226,7 +211,7 @@ def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str
         inserted = conn.exec_driver_sql(_PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})
         return {key: hold_id for hold_id, key in inserted}
     values = [
-        {"account_id": a, "amount_nano_usd": m, "state": "active", "idempotency_key": k, "content_digest": d,
+        {"account_id": a, "amount_nano_usd": m, "idempotency_key": k, "content_digest": d,
          "created_at": now, "expires_at": now + timedelta(seconds=ttl)}
         for a, m, k, d, ttl in rows
     ]

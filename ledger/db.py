@@ -41,7 +41,12 @@ def make_engine(raw_url: str, *, pool_size: int = 10) -> Engine:
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False})
         _make_sqlite_transactional(engine)
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    # No server-side prepared statements: batch statements take arrays whose
+    # length varies, and a generic plan (estimated for ten elements, on whatever
+    # statistics were current) can turn a thousand-row join quadratic. Planning
+    # each batch statement afresh costs microseconds per batch.
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                         connect_args={"prepare_threshold": None})
 
 
 def _make_sqlite_transactional(engine: Engine) -> None:

@@ -46,10 +46,6 @@ class HoldError(LedgerError):
     code = "hold_error"
 
 
-class HoldNotFound(HoldError):
-    code = "hold_not_found"
-
-
 class HoldNotActive(HoldError):
     code = "hold_not_active"
 

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, delete, select
 
 from ledger import accounts as acc
 from ledger import bulk
@@ -133,10 +133,7 @@ def release_hold(conn: Connection, hold_id: int) -> bool:
     """Release a hold without charging; False when it was already closed."""
     skip_flush_wait(conn)
     closed = conn.execute(
-        update(holds)
-        .where(holds.c.id == hold_id, holds.c.state == "active")
-        .values(state="released", closed_at=utc_now(), captured_nano_usd=0)
-        .returning(holds.c.account_id, holds.c.amount_nano_usd)
+        delete(holds).where(holds.c.id == hold_id).returning(holds.c.account_id, holds.c.amount_nano_usd)
     ).first()
     if closed is None:
         return False
@@ -150,8 +147,8 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXP
     now = now or utc_now()
     due = (
         select(holds.c.id)
-        .where(holds.c.state == "active", holds.c.expires_at < now)
-        .order_by(holds.c.id)
+        .where(holds.c.expires_at < now)
+        .order_by(holds.c.expires_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
@@ -159,10 +156,7 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXP
     if not ids:
         return 0
     expired = conn.execute(
-        update(holds)
-        .where(bulk.one_of(conn, holds.c.id, ids), holds.c.state == "active")
-        .values(state="expired", closed_at=now, captured_nano_usd=0)
-        .returning(holds.c.account_id, holds.c.amount_nano_usd)
+        delete(holds).where(bulk.one_of(conn, holds.c.id, ids)).returning(holds.c.account_id, holds.c.amount_nano_usd)
     ).all()
     closed: dict[int, int] = {}
     for account_id, amount in expired:

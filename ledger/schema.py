@@ -112,23 +112,21 @@ ledger_postings = Table(
     Index("ix_ledger_postings_account", "account_id", "event_seq"),
 )
 
-# Reservations beside the log: never hashed, never locked by a durable write
-# except the settlement that closes the hold itself.
+# Active reservations beside the log, never hashed. A hold is deleted when it
+# closes (settled: the RequestSettled event keeps it; released; expired), so
+# the table holds only what is in flight and no index carries closed holds.
+# No durable write locks a hold except the settlement that closes it.
 holds = Table(
     "holds",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
-    Column("state", String(16), nullable=False),  # active, settled, released, expired
     Column("idempotency_key", String(200), nullable=False, unique=True),
     Column("content_digest", String(64), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
-    Column("closed_at", UTCDateTime),
-    Column("captured_nano_usd", BigInteger),
-    Column("settled_by_key", String(200)),  # idempotency key of the RequestSettled event
-    Index("ix_holds_active_expiry", "expires_at", postgresql_where=text("state = 'active'"), sqlite_where=text("state = 'active'")),
+    Index("ix_holds_expiry", "expires_at"),
 )
 
 # One row per customer, locked by whoever places a hold (and by the rare durable

@@ -17,7 +17,7 @@ from ledger import bulk
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.errors import (
-    HoldNotFound,
+    HoldNotActive,
     IdempotencyConflict,
     InvariantBroken,
     LedgerError,
@@ -53,7 +53,7 @@ class _BatchBook:
         self.balances: dict[int, int] = {}
         self.held_by_account: dict[int, int] = {}
         self.holds: dict[int, cmd.HoldView] = {}
-        self.closing: set[int] = set()  # holds this batch closed, until their settlement is written
+        self.closing: dict[int, tuple] = {}  # holds this batch closed (their rows), until their settlement is written
         self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
         self.reversals: dict[int, int] = {}
         self.system: dict[str, int] = {}
@@ -77,7 +77,7 @@ class _BatchBook:
         try:
             return self.holds[hold_id]
         except KeyError:
-            raise HoldNotFound(f"hold {hold_id} does not exist") from None
+            raise HoldNotActive(f"hold {hold_id} is not active: settled, released, expired, or never placed") from None
 
     def event_postings(self, seq: int) -> tuple[str, list[ev.Posting]]:
         try:
@@ -109,8 +109,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     inserts."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
     digests = [cmd.command_digest(c) for c in commands]
-    closed_at = utc_now()
-    book = _load_book(conn, commands, closed_at)
+    book = _load_book(conn, commands)
     # A settlement that just closed its hold cannot have been appended before,
     # so only the others are looked up now; every key is checked again under the lock.
     answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if not _closes_hold(c, book)])
@@ -129,7 +128,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
     seq, prev_hash = head.last_seq, head.last_hash
-    at_text = ev.format_time(closed_at)
+    recorded_at = utc_now()
+    at_text = ev.format_time(recorded_at)
     event_rows, posting_rows = [], []
     holds_closed: dict[int, int] = {}
     touched: set[int] = set()
@@ -159,13 +159,13 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
             book.reversals[event.reversed_seq] = seq
         elif isinstance(event, ev.RequestSettled):
             holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + book.holds[event.hold_id].amount_nano_usd
-            book.closing.discard(event.hold_id)
+            del book.closing[event.hold_id]
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
 
-    bulk.reopen_holds(conn, sorted(book.closing))  # closed early for a command that then failed (rare)
+    bulk.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
-        bulk.insert_events(conn, event_rows, closed_at)
+        bulk.insert_events(conn, event_rows, recorded_at)
         bulk.insert_postings(conn, posting_rows)
         bulk.set_balances(conn, {a: book.balances[a] for a in touched}, holds_closed, seq)
         conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=seq, last_hash=prev_hash))
@@ -243,7 +243,7 @@ def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, str]]) -> 
     return answered
 
 
-def _load_book(conn: Connection, commands: list[cmd.Command], closed_at) -> _BatchBook:
+def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     """What the rules need before the append lock: the kind of every account
     named, reversed events, and the holds being settled, which are closed here
     in one statement (the row lock keeps anyone else from closing them)."""
@@ -263,27 +263,22 @@ def _load_book(conn: Connection, commands: list[cmd.Command], closed_at) -> _Bat
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
     for chunk in bulk.in_chunks(sorted(account_ids)):
         book.kinds.update(conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all())
-    _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)], closed_at)
+    _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)])
     return book
 
 
-def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest], closed_at) -> None:
+def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest]) -> None:
     """Close, in one statement, every hold a settlement here may capture; read the rest as they are."""
-    closable, seen = [], set()
-    for c in settles:
-        if c.hold_id not in seen and book.kinds.get(c.owner_account_id) == cmd.OWNER:
-            closable.append((c.hold_id, c.charge_nano_usd, c.idempotency_key))
-        seen.add(c.hold_id)
-    for hold_id, account_id, amount in bulk.close_settled_holds(conn, closable, closed_at):
+    closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
+    for row in bulk.close_holds(conn, closable):
+        hold_id, account_id, amount = row[:3]
         book.holds[hold_id] = cmd.HoldView(hold_id, account_id, amount, True)
         book.kinds[account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
-        book.closing.add(hold_id)
-    others = sorted(seen - book.closing)
-    for chunk in bulk.in_chunks(others):  # not closable: say why (gone, closed, or too small)
-        for r in conn.execute(
-            select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd, holds.c.state).where(bulk.one_of(conn, holds.c.id, chunk))
-        ):
-            book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, r.state == "active")
+        book.closing[hold_id] = row
+    unclosed = sorted({c.hold_id for c in settles} - set(book.closing))
+    for chunk in bulk.in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
+        for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(bulk.one_of(conn, holds.c.id, chunk))):
+            book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, True)
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 

@@ -109,7 +109,7 @@ def _check_hold_counters(conn: Connection, report: VerifyReport) -> None:
     """Each customer's hold counters (placed minus closed) equal its active holds."""
     active = dict(
         conn.execute(
-            select(holds.c.account_id, func.sum(holds.c.amount_nano_usd)).where(holds.c.state == "active").group_by(holds.c.account_id)
+            select(holds.c.account_id, func.sum(holds.c.amount_nano_usd)).group_by(holds.c.account_id)
         ).all()
     )
     for view in read_books(conn, conn.execute(select(customer_holds.c.account_id)).scalars().all()).values():

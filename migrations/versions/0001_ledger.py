@@ -72,19 +72,13 @@ def upgrade() -> None:
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
         sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
         sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),
         sa.Column("content_digest", sa.String(64), nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("expires_at", UTCDateTime, nullable=False),
-        sa.Column("closed_at", UTCDateTime),
-        sa.Column("captured_nano_usd", sa.BigInteger),
-        sa.Column("settled_by_key", sa.String(200)),
         sa.CheckConstraint("amount_nano_usd > 0", name="ck_holds_amount_positive"),
-        sa.CheckConstraint("state IN ('active', 'settled', 'released', 'expired')", name="ck_holds_state"),
     )
-    active = sa.text("state = 'active'")
-    op.create_index("ix_holds_active_expiry", "holds", ["expires_at"], postgresql_where=active, sqlite_where=active)
+    op.create_index("ix_holds_expiry", "holds", ["expires_at"])
     op.create_table(
         "customer_holds",
         sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), primary_key=True),

@@ -27,5 +27,5 @@ def money_snapshot(engine) -> dict:
             "balances": dict(conn.execute(select(account_balances.c.account_id, account_balances.c.balance_nano_usd)).all()),
             "events": conn.execute(select(func.count()).select_from(ledger_events)).scalar_one(),
             "postings": conn.execute(select(func.count()).select_from(ledger_postings)).scalar_one(),
-            "active_holds": conn.execute(select(func.count()).select_from(holds).where(holds.c.state == "active")).scalar_one(),
+            "active_holds": conn.execute(select(func.count()).select_from(holds)).scalar_one(),
         }

@@ -10,7 +10,6 @@ from ledger import commands as cmd
 from ledger.errors import (
     CaptureExceedsHold,
     HoldNotActive,
-    HoldNotFound,
     IdempotencyConflict,
     InsufficientFunds,
     InvalidAmount,
@@ -112,7 +111,7 @@ def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
     before = money_snapshot(engine)
     with pytest.raises(HoldNotActive):
         ledger.append(cmd.SettleRequest(hold.hold_id, owner, 1, "r", key(), {}))
-    with pytest.raises(HoldNotFound):
+    with pytest.raises(HoldNotActive):
         ledger.append(cmd.SettleRequest(987_654, owner, 1, "r", key(), {}))
     assert money_snapshot(engine) == before
 
