@@ -70,6 +70,24 @@ class ScratchDatabase:
         return args, env
 
 
+def postgres_cpu_s() -> float | None:
+    """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
+    total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
+    try:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)
+                if fields[0].endswith("(postgres"):
+                    parts = fields[1].split()
+                    total += int(parts[11]) + int(parts[12])
+            except (OSError, IndexError, ValueError):
+                continue
+    except OSError:
+        return None
+    return total / ticks_per_s
+
+
 def pgbench_tps(server_url: str, seconds: int) -> float:
     if shutil.which("pgbench") is None:
         raise SystemExit("pgbench is not installed (Debian: postgresql-contrib or postgresql-client)")
@@ -165,7 +183,12 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms)
             for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.map(process_load, jobs)
+        pending = pool.map_async(process_load, jobs)
+        time.sleep(max(0.0, start_at - time.time()))
+        postgres_cpu_started = postgres_cpu_s()
+        time.sleep(max(0.0, start_at + seconds - time.time()))
+        postgres_cpu_used = postgres_cpu_s()  # before the producers disconnect and their backends exit
+        parts = pending.get()
     with engine.connect() as conn:
         report = verify(conn)
     engine.dispose()
@@ -178,6 +201,9 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
+        "postgres_cpu_us_per_settlement": (
+            round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
+        ),
         "settlements_by_second": [sum(seconds_) for seconds_ in zip(*(part["per_second"] for part in parts))],
         "verify_ok": report.ok,
     }
