@@ -27,6 +27,7 @@ ACCOUNT_KINDS = (CUSTOMER, OWNER, PLATFORM, EXTERNAL)
 NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
 REASON_LENGTH_MAX = 500
 KEY_LENGTH_MAX = 200
+META_ENTRIES_MAX = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +98,26 @@ def command_digest(command: Command) -> str:
     return ev.content_digest(type(command).__name__, fields)
 
 
+INT64_MAX = 2**63 - 1
+
+
+def require_text(value: object, what: str, length_max: int) -> None:
+    """Text every store keeps as given: no NUL (PostgreSQL refuses it), no lone surrogates."""
+    if not isinstance(value, str) or not value.strip() or len(value) > length_max:
+        raise InvalidInput(f"{what} must be 1 to {length_max} characters")
+    if "\x00" in value:
+        raise InvalidInput(f"{what} must not contain NUL characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} is not valid Unicode text") from None
+
+
 def validate_shape(command: Command) -> None:
     """Checks that need no database: run before a command is queued."""
-    key = command.idempotency_key
-    if not isinstance(key, str) or not key or len(key) > KEY_LENGTH_MAX:
-        raise InvalidInput(f"idempotency key must be 1 to {KEY_LENGTH_MAX} characters")
-    reason = getattr(command, "reason", None)
-    if reason is not None and (not reason.strip() or len(reason) > REASON_LENGTH_MAX):
-        raise InvalidInput(f"a reason is required (at most {REASON_LENGTH_MAX} characters)")
+    require_text(command.idempotency_key, "idempotency key", KEY_LENGTH_MAX)
+    if hasattr(command, "reason"):
+        require_text(command.reason, "a reason", REASON_LENGTH_MAX)
     match command:
         case GrantCredits():
             require_positive(command.amount_nano_usd)
@@ -115,13 +128,26 @@ def validate_shape(command: Command) -> None:
                 raise InvalidAmount("adjustment exceeds the amount limit")
         case SettleRequest():
             require_positive(command.charge_nano_usd, "charge")
-            if type(command.meta) is not dict or not all(
-                type(k) is str and type(v) in (int, str) for k, v in command.meta.items()
-            ):
-                raise InvalidInput("settlement metadata maps names to integers or strings")
+            require_text(command.request_id, "request id", KEY_LENGTH_MAX)
+            _validate_meta(command.meta)
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")
+
+
+def _validate_meta(meta: object) -> None:
+    if type(meta) is not dict or len(meta) > META_ENTRIES_MAX:
+        raise InvalidInput(f"settlement metadata is a mapping of at most {META_ENTRIES_MAX} entries")
+    for name, value in meta.items():
+        require_text(name, "a metadata name", KEY_LENGTH_MAX)
+        if type(value) is int:
+            if abs(value) > INT64_MAX:
+                raise InvalidInput(f"metadata {name!r} does not fit in 64 bits")
+        elif type(value) is str:
+            if value:
+                require_text(value, f"metadata {name!r}", REASON_LENGTH_MAX)
+        else:
+            raise InvalidInput(f"metadata {name!r} must be an integer or a string")
 
 
 def decide(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:

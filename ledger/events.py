@@ -6,7 +6,7 @@ idempotency key, time, hash chain) plus its postings, which sum to zero.
 from __future__ import annotations
 
 import hashlib
-import json
+import orjson
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -72,17 +72,22 @@ def event_payload(event: object) -> dict:
     return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]
 
 
-def _refuse(value: object) -> object:
-    raise TypeError(f"not canonical JSON: {type(value).__name__}")
+_SORTED = orjson.OPT_SORT_KEYS
 
 
-# One encoder for the process: json.dumps with options builds a new one per call.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_refuse)
+def canonical_bytes(value: object) -> bytes:
+    """One UTF-8 text per value: keys sorted, no spaces, strings with the same
+    escapes as the standard library's json (callers keep floats out). orjson
+    refuses what has no single form: lone surrogates, integers past 64 bits,
+    keys that are not strings."""
+    try:
+        return orjson.dumps(value, option=_SORTED)
+    except orjson.JSONEncodeError as exc:
+        raise TypeError(f"not canonical JSON: {exc}") from None
 
 
 def canonical_json(value: object) -> str:
-    """One text per value: sorted keys, no spaces (callers keep floats out)."""
-    return _CANONICAL.encode(value)
+    return canonical_bytes(value).decode()
 
 
 def format_time(moment: datetime) -> str:
@@ -104,7 +109,7 @@ def event_hash(
     format the shared timestamp once."""
     legs = ",".join([f"[{account_id},{amount}]" for account_id, amount in postings])
     body = (
-        f'{{"seq":{seq},"type":{_CANONICAL.encode(event_type)},"key":{_CANONICAL.encode(idempotency_key)},'
+        f'{{"seq":{seq},"type":{canonical_json(event_type)},"key":{canonical_json(idempotency_key)},'
         f'"at":"{recorded_at_text}","payload":{payload_json},"postings":[{legs}]}}'
     )
     return hashlib.sha256(f"{prev_hash}\n{body}".encode()).hexdigest()
@@ -112,4 +117,4 @@ def event_hash(
 
 def content_digest(kind: str, fields: dict) -> str:
     """What an idempotency key is compared on: the command's own content."""
-    return hashlib.sha256(f"{kind}\n{canonical_json(fields)}".encode()).hexdigest()
+    return hashlib.sha256(kind.encode() + b"\n" + canonical_bytes(fields)).hexdigest()

@@ -52,10 +52,9 @@ class HoldResult:
 
 def validate_place_hold(request: PlaceHold) -> None:
     require_positive(request.amount_nano_usd, "hold amount")
-    if not (0 < request.ttl_s <= HOLD_TTL_S_MAX):
+    if type(request.ttl_s) is not int or not (0 < request.ttl_s <= HOLD_TTL_S_MAX):
         raise InvalidInput(f"hold ttl must be 1 to {HOLD_TTL_S_MAX} s")
-    if not request.idempotency_key or len(request.idempotency_key) > cmd.KEY_LENGTH_MAX:
-        raise InvalidInput(f"idempotency key must be 1 to {cmd.KEY_LENGTH_MAX} characters")
+    cmd.require_text(request.idempotency_key, "idempotency key", cmd.KEY_LENGTH_MAX)
 
 
 def _digest(request: PlaceHold) -> str:

@@ -16,6 +16,7 @@ from ledger.errors import (
     InvalidInput,
     NotReversible,
     UnknownAccount,
+    UnknownEvent,
     WrongAccountKind,
 )
 from ledger.holds import PlaceHold, expire_holds
@@ -67,7 +68,12 @@ def test_same_key_other_content_is_a_conflict_and_moves_nothing(ledger, engine):
         (lambda a: cmd.GrantCredits(a + 999, 5, "nobody", key()), UnknownAccount),
         (lambda a: cmd.AdjustBalance(a, -11 * USD, "too much", key()), InsufficientFunds),
         (lambda a: cmd.AdjustBalance(a, 0, "nothing", key()), InvalidAmount),
-        (lambda a: cmd.ReverseEvent(10_000, "no such event", key()), Exception),
+        (lambda a: cmd.ReverseEvent(10_000, "no such event", key()), UnknownEvent),
+        (lambda a: cmd.GrantCredits(a, 5, "nul \x00 inside", key()), InvalidInput),
+        (lambda a: cmd.GrantCredits(a, 5, "fine", "lone surrogate \ud800"), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"tokens": 1.5}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"tokens": 2**64}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 0, "r", key(), {}), InvalidAmount),
     ],
 )
 def test_bad_commands_fail_with_a_typed_error_and_move_nothing(ledger, engine, bad, error):
