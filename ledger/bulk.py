@@ -103,6 +103,15 @@ def in_chunks(values: list, size: int = IN_CLAUSE_SIZE_MAX):
         yield values[start : start + size]
 
 
+def _pg_rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
+    """Run on the transaction's own psycopg connection and return plain tuples:
+    for statements returning a row per batch item, SQLAlchemy's per-row result
+    processing costs more than the statement."""
+    with conn.connection.driver_connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
 def one_of(conn: Connection, column, values: list):
     """`column IN values`; on PostgreSQL one array parameter (`= ANY`), so the
     statement text, and every cache keyed on it, is the same for any batch size."""
@@ -190,7 +199,7 @@ def close_holds(conn: Connection, hold_ids: list[int]) -> list[tuple]:
     if not hold_ids:
         return []
     if is_postgres(conn):
-        return [tuple(r) for r in conn.exec_driver_sql(_PG_CLOSE_HOLDS, {"id": _ints(hold_ids)})]
+        return _pg_rows(conn, _PG_CLOSE_HOLDS, {"id": _ints(hold_ids)})
     closed = []
     for hold_id in hold_ids:  # SQLite: executemany cannot return rows
         closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": hold_id}))
@@ -208,8 +217,7 @@ def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str
     if not rows:
         return {}
     if is_postgres(conn):
-        inserted = conn.exec_driver_sql(_PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})
-        return {key: hold_id for hold_id, key in inserted}
+        return {key: hold_id for hold_id, key in _pg_rows(conn, _PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})}
     values = [
         {"account_id": a, "amount_nano_usd": m, "idempotency_key": k, "content_digest": d,
          "created_at": now, "expires_at": now + timedelta(seconds=ttl)}
