@@ -6,7 +6,7 @@ group-commit batch (against balances loaded for the batch) and in tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ledger import events as ev
 from ledger.errors import (
@@ -68,8 +68,7 @@ class ReverseEvent:
 Command = GrantCredits | AdjustBalance | SettleRequest | ReverseEvent
 
 
-@dataclass(frozen=True, slots=True)
-class HoldView:
+class HoldView(NamedTuple):
     hold_id: int
     account_id: int
     amount_nano_usd: int

@@ -8,13 +8,15 @@ from __future__ import annotations
 import hashlib
 import orjson
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from datetime import UTC, datetime
 
 GENESIS_HASH = "0" * 64
 
 
-@dataclass(frozen=True, slots=True)
-class Posting:
+class Posting(NamedTuple):
+    """One leg of an event. A tuple, so a batch of thousands builds them cheaply."""
+
     account_id: int
     amount_nano_usd: int  # positive raises the account's balance, negative lowers it
 

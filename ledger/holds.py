@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from sqlalchemy import Connection, delete, select
 
@@ -42,8 +43,7 @@ class PlaceHold:
     ttl_s: int = HOLD_TTL_S_DEFAULT
 
 
-@dataclass(frozen=True, slots=True)
-class HoldResult:
+class HoldResult(NamedTuple):
     status: str  # "created" or "exists"
     hold_id: int
     amount_nano_usd: int
@@ -86,11 +86,15 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     available = {a: view.available_nano_usd for a, view in books.items()}
     placed: dict[int, int] = {}
     now = utc_now()
-    rows, seen_keys = [], {}
+    rows, seen_keys, repeats = [], {}, {}
     for i in to_place:
         request = requests[i]
         if request.idempotency_key in seen_keys:
-            results[i] = _same_batch_duplicate(seen_keys[request.idempotency_key], digests[i], request)
+            first_index, first_digest = seen_keys[request.idempotency_key]
+            if first_digest == digests[i]:
+                repeats[i] = first_index
+            else:
+                results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
             continue
         view = books.get(request.account_id)
         if view is None:
@@ -111,21 +115,13 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     ids = bulk.insert_holds(conn, rows, now)
     bulk.add_holds_placed(conn, placed)
     for i in to_place:
-        if results[i] is None:
+        if results[i] is None and i not in repeats:
             r = requests[i]
             results[i] = HoldResult(CREATED, ids[r.idempotency_key], r.amount_nano_usd, now + timedelta(seconds=r.ttl_s))
-    for i, request in enumerate(requests):  # duplicates inside the batch point at the first
-        if isinstance(results[i], tuple):
-            first = results[results[i][0]]
-            results[i] = HoldResult(EXISTS, first.hold_id, first.amount_nano_usd, first.expires_at)
+    for i, first_index in repeats.items():  # a key repeated inside the batch answers like the first
+        first = results[first_index]
+        results[i] = HoldResult(EXISTS, first.hold_id, first.amount_nano_usd, first.expires_at)
     return results  # type: ignore[return-value]
-
-
-def _same_batch_duplicate(first, digest, request):
-    first_index, first_digest = first
-    if first_digest != digest:
-        return IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
-    return (first_index,)
 
 
 def release_hold(conn: Connection, hold_id: int) -> bool:

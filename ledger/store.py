@@ -7,8 +7,7 @@ write. Holds are never locked here except the ones being settled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from typing import NamedTuple
 
 from sqlalchemy import Connection, func, select, update
 
@@ -38,8 +37,7 @@ from ledger.schema import (
 CREATED, EXISTS = "created", "exists"
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
+class AppendResult(NamedTuple):
     status: str  # "created" or "exists": a retry with the same key is safe
     seq: int
     event_type: str
@@ -147,11 +145,10 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
             continue
         seq += 1
         key = commands[i].idempotency_key
-        legs = [(p.account_id, p.amount_nano_usd) for p in postings]
         event_type = type(event).__name__
-        event_hash = ev.event_hash(prev_hash, seq, event_type, key, at_text, payload_json, legs)
+        event_hash = ev.event_hash(prev_hash, seq, event_type, key, at_text, payload_json, postings)
         event_rows.append((seq, event_type, payload_json, key, digests[i], getattr(event, "reversed_seq", None), prev_hash, event_hash))
-        for leg, (account_id, amount) in enumerate(legs):
+        for leg, (account_id, amount) in enumerate(postings):
             posting_rows.append((seq, leg, account_id, amount))
             book.balances[account_id] += amount
             touched.add(account_id)

@@ -19,7 +19,8 @@ from ledger.errors import (
     UnknownEvent,
     WrongAccountKind,
 )
-from ledger.holds import PlaceHold, expire_holds
+from ledger.holds import PlaceHold, expire_holds, place_holds
+from ledger.store import append_batch
 from ledger.log import consume_once, consumer_position, read_events
 from ledger.schema import account_balances, accounts, utc_now
 from ledger.verify import rebuild_balances, verify
@@ -313,3 +314,20 @@ def test_any_text_survives_the_batch_writer_and_the_chain(ledger, engine):
             [stored] = read_events(conn, grant.seq - 1, 1)
         assert stored.payload["reason"] == nasty and stored.idempotency_key == f"{nasty}:{i}"
     assert verify_now(engine).ok
+
+
+def test_a_key_repeated_inside_one_batch_answers_like_the_first(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    with engine.begin() as conn:
+        placed, repeated, conflicting = place_holds(
+            conn, [PlaceHold(customer, USD, "batch-hold"), PlaceHold(customer, USD, "batch-hold"), PlaceHold(customer, 2 * USD, "batch-hold")]
+        )
+    assert placed.status == "created" and (repeated.status, repeated.hold_id) == ("exists", placed.hold_id)
+    assert isinstance(conflicting, IdempotencyConflict)
+    grant = cmd.GrantCredits(customer, USD, "twice", "batch-grant")
+    with engine.begin() as conn:
+        first, again, other = append_batch(conn, [grant, grant, cmd.GrantCredits(customer, 2 * USD, "twice", "batch-grant")])
+    assert first.status == "created" and (again.status, again.seq) == ("exists", first.seq)
+    assert isinstance(other, IdempotencyConflict)
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (11 * USD, USD)
