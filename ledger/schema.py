@@ -20,6 +20,10 @@ from sqlalchemy.types import TypeDecorator
 
 metadata = MetaData()
 
+# Idempotency keys are compared byte for byte: a linguistic collation buys
+# nothing for them and costs every index probe a locale-aware comparison.
+KeyText = String(200).with_variant(String(200, collation="C"), "postgresql")
+
 # SQLite only autoincrements an INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -88,7 +92,7 @@ ledger_events = Table(
     Column("seq", BigInteger, primary_key=True, autoincrement=False),
     Column("event_type", String(64), nullable=False),
     Column("payload", Text, nullable=False),  # canonical JSON, exactly as hashed
-    Column("idempotency_key", String(200), nullable=False, unique=True),
+    Column("idempotency_key", KeyText, nullable=False, unique=True),
     Column("content_digest", String(64), nullable=False),
     Column("reverses_seq", BigInteger),
     Column("recorded_at", UTCDateTime, nullable=False),
@@ -122,7 +126,7 @@ holds = Table(
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
-    Column("idempotency_key", String(200), nullable=False, unique=True),
+    Column("idempotency_key", KeyText, nullable=False, unique=True),
     Column("content_digest", String(64), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),

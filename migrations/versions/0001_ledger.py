@@ -9,7 +9,7 @@ from alembic import op
 
 from ledger.accounts import ensure_system_accounts
 from ledger.events import GENESIS_HASH
-from ledger.schema import BigId, UTCDateTime
+from ledger.schema import BigId, KeyText, UTCDateTime
 
 revision = "0001"
 down_revision = None
@@ -49,7 +49,7 @@ def upgrade() -> None:
         sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
         sa.Column("event_type", sa.String(64), nullable=False),
         sa.Column("payload", sa.Text, nullable=False),
-        sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),
+        sa.Column("idempotency_key", KeyText, nullable=False, unique=True),
         sa.Column("content_digest", sa.String(64), nullable=False),
         sa.Column("reverses_seq", sa.BigInteger),
         sa.Column("recorded_at", UTCDateTime, nullable=False),
@@ -72,7 +72,7 @@ def upgrade() -> None:
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
         sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
-        sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),
+        sa.Column("idempotency_key", KeyText, nullable=False, unique=True),
         sa.Column("content_digest", sa.String(64), nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("expires_at", UTCDateTime, nullable=False),
