@@ -227,4 +227,5 @@ def demo_cmd() -> None:
     """A short scripted tour of the ledger on the configured database."""
     from app.demo import run_demo
 
-    run_demo(_engine())
+    settings = Settings.from_env()
+    run_demo(make_engine(settings.database_url), settings)

@@ -9,11 +9,11 @@ import click
 from sqlalchemy import Engine
 
 from app.migrate import migrate
+from app.settings import Settings
 from app.runtime import tune_garbage_collector
 from ledger import commands as cmd
 from ledger.holds import PlaceHold
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
-from ledger.service import Ledger
 from ledger.verify import verify
 
 REQUESTS = 100
@@ -21,10 +21,10 @@ IN_PRICE_NANO_USD_PER_TOKEN = 150  # $0.15 per million tokens
 OUT_PRICE_NANO_USD_PER_TOKEN = 600  # $0.60 per million tokens
 
 
-def run_demo(engine: Engine) -> None:
+def run_demo(engine: Engine, settings: Settings) -> None:
     migrate(engine)
     tune_garbage_collector()
-    ledger = Ledger(engine)
+    ledger = settings.open_ledger(engine)
     run = uuid.uuid4().hex[:8]
     customer = ledger.create_account(cmd.CUSTOMER, f"Demo customer {run}", "customer@example.com")
     owner = ledger.create_account(cmd.OWNER, f"Demo GPU owner {run}")

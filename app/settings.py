@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from ledger.db import normalise_url
+from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT
 
 DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
 
@@ -12,8 +13,8 @@ DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
 @dataclass(frozen=True)
 class Settings:
     database_url: str
-    group_commit_batch_size_max: int = 512
-    group_commit_wait_ms: float = 1.0
+    group_commit_batch_size_max: int = BATCH_SIZE_MAX_DEFAULT
+    group_commit_wait_ms: int = int(BATCH_WAIT_MS_DEFAULT)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -21,9 +22,15 @@ class Settings:
         normalise_url(url)  # a malformed URL fails here, before anything runs
         return cls(
             database_url=url,
-            group_commit_batch_size_max=_int("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", 512, 1, 10_000),
-            group_commit_wait_ms=float(_int("PARALON_GROUP_COMMIT_WAIT_MS", 1, 0, 100)),
+            group_commit_batch_size_max=_int("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT, 1, 10_000),
+            group_commit_wait_ms=_int("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT), 0, 100),
         )
+
+    def open_ledger(self, engine):
+        """The ledger with this process's group-commit limits."""
+        from ledger.service import Ledger
+
+        return Ledger(engine, batch_size_max=self.group_commit_batch_size_max, batch_wait_ms=self.group_commit_wait_ms)
 
 
 def _int(name: str, default: int, low: int, high: int) -> int:

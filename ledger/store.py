@@ -132,16 +132,9 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     holds_closed: dict[int, int] = {}
     touched: set[int] = set()
     for i, (event, postings, payload_json) in prepared.items():
-        try:
-            if i in late:
-                results[i] = late[i]
-                raise _Skip
-            if isinstance(event, ev.EventReversed) and book.reversal_of(event.reversed_seq) is not None:
-                raise NotReversible(f"event {event.reversed_seq} was already reversed by event {book.reversal_of(event.reversed_seq)}")
-            cmd.require_covered(book, event, postings)
-        except (LedgerError, _Skip) as exc:
-            if isinstance(exc, LedgerError):
-                results[i] = exc
+        answer = late.get(i) or _refusal(book, event, postings)
+        if answer is not None:
+            results[i] = answer
             continue
         seq += 1
         key = commands[i].idempotency_key
@@ -177,8 +170,15 @@ def _closes_hold(command: cmd.Command, book: _BatchBook) -> bool:
     return isinstance(command, cmd.SettleRequest) and command.hold_id in book.closing
 
 
-class _Skip(Exception):
-    """This command was answered meanwhile; it writes nothing."""
+def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> LedgerError | None:
+    """The rules that read balances, checked under the append lock."""
+    if isinstance(event, ev.EventReversed) and (by := book.reversal_of(event.reversed_seq)) is not None:
+        return NotReversible(f"event {event.reversed_seq} was already reversed by event {by}")
+    try:
+        cmd.require_covered(book, event, postings)
+    except LedgerError as exc:
+        return exc
+    return None
 
 
 def _prepare(commands, digests, pending, book, results):
@@ -243,7 +243,7 @@ def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, str]]) -> 
 def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     """What the rules need before the append lock: the kind of every account
     named, reversed events, and the holds being settled, which are closed here
-    in one statement (the row lock keeps anyone else from closing them)."""
+    in one statement (a release or expiry racing with it finds them gone)."""
     book = _BatchBook()
     book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
     reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
@@ -265,7 +265,10 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
 
 
 def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest]) -> None:
-    """Close, in one statement, every hold a settlement here may capture; read the rest as they are."""
+    """Close, in one statement, every hold a settlement here may capture; read the rest as they are.
+
+    A hold closed for a command that then fails (charge above the hold, a key
+    another process used meanwhile) is put back before the batch commits."""
     closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
     for row in bulk.close_holds(conn, closable):
         hold_id, account_id, amount = row[:3]
