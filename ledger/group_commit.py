@@ -147,7 +147,7 @@ class GroupCommitWriter(Generic[C, R]):
 
 def _deliver(batch: list, results: list) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for (_, waiter), result in zip(batch, results):
+    for (_, waiter), result in zip(batch, results, strict=True):
         if isinstance(waiter, Future):
             if isinstance(result, BaseException):
                 waiter.set_exception(result)

@@ -16,7 +16,6 @@ from sqlalchemy import Connection, delete, select
 from ledger import accounts as acc
 from ledger import bulk
 from ledger import commands as cmd
-from ledger import events as ev
 from ledger.db import skip_flush_wait
 from ledger.errors import (
     IdempotencyConflict,

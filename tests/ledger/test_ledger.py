@@ -148,7 +148,7 @@ def test_a_debit_outside_a_hold_cannot_spend_what_holds_reserve(ledger, engine):
 def test_release_and_expiry_give_the_reservation_back_without_moving_money(ledger, engine):
     customer = customer_with(ledger, 10 * USD)
     released = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold")))
-    expiring = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=60))
+    ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=60))
     before = money_snapshot(engine)["balances"]
     assert ledger.release_hold(released.hold_id) is True
     assert ledger.release_hold(released.hold_id) is False

@@ -19,7 +19,6 @@ from ledger import commands as cmd
 from ledger.db import make_engine
 from ledger.errors import (
     CaptureExceedsHold,
-    HoldNotActive,
     InsufficientFunds,
     NotReversible,
 )
