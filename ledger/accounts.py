@@ -6,19 +6,14 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select
 
+from ledger import bulk
 from ledger import commands as cmd
 from ledger.errors import InvalidInput, UnknownAccount
-from ledger import bulk
 from ledger.schema import account_balances, accounts, customer_holds, utc_now
 
 NAME_LENGTH_MAX = 200
 EMAIL_LENGTH_MAX = 320
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
-SYSTEM_ACCOUNTS = {
-    cmd.PLATFORM_REVENUE_ACCOUNT: (cmd.PLATFORM, "Platform revenue"),
-    cmd.GRANTS_ACCOUNT: (cmd.EXTERNAL, "Credits granted by operators"),
-    cmd.ADJUSTMENTS_ACCOUNT: (cmd.EXTERNAL, "Operator adjustments"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,37 +29,22 @@ class BalanceView:
         return self.balance_nano_usd - self.held_nano_usd
 
 
-def create_account(conn: Connection, kind: str, name: str, email: str | None = None, system_code: str | None = None) -> int:
-    if kind not in cmd.ACCOUNT_KINDS:
-        raise InvalidInput(f"account kind must be one of {', '.join(cmd.ACCOUNT_KINDS)}")
-    if system_code is None and kind not in (cmd.CUSTOMER, cmd.OWNER):
-        raise InvalidInput("only customer and owner accounts are created by hand")
+def create_account(conn: Connection, kind: str, name: str, email: str | None = None) -> int:
+    """A customer or GPU-owner account (the platform's own accounts come with the schema)."""
+    if kind not in (cmd.CUSTOMER, cmd.OWNER):
+        raise InvalidInput(f"an account is a {cmd.CUSTOMER} or an {cmd.OWNER}, not {kind!r}")
     name = (name or "").strip()
     if not name or len(name) > NAME_LENGTH_MAX:
         raise InvalidInput(f"a name of 1 to {NAME_LENGTH_MAX} characters is required")
     if email is not None and (len(email) > EMAIL_LENGTH_MAX or not _EMAIL.match(email)):
         raise InvalidInput(f"not an email address: {email!r}")
     account_id = conn.execute(
-        accounts.insert().values(kind=kind, name=name, email=email, system_code=system_code, created_at=utc_now()).returning(accounts.c.id)
+        accounts.insert().values(kind=kind, name=name, email=email, created_at=utc_now()).returning(accounts.c.id)
     ).scalar_one()
     conn.execute(account_balances.insert().values(account_id=account_id, balance_nano_usd=0, last_event_seq=0))
     if kind == cmd.CUSTOMER:
         conn.execute(customer_holds.insert().values(account_id=account_id, holds_placed_nano_usd=0))
     return account_id
-
-
-def ensure_system_accounts(conn: Connection) -> None:
-    existing = set(conn.execute(select(accounts.c.system_code).where(accounts.c.system_code.is_not(None))).scalars())
-    for code, (kind, name) in SYSTEM_ACCOUNTS.items():
-        if code not in existing:
-            create_account(conn, kind, name, system_code=code)
-
-
-def get_account(conn: Connection, account_id: int):
-    row = conn.execute(select(accounts).where(accounts.c.id == account_id)).first()
-    if row is None:
-        raise UnknownAccount(f"account {account_id} does not exist")
-    return row
 
 
 HELD_NANO_USD = func.coalesce(customer_holds.c.holds_placed_nano_usd, 0) - account_balances.c.holds_closed_nano_usd

@@ -7,8 +7,8 @@ Create Date: 2026-11-29
 import sqlalchemy as sa
 from alembic import op
 
-from ledger.accounts import ensure_system_accounts
-from ledger.events import GENESIS_HASH
+from datetime import UTC, datetime
+
 from ledger.schema import BigId, KeyText, UTCDateTime
 
 revision = "0001"
@@ -17,6 +17,13 @@ branch_labels = None
 depends_on = None
 
 APPEND_ONLY_TABLES = ("ledger_events", "ledger_postings")
+GENESIS_HASH = "0" * 64
+# The platform's own account and the counter-accounts operators' entries post against.
+SYSTEM_ACCOUNTS = (
+    ("platform:revenue", "platform", "Platform revenue"),
+    ("external:grants", "external", "Credits granted by operators"),
+    ("external:adjustments", "external", "Operator adjustments"),
+)
 
 
 def upgrade() -> None:
@@ -93,7 +100,13 @@ def upgrade() -> None:
     _refuse_changes()
     bind = op.get_bind()
     bind.execute(sa.text("INSERT INTO ledger_head (id, last_seq, last_hash) VALUES (1, 0, :genesis)"), {"genesis": GENESIS_HASH})
-    ensure_system_accounts(bind)
+    accounts = sa.table("accounts", sa.column("id"), sa.column("kind"), sa.column("name"), sa.column("system_code"), sa.column("created_at", UTCDateTime))
+    balances = sa.table("account_balances", sa.column("account_id"))
+    for code, kind, name in SYSTEM_ACCOUNTS:
+        account_id = bind.execute(
+            accounts.insert().values(kind=kind, name=name, system_code=code, created_at=datetime.now(UTC)).returning(accounts.c.id)
+        ).scalar_one()
+        bind.execute(balances.insert().values(account_id=account_id))
 
 
 def _refuse_changes() -> None:
