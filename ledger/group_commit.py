@@ -121,28 +121,26 @@ class GroupCommitWriter(Generic[C, R]):
             self._commit(batch)
 
     def _commit(self, batch: list) -> None:
-        commands = [command for command, _ in batch]
-        for attempt in range(1, TRANSIENT_RETRIES_MAX + 1):
+        _deliver(batch, self._apply_with_retries([command for command, _ in batch]))
+
+    def _apply_with_retries(self, commands: list) -> list:
+        attempt = 1
+        while True:
             try:
                 with self._engine.begin() as conn:
                     results = self._apply_batch(conn, commands)
-                break
             except DBAPIError as exc:
                 if attempt < TRANSIENT_RETRIES_MAX and _is_transient(exc):
+                    attempt += 1
                     continue  # idempotency keys make the retry safe
-                log.exception("batch of %d failed", len(batch))
-                results = [exc] * len(batch)
-                break
+                log.exception("batch of %d failed", len(commands))
+                return [exc] * len(commands)
             except Exception as exc:  # a bug: fail every caller loudly, keep serving
-                log.exception("batch of %d failed", len(batch))
-                results = [exc] * len(batch)
-                break
-        else:  # pragma: no cover - the loop always breaks
-            return
-        if not isinstance(results[0], Exception) or len(batch) == 1:
+                log.exception("batch of %d failed", len(commands))
+                return [exc] * len(commands)
             self.batches_committed += 1
-            self.commands_committed += len(batch)
-        _deliver(batch, results)
+            self.commands_committed += len(commands)
+            return results
 
 
 def _deliver(batch: list, results: list) -> None:
