@@ -1,0 +1,89 @@
+"""The group-commit writer: batching, per-command results, retries and limits."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from ledger.errors import InsufficientFunds, WriterClosed, WriterOverloaded
+from ledger.group_commit import GroupCommitWriter
+
+
+class _UniqueViolation(Exception):
+    sqlstate = "23505"
+
+
+class _Gate:
+    """Holds the writer inside its first batch until the test opens it."""
+
+    def __init__(self, apply):
+        self.entered, self.open, self.apply = threading.Event(), threading.Event(), apply
+
+    def __call__(self, conn, commands):
+        self.entered.set()
+        self.open.wait()
+        return self.apply(conn, commands)
+
+
+def test_each_caller_gets_its_own_result_from_one_shared_transaction(engine):
+    seen_batches = []
+
+    def apply(conn, commands):
+        seen_batches.append(list(commands))
+        return [InsufficientFunds("odd") if c % 2 else c * 10 for c in commands]
+
+    gate = _Gate(apply)
+    writer = GroupCommitWriter(engine, gate, batch_size_max=8, batch_wait_ms=0)
+    first = writer.submit(0)
+    gate.entered.wait()  # the writer is inside the first batch; the rest queue up
+    futures = [writer.submit(i) for i in range(1, 10)]
+    gate.open.set()
+    assert first.result() == 0
+    for i, future in enumerate(futures, start=1):
+        if i % 2:
+            with pytest.raises(InsufficientFunds):
+                future.result()
+        else:
+            assert future.result() == i * 10
+    writer.close()
+    assert [len(b) for b in seen_batches] == [1, 8, 1]  # bounded by batch_size_max
+    assert writer.batches_committed == 3 and writer.commands_committed == 10
+
+
+def test_a_unique_key_race_is_retried_and_a_bug_fails_only_its_batch(engine):
+    calls = []
+
+    def apply(conn, commands):
+        calls.append(commands)
+        if len(calls) == 1:
+            raise IntegrityError("INSERT", {}, _UniqueViolation())
+        if commands == ["boom"]:
+            raise RuntimeError("a bug")
+        return ["ok"] * len(commands)
+
+    writer = GroupCommitWriter(engine, apply, batch_wait_ms=0)
+    assert writer.execute("first") == "ok"  # failed once with a unique violation, then retried
+    assert len(calls) == 2
+    with pytest.raises(RuntimeError):
+        writer.execute("boom")
+    assert writer.execute("after") == "ok"  # the writer keeps serving
+    writer.close()
+    assert writer.commands_committed == 2
+
+
+def test_a_full_queue_refuses_at_once_and_a_closed_writer_refuses(engine):
+    gate = _Gate(lambda conn, commands: list(commands))
+    writer = GroupCommitWriter(engine, gate, batch_size_max=1, queue_depth_max=2, batch_wait_ms=0)
+    taken = writer.submit("taken by the writer")
+    gate.entered.wait()
+    queued = [writer.submit("a"), writer.submit("b")]
+    with pytest.raises(WriterOverloaded):
+        writer.submit("c")
+    gate.open.set()
+    assert taken.result() == "taken by the writer" and [f.result() for f in queued] == ["a", "b"]
+    writer.close()
+    with pytest.raises(WriterClosed):
+        writer.submit("late")
+    with pytest.raises(ValueError):
+        GroupCommitWriter(engine, lambda conn, commands: commands, batch_size_max=0)
