@@ -27,8 +27,13 @@ def _nullable_ints(values) -> str:
 
 
 def _words(values) -> str:
-    """Strings that need no quoting: hex digests and event type names."""
+    """Strings that need no quoting: event type names."""
     return "{" + ",".join(values) + "}"
+
+
+def _bytes(values) -> str:
+    """bytea elements in hex form; the backslash is doubled for the array parser."""
+    return "{" + ",".join(['"\\\\x' + v.hex() + '"' for v in values]) + "}"
 
 
 def _texts(values) -> str:
@@ -38,11 +43,11 @@ def _texts(values) -> str:
 Spec = tuple[tuple[str, Callable], ...]
 EVENT_SPEC: Spec = (
     ("seq", _ints), ("event_type", _words), ("payload", _texts), ("idempotency_key", _texts),
-    ("content_digest", _words), ("reverses_seq", _nullable_ints), ("prev_hash", _words), ("hash", _words),
+    ("content_digest", _bytes), ("reverses_seq", _nullable_ints), ("prev_hash", _bytes), ("hash", _bytes),
 )
 POSTING_SPEC: Spec = (("event_seq", _ints), ("leg", _ints), ("account_id", _ints), ("amount_nano_usd", _ints))
 HOLD_SPEC: Spec = (
-    ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("content_digest", _words), ("ttl_s", _ints),
+    ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("content_digest", _bytes), ("ttl_s", _ints),
 )
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "content_digest", "created_at", "expires_at")
 
@@ -59,7 +64,7 @@ def _dicts(spec: Spec, rows: list[tuple]) -> list[dict]:
 _PG_INSERT_EVENTS = """
 INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, prev_hash, hash, recorded_at)
 SELECT u.*, %(recorded_at)s FROM unnest(%(seq)s::bigint[], %(event_type)s::text[], %(payload)s::text[],
-    %(idempotency_key)s::text[], %(content_digest)s::text[], %(reverses_seq)s::bigint[], %(prev_hash)s::text[], %(hash)s::text[]) AS u
+    %(idempotency_key)s::text[], %(content_digest)s::bytea[], %(reverses_seq)s::bigint[], %(prev_hash)s::bytea[], %(hash)s::bytea[]) AS u
 """
 _PG_INSERT_POSTINGS = """
 INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd)
@@ -90,7 +95,7 @@ _PG_INSERT_HOLDS = """
 INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, content_digest, created_at, expires_at)
 SELECT u.account_id, u.amount, u.key, u.digest, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
 FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempotency_key)s::text[],
-    %(content_digest)s::text[], %(ttl_s)s::int[]) AS u(account_id, amount, key, digest, ttl_s)
+    %(content_digest)s::bytea[], %(ttl_s)s::int[]) AS u(account_id, amount, key, digest, ttl_s)
 RETURNING id, idempotency_key
 """
 

@@ -92,7 +92,7 @@ ADJUSTMENTS_ACCOUNT = "external:adjustments"
 PLATFORM_REVENUE_ACCOUNT = "platform:revenue"
 
 
-def command_digest(command: Command) -> str:
+def command_digest(command: Command) -> bytes:
     fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
     return ev.content_digest(type(command).__name__, fields)
 

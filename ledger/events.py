@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from datetime import UTC, datetime
 
-GENESIS_HASH = "0" * 64
+GENESIS_HASH = bytes(32)
 
 
 class Posting(NamedTuple):
@@ -97,14 +97,14 @@ def format_time(moment: datetime) -> str:
 
 
 def event_hash(
-    prev_hash: str,
+    prev_hash: bytes,
     seq: int,
     event_type: str,
     idempotency_key: str,
     recorded_at_text: str,
     payload_json: str,
     postings: list[tuple[int, int]],
-) -> str:
+) -> bytes:
     """SHA-256 over the previous hash and the canonical event, postings included.
 
     `recorded_at_text` is `format_time(recorded_at)`; callers hashing a batch
@@ -114,9 +114,9 @@ def event_hash(
         f'{{"seq":{seq},"type":{canonical_json(event_type)},"key":{canonical_json(idempotency_key)},'
         f'"at":"{recorded_at_text}","payload":{payload_json},"postings":[{legs}]}}'
     )
-    return hashlib.sha256(f"{prev_hash}\n{body}".encode()).hexdigest()
+    return hashlib.sha256(f"{prev_hash.hex()}\n{body}".encode()).digest()
 
 
-def content_digest(kind: str, fields: dict) -> str:
+def content_digest(kind: str, fields: dict) -> bytes:
     """What an idempotency key is compared on: the command's own content."""
-    return hashlib.sha256(kind.encode() + b"\n" + canonical_bytes(fields)).hexdigest()
+    return hashlib.sha256(kind.encode() + b"\n" + canonical_bytes(fields)).digest()

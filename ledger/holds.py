@@ -56,8 +56,8 @@ def validate_place_hold(request: PlaceHold) -> None:
     cmd.require_text(request.idempotency_key, "idempotency key", cmd.KEY_LENGTH_MAX)
 
 
-def _digest(request: PlaceHold) -> str:
-    return hashlib.sha256(f"PlaceHold\n{request.account_id}\n{request.amount_nano_usd}".encode()).hexdigest()
+def _digest(request: PlaceHold) -> bytes:
+    return hashlib.sha256(f"PlaceHold\n{request.account_id}\n{request.amount_nano_usd}".encode()).digest()
 
 
 def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:

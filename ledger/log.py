@@ -26,8 +26,8 @@ class StoredEvent:
     payload_json: str
     idempotency_key: str
     recorded_at: datetime
-    prev_hash: str
-    hash: str
+    prev_hash: bytes  # SHA-256
+    hash: bytes
     postings: list[tuple[int, int]] = field(default_factory=list)  # (account_id, amount_nano_usd) in leg order
 
     @property

@@ -10,6 +10,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -83,7 +84,7 @@ ledger_head = Table(
     metadata,
     Column("id", Integer, primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
-    Column("last_hash", String(64), nullable=False),
+    Column("last_hash", LargeBinary(32), nullable=False),
 )
 
 ledger_events = Table(
@@ -93,11 +94,11 @@ ledger_events = Table(
     Column("event_type", String(64), nullable=False),
     Column("payload", Text, nullable=False),  # canonical JSON, exactly as hashed
     Column("idempotency_key", KeyText, nullable=False, unique=True),
-    Column("content_digest", String(64), nullable=False),
+    Column("content_digest", LargeBinary(32), nullable=False),  # SHA-256 of the command
     Column("reverses_seq", BigInteger),
     Column("recorded_at", UTCDateTime, nullable=False),
-    Column("prev_hash", String(64), nullable=False),
-    Column("hash", String(64), nullable=False),
+    Column("prev_hash", LargeBinary(32), nullable=False),  # SHA-256, raw bytes
+    Column("hash", LargeBinary(32), nullable=False),
     # An event is reversed at most once; partial, so ordinary events add no index entry.
     Index("ux_ledger_events_reverses_seq", "reverses_seq", unique=True,
           postgresql_where=text("reverses_seq IS NOT NULL"), sqlite_where=text("reverses_seq IS NOT NULL")),
@@ -127,7 +128,7 @@ holds = Table(
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
     Column("idempotency_key", KeyText, nullable=False, unique=True),
-    Column("content_digest", String(64), nullable=False),
+    Column("content_digest", LargeBinary(32), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
     Index("ix_holds_expiry", "expires_at"),

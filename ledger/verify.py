@@ -58,7 +58,9 @@ def replay_balances(conn: Connection, report: VerifyReport | None = None, progre
     if report is not None:
         head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
         if (head.last_seq, head.last_hash) != (expected_seq - 1, prev_hash):
-            report.add(f"ledger_head says seq {head.last_seq} hash {head.last_hash}, the log ends at seq {expected_seq - 1} hash {prev_hash}")
+            report.add(
+                f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, the log ends at seq {expected_seq - 1} hash {prev_hash.hex()}"
+            )
     return {a: (v[0], v[1]) for a, v in balances.items()}
 
 
@@ -67,7 +69,7 @@ def _check_event(event, expected_seq: int, prev_hash: str, report: VerifyReport)
     if event.seq != expected_seq:
         report.add(f"{where}: expected seq {expected_seq}, the chain has a gap or a reorder")
     if event.prev_hash != prev_hash:
-        report.add(f"{where}: prev_hash {event.prev_hash} does not match the hash of the event before, {prev_hash}")
+        report.add(f"{where}: prev_hash {event.prev_hash.hex()} does not match the hash of the event before, {prev_hash.hex()}")
     try:
         canonical = ev.canonical_json(json.loads(event.payload_json)) == event.payload_json
     except ValueError:
@@ -76,7 +78,7 @@ def _check_event(event, expected_seq: int, prev_hash: str, report: VerifyReport)
         report.add(f"{where}: payload is not canonical JSON")
     computed = ev.event_hash(event.prev_hash, event.seq, event.event_type, event.idempotency_key, ev.format_time(event.recorded_at), event.payload_json, event.postings)
     if computed != event.hash:
-        report.add(f"{where}: stored hash {event.hash} but the event and its postings hash to {computed}")
+        report.add(f"{where}: stored hash {event.hash.hex()} but the event and its postings hash to {computed.hex()}")
     total = sum(amount for _, amount in event.postings)
     if total != 0:
         report.add(f"{where}: postings sum to {total} nano-USD, not 0")

@@ -17,7 +17,7 @@ branch_labels = None
 depends_on = None
 
 APPEND_ONLY_TABLES = ("ledger_events", "ledger_postings")
-GENESIS_HASH = "0" * 64
+GENESIS_HASH = bytes(32)
 # The platform's own account and the counter-accounts operators' entries post against.
 SYSTEM_ACCOUNTS = (
     ("platform:revenue", "platform", "Platform revenue"),
@@ -48,7 +48,7 @@ def upgrade() -> None:
         "ledger_head",
         sa.Column("id", sa.Integer, primary_key=True),
         sa.Column("last_seq", sa.BigInteger, nullable=False),
-        sa.Column("last_hash", sa.String(64), nullable=False),
+        sa.Column("last_hash", sa.LargeBinary(32), nullable=False),
         sa.CheckConstraint("id = 1", name="ck_ledger_head_single_row"),
     )
     op.create_table(
@@ -57,11 +57,11 @@ def upgrade() -> None:
         sa.Column("event_type", sa.String(64), nullable=False),
         sa.Column("payload", sa.Text, nullable=False),
         sa.Column("idempotency_key", KeyText, nullable=False, unique=True),
-        sa.Column("content_digest", sa.String(64), nullable=False),
+        sa.Column("content_digest", sa.LargeBinary(32), nullable=False),
         sa.Column("reverses_seq", sa.BigInteger),
         sa.Column("recorded_at", UTCDateTime, nullable=False),
-        sa.Column("prev_hash", sa.String(64), nullable=False),
-        sa.Column("hash", sa.String(64), nullable=False),
+        sa.Column("prev_hash", sa.LargeBinary(32), nullable=False),
+        sa.Column("hash", sa.LargeBinary(32), nullable=False),
     )
     reversal = sa.text("reverses_seq IS NOT NULL")
     op.create_index("ux_ledger_events_reverses_seq", "ledger_events", ["reverses_seq"], unique=True,
@@ -80,7 +80,7 @@ def upgrade() -> None:
         sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
         sa.Column("idempotency_key", KeyText, nullable=False, unique=True),
-        sa.Column("content_digest", sa.String(64), nullable=False),
+        sa.Column("content_digest", sa.LargeBinary(32), nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("expires_at", UTCDateTime, nullable=False),
         sa.CheckConstraint("amount_nano_usd > 0", name="ck_holds_amount_positive"),
