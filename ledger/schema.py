@@ -106,7 +106,8 @@ ledger_events = Table(
 
 # No foreign keys on the hot append tables (postings, holds): a foreign-key
 # check per row cost more than the rest of the insert, and every id written is
-# checked under the append lock first; `ledger verify` re-checks them.
+# checked under the append lock first; `ledger verify` re-checks them. Postings
+# are read by event; per-account views are read models, which index themselves.
 ledger_postings = Table(
     "ledger_postings",
     metadata,
@@ -114,7 +115,6 @@ ledger_postings = Table(
     Column("leg", Integer, primary_key=True, autoincrement=False),
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
-    Index("ix_ledger_postings_account", "account_id", "event_seq"),
 )
 
 # Active reservations beside the log, never hashed. A hold is deleted when it

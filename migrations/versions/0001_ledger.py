@@ -73,7 +73,6 @@ def upgrade() -> None:
         sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
     )
-    op.create_index("ix_ledger_postings_account", "ledger_postings", ["account_id", "event_seq"])
     op.create_table(
         "holds",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
