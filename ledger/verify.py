@@ -10,8 +10,8 @@ from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger import events as ev
-from ledger.log import iter_events
 from ledger.accounts import read_books
+from ledger.log import iter_events
 from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head
 
 Progress = Callable[[int], None]  # called with the number of events just processed
