@@ -47,9 +47,9 @@ EVENT_SPEC: Spec = (
 )
 POSTING_SPEC: Spec = (("event_seq", _ints), ("leg", _ints), ("account_id", _ints), ("amount_nano_usd", _ints))
 HOLD_SPEC: Spec = (
-    ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("content_digest", _bytes), ("ttl_s", _ints),
+    ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("ttl_s", _ints),
 )
-HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "content_digest", "created_at", "expires_at")
+HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at")
 
 
 def _columns(spec: Spec, rows: list[tuple]) -> dict[str, str]:
@@ -89,13 +89,13 @@ WHERE c.account_id = u.account_id
 """
 _PG_CLOSE_HOLDS = """
 DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
-RETURNING id, account_id, amount_nano_usd, idempotency_key, content_digest, created_at, expires_at
+RETURNING id, account_id, amount_nano_usd, idempotency_key, created_at, expires_at
 """
 _PG_INSERT_HOLDS = """
-INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, content_digest, created_at, expires_at)
-SELECT u.account_id, u.amount, u.key, u.digest, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
+INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at)
+SELECT u.account_id, u.amount, u.key, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
 FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempotency_key)s::text[],
-    %(content_digest)s::bytea[], %(ttl_s)s::int[]) AS u(account_id, amount, key, digest, ttl_s)
+    %(ttl_s)s::int[]) AS u(account_id, amount, key, ttl_s)
 RETURNING id, idempotency_key
 """
 
@@ -224,9 +224,9 @@ def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str
     if is_postgres(conn):
         return {key: hold_id for hold_id, key in _pg_rows(conn, _PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})}
     values = [
-        {"account_id": a, "amount_nano_usd": m, "idempotency_key": k, "content_digest": d,
+        {"account_id": a, "amount_nano_usd": m, "idempotency_key": k,
          "created_at": now, "expires_at": now + timedelta(seconds=ttl)}
-        for a, m, k, d, ttl in rows
+        for a, m, k, ttl in rows
     ]
     inserted = conn.execute(holds.insert().returning(holds.c.id, holds.c.idempotency_key, sort_by_parameter_order=True), values)
     return {key: hold_id for hold_id, key in inserted}

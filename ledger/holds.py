@@ -6,7 +6,6 @@ rest), released without a charge, or expired by the sweeper.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
@@ -56,15 +55,10 @@ def validate_place_hold(request: PlaceHold) -> None:
     cmd.require_text(request.idempotency_key, "idempotency key", cmd.KEY_LENGTH_MAX)
 
 
-def _digest(request: PlaceHold) -> bytes:
-    return hashlib.sha256(f"PlaceHold\n{request.account_id}\n{request.amount_nano_usd}".encode()).digest()
-
-
 def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
     """Place holds in the caller's transaction, each checked against credits minus active holds."""
     skip_flush_wait(conn)
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)
-    digests = [_digest(r) for r in requests]
     existing = {}
     for chunk in bulk.in_chunks(sorted({r.idempotency_key for r in requests})):
         for row in conn.execute(select(holds).where(bulk.one_of(conn, holds.c.idempotency_key, chunk))):
@@ -74,7 +68,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         row = existing.get(request.idempotency_key)
         if row is None:
             to_place.append(i)
-        elif row.content_digest == digests[i]:
+        elif (row.account_id, row.amount_nano_usd) == (request.account_id, request.amount_nano_usd):
             results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at)
         else:
             results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
@@ -89,8 +83,8 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     for i in to_place:
         request = requests[i]
         if request.idempotency_key in seen_keys:
-            first_index, first_digest = seen_keys[request.idempotency_key]
-            if first_digest == digests[i]:
+            first_index = seen_keys[request.idempotency_key]
+            if _same_hold(requests[first_index], request):
                 repeats[i] = first_index
             else:
                 results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
@@ -109,8 +103,8 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
             continue
         available[request.account_id] -= request.amount_nano_usd
         placed[request.account_id] = placed.get(request.account_id, 0) + request.amount_nano_usd
-        seen_keys[request.idempotency_key] = (i, digests[i])
-        rows.append((request.account_id, request.amount_nano_usd, request.idempotency_key, digests[i], request.ttl_s))
+        seen_keys[request.idempotency_key] = i
+        rows.append((request.account_id, request.amount_nano_usd, request.idempotency_key, request.ttl_s))
     ids = bulk.insert_holds(conn, rows, now)
     bulk.add_holds_placed(conn, placed)
     for i in to_place:
@@ -121,6 +115,11 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         first = results[first_index]
         results[i] = HoldResult(EXISTS, first.hold_id, first.amount_nano_usd, first.expires_at)
     return results  # type: ignore[return-value]
+
+
+def _same_hold(a: PlaceHold, b: PlaceHold) -> bool:
+    """What a hold's idempotency key is compared on (the expiry may differ on a retry)."""
+    return (a.account_id, a.amount_nano_usd) == (b.account_id, b.amount_nano_usd)
 
 
 def release_hold(conn: Connection, hold_id: int) -> bool:

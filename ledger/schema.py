@@ -128,7 +128,6 @@ holds = Table(
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
     Column("idempotency_key", KeyText, nullable=False, unique=True),
-    Column("content_digest", LargeBinary(32), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
     Index("ix_holds_expiry", "expires_at"),

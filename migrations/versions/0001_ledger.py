@@ -79,7 +79,6 @@ def upgrade() -> None:
         sa.Column("account_id", sa.BigInteger, nullable=False),
         sa.Column("amount_nano_usd", sa.BigInteger, nullable=False),
         sa.Column("idempotency_key", KeyText, nullable=False, unique=True),
-        sa.Column("content_digest", sa.LargeBinary(32), nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("expires_at", UTCDateTime, nullable=False),
         sa.CheckConstraint("amount_nano_usd > 0", name="ck_holds_amount_positive"),
