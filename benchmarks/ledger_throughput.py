@@ -69,6 +69,13 @@ class ScratchDatabase:
         return args, env
 
 
+def idle_cpu_s() -> float:
+    """Idle CPU seconds of the whole machine so far (Linux /proc/stat), summed over cores."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 def postgres_cpu_s() -> float | None:
     """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
     total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
@@ -184,9 +191,10 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
-        postgres_cpu_started = postgres_cpu_s()
+        postgres_cpu_started, idle_started = postgres_cpu_s(), idle_cpu_s()
         time.sleep(max(0.0, start_at + seconds - time.time()))
         postgres_cpu_used = postgres_cpu_s()  # before the producers disconnect and their backends exit
+        machine_idle_share = (idle_cpu_s() - idle_started) / (seconds * (os.cpu_count() or 1))
         parts = pending.get()
     with engine.connect() as conn:
         report = verify(conn)
@@ -203,6 +211,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "postgres_cpu_us_per_settlement": (
             round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
         ),
+        "machine_idle_share": round(machine_idle_share, 3),
         "settlements_by_second": [sum(seconds_) for seconds_ in zip(*(part["per_second"] for part in parts))],
         "verify_ok": report.ok,
     }
