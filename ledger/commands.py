@@ -1,7 +1,7 @@
 """Commands and the pure rules that turn one into an event and its postings.
 
-`decide` sees the world only through `BookView`, so the same rules run inside a
-group-commit batch (against balances loaded for the batch) and in tests.
+`prepare` and `require_covered` see the world only through `BookView`, so the
+same rules run inside any group-commit batch, against the state loaded for it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from ledger.errors import (
 from ledger.money import AMOUNT_NANO_USD_MAX, require_positive, split_charge
 
 CUSTOMER, OWNER, PLATFORM, EXTERNAL = "customer", "owner", "platform", "external"
-ACCOUNT_KINDS = (CUSTOMER, OWNER, PLATFORM, EXTERNAL)
 # Kinds whose balance is money held for someone and may never go below zero.
 NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
 REASON_LENGTH_MAX = 500
@@ -149,15 +148,9 @@ def _validate_meta(meta: object) -> None:
             raise InvalidInput(f"metadata {name!r} must be an integer or a string")
 
 
-def decide(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
-    """The event this command produces and its postings, or a typed error."""
-    event, postings = prepare(command, book)
-    require_covered(book, event, postings)
-    return event, postings
-
-
 def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
-    """Every rule that does not read a balance; `require_covered` is the rest."""
+    """The event this command produces and its postings, or a typed error: every
+    rule that does not read a balance (`require_covered` is the rest)."""
     match command:
         case GrantCredits():
             _require_kind(book, command.account_id, CUSTOMER)

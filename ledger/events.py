@@ -62,13 +62,6 @@ class EventReversed:
     reason: str
 
 
-EVENT_TYPES = {cls.__name__: cls for cls in (CreditsGranted, BalanceAdjusted, RequestSettled, EventReversed)}
-
-
-def event_type_name(event: object) -> str:
-    return type(event).__name__
-
-
 def event_payload(event: object) -> dict:
     """Shallow on purpose: payload values are ints, strings and one flat `meta` dict."""
     return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]

@@ -68,10 +68,10 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         row = existing.get(request.idempotency_key)
         if row is None:
             to_place.append(i)
-        elif (row.account_id, row.amount_nano_usd) == (request.account_id, request.amount_nano_usd):
+        elif _same_hold(row, request):
             results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at)
         else:
-            results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
+            results[i] = _key_conflict(request)
 
     account_ids = sorted({requests[i].account_id for i in to_place})
     acc.lock_customer_holds(conn, account_ids)
@@ -87,7 +87,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
             if _same_hold(requests[first_index], request):
                 repeats[i] = first_index
             else:
-                results[i] = IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
+                results[i] = _key_conflict(request)
             continue
         view = books.get(request.account_id)
         if view is None:
@@ -117,9 +117,14 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     return results  # type: ignore[return-value]
 
 
-def _same_hold(a: PlaceHold, b: PlaceHold) -> bool:
-    """What a hold's idempotency key is compared on (the expiry may differ on a retry)."""
+def _same_hold(a, b: PlaceHold) -> bool:
+    """What a hold's idempotency key is compared on (the expiry may differ on a
+    retry); `a` is an earlier request or a stored hold row."""
     return (a.account_id, a.amount_nano_usd) == (b.account_id, b.amount_nano_usd)
+
+
+def _key_conflict(request: PlaceHold) -> IdempotencyConflict:
+    return IdempotencyConflict(f"hold key {request.idempotency_key!r} was used with other content")
 
 
 def release_hold(conn: Connection, hold_id: int) -> bool:

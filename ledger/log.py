@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Iterator
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, select, update
 
 from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
 
@@ -33,10 +33,6 @@ class StoredEvent:
     @property
     def payload(self) -> dict:
         return json.loads(self.payload_json)
-
-
-def last_seq(conn: Connection) -> int:
-    return conn.execute(select(func.coalesce(func.max(ledger_events.c.seq), 0))).scalar_one()
 
 
 def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT) -> list[StoredEvent]:
