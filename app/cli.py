@@ -229,3 +229,8 @@ def demo_cmd() -> None:
 
     settings = Settings.from_env()
     run_demo(make_engine(settings.database_url), settings)
+
+
+from app.cli_proxy import register as _register_proxy_commands  # noqa: E402
+
+_register_proxy_commands(main, _emit, handles_errors, json_option)

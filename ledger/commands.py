@@ -58,13 +58,24 @@ class SettleRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordUsageDiscrepancy:
+    request_id: str
+    worker_id: int
+    reported_prompt_tokens: int
+    reported_completion_tokens: int
+    billed_prompt_tokens: int
+    billed_completion_tokens: int
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReverseEvent:
     seq: int
     reason: str
     idempotency_key: str
 
 
-Command = GrantCredits | AdjustBalance | SettleRequest | ReverseEvent
+Command = GrantCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
 
 
 class HoldView(NamedTuple):
@@ -131,6 +142,13 @@ def validate_shape(command: Command) -> None:
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")
+        case RecordUsageDiscrepancy():
+            require_text(command.request_id, "request id", KEY_LENGTH_MAX)
+            for name in ("worker_id", "reported_prompt_tokens", "reported_completion_tokens",
+                         "billed_prompt_tokens", "billed_completion_tokens"):
+                value = getattr(command, name)
+                if type(value) is not int or not 0 <= value <= INT64_MAX:
+                    raise InvalidInput(f"{name} must be a non-negative integer")
 
 
 def _validate_meta(meta: object) -> None:
@@ -168,6 +186,9 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             event, postings = _settle(command, book)
         case ReverseEvent():
             event, postings = _reverse(command, book)
+        case RecordUsageDiscrepancy():
+            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
+            event, postings = ev.UsageDiscrepancyRecorded(**fields), []
         case _:
             raise InvalidInput(f"unknown command {type(command).__name__}")
     if sum(p.amount_nano_usd for p in postings) != 0:

@@ -55,6 +55,19 @@ class RequestSettled:
 
 
 @dataclass(frozen=True, slots=True)
+class UsageDiscrepancyRecorded:
+    """A worker reported more tokens than the proxy could count; the lower was billed.
+    Moves no money: it is the audit trail for a charge below what a worker claimed."""
+
+    request_id: str
+    worker_id: int
+    reported_prompt_tokens: int
+    reported_completion_tokens: int
+    billed_prompt_tokens: int
+    billed_completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class EventReversed:
     """A former event's postings, negated. The only way a mistake is undone."""
 

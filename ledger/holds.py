@@ -39,6 +39,9 @@ class PlaceHold:
     amount_nano_usd: int
     idempotency_key: str
     ttl_s: int = HOLD_TTL_S_DEFAULT
+    # When set, hold what is available if that is less than the amount but at
+    # least this much (the proxy clamps max_tokens to it rather than refuse).
+    minimum_nano_usd: int | None = None
 
 
 class HoldResult(NamedTuple):
@@ -50,6 +53,10 @@ class HoldResult(NamedTuple):
 
 def validate_place_hold(request: PlaceHold) -> None:
     require_positive(request.amount_nano_usd, "hold amount")
+    if request.minimum_nano_usd is not None:
+        require_positive(request.minimum_nano_usd, "hold minimum")
+        if request.minimum_nano_usd > request.amount_nano_usd:
+            raise InvalidInput("hold minimum must not exceed the hold amount")
     if type(request.ttl_s) is not int or not (0 < request.ttl_s <= HOLD_TTL_S_MAX):
         raise InvalidInput(f"hold ttl must be 1 to {HOLD_TTL_S_MAX} s")
     cmd.require_text(request.idempotency_key, "idempotency key", cmd.KEY_LENGTH_MAX)
@@ -68,7 +75,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         row = existing.get(request.idempotency_key)
         if row is None:
             to_place.append(i)
-        elif _same_hold(row, request):
+        elif _matches_stored(row, request):
             results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at)
         else:
             results[i] = _key_conflict(request)
@@ -79,7 +86,7 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
     available = {a: view.available_nano_usd for a, view in books.items()}
     placed: dict[int, int] = {}
     now = utc_now()
-    rows, seen_keys, repeats = [], {}, {}
+    rows, seen_keys, repeats, granted = [], {}, {}, {}
     for i in to_place:
         request = requests[i]
         if request.idempotency_key in seen_keys:
@@ -96,31 +103,38 @@ def place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult 
         if view.kind != cmd.CUSTOMER:
             results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is a {view.kind} account")
             continue
-        if request.amount_nano_usd > available[request.account_id]:
+        amount = min(request.amount_nano_usd, available[request.account_id])
+        if amount < (request.minimum_nano_usd or request.amount_nano_usd):
             results[i] = InsufficientFunds(
-                f"account {request.account_id} has {available[request.account_id]} nano-USD available, hold needs {request.amount_nano_usd}"
+                f"account {request.account_id} has {available[request.account_id]} nano-USD available, hold needs {request.minimum_nano_usd or request.amount_nano_usd}"
             )
             continue
-        available[request.account_id] -= request.amount_nano_usd
-        placed[request.account_id] = placed.get(request.account_id, 0) + request.amount_nano_usd
+        available[request.account_id] -= amount
+        placed[request.account_id] = placed.get(request.account_id, 0) + amount
         seen_keys[request.idempotency_key] = i
-        rows.append((request.account_id, request.amount_nano_usd, request.idempotency_key, request.ttl_s))
+        granted[i] = amount
+        rows.append((request.account_id, amount, request.idempotency_key, request.ttl_s))
     ids = bulk.insert_holds(conn, rows, now)
     bulk.add_holds_placed(conn, placed)
     for i in to_place:
         if results[i] is None and i not in repeats:
             r = requests[i]
-            results[i] = HoldResult(CREATED, ids[r.idempotency_key], r.amount_nano_usd, now + timedelta(seconds=r.ttl_s))
+            results[i] = HoldResult(CREATED, ids[r.idempotency_key], granted[i], now + timedelta(seconds=r.ttl_s))
     for i, first_index in repeats.items():  # a key repeated inside the batch answers like the first
         first = results[first_index]
         results[i] = HoldResult(EXISTS, first.hold_id, first.amount_nano_usd, first.expires_at)
     return results  # type: ignore[return-value]
 
 
-def _same_hold(a, b: PlaceHold) -> bool:
-    """What a hold's idempotency key is compared on (the expiry may differ on a
-    retry); `a` is an earlier request or a stored hold row."""
-    return (a.account_id, a.amount_nano_usd) == (b.account_id, b.amount_nano_usd)
+def _same_hold(a: PlaceHold, b: PlaceHold) -> bool:
+    """What a hold's idempotency key is compared on (the expiry may differ on a retry)."""
+    return (a.account_id, a.amount_nano_usd, a.minimum_nano_usd) == (b.account_id, b.amount_nano_usd, b.minimum_nano_usd)
+
+
+def _matches_stored(row, request: PlaceHold) -> bool:
+    """A stored hold answers a retry when it is one the request could have placed."""
+    floor = request.minimum_nano_usd or request.amount_nano_usd
+    return row.account_id == request.account_id and floor <= row.amount_nano_usd <= request.amount_nano_usd
 
 
 def _key_conflict(request: PlaceHold) -> IdempotencyConflict:

@@ -1,0 +1,27 @@
+"""`paralon serve`: the proxy on uvicorn."""
+from __future__ import annotations
+
+import uvicorn
+
+from app.api import create_app
+from app.runtime import tune_garbage_collector
+from app.settings import Settings
+from ledger.db import make_engine
+
+
+def _loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run_server(settings: Settings, host: str, port: int) -> None:
+    ledger = settings.open_ledger(make_engine(settings.database_url))
+    app = create_app(ledger)
+    tune_garbage_collector()
+    try:
+        uvicorn.run(app, host=host, port=port, http="httptools", loop=_loop(), log_level="warning", access_log=False)
+    finally:
+        ledger.close()

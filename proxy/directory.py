@@ -1,0 +1,95 @@
+"""What the hot path reads from memory instead of the database: prices, the
+fleet, API keys. Refreshed in the background; a key lookup that misses goes
+to the database once and is cached for a short time (revocation takes effect
+within `key_cache_ttl_s`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+
+from proxy import keys, prices, workers
+from proxy.routing import quantise_tokens_per_s
+
+REFRESH_INTERVAL_S = 1.0
+KEY_CACHE_TTL_S = 1.0
+KEY_CACHE_ENTRIES_MAX = 100_000
+
+
+@dataclass
+class WorkerLoad:
+    """This process's view of one worker's load and speed."""
+
+    in_flight: int = 0
+    reported_busy: int = 0  # running + waiting, from the worker's /metrics
+    peak_tokens_per_s: float = 0.0  # per-request decode rate x concurrency, best seen
+    completed: int = 0
+
+    def busy(self) -> int:
+        return max(self.in_flight, self.reported_busy)
+
+    def observe(self, tokens: int, decode_s: float, concurrency: int) -> None:
+        self.completed += 1
+        if tokens >= 2 and decode_s > 0:
+            self.peak_tokens_per_s = max(self.peak_tokens_per_s, tokens / decode_s * max(1, concurrency))
+
+
+@dataclass
+class Directory:
+    engine: Engine
+    key_cache_ttl_s: float = KEY_CACHE_TTL_S
+    prices: dict[str, prices.Price] = field(default_factory=dict)
+    fleet: dict[str, list[workers.WorkerView]] = field(default_factory=dict)  # by public model name
+    loads: dict[int, WorkerLoad] = field(default_factory=dict)
+    _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
+
+    def refresh(self) -> None:
+        with self.engine.connect() as conn:
+            new_prices = prices.load_prices(conn)
+            fleet: dict[str, list[workers.WorkerView]] = {}
+            for worker in workers.list_workers(conn):
+                fleet.setdefault(worker.model, []).append(worker)
+                self.loads.setdefault(worker.id, WorkerLoad())
+        self.prices, self.fleet = new_prices, fleet
+
+    async def run(self, interval_s: float = REFRESH_INTERVAL_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(self.refresh)
+            except Exception:  # a database blip must not stop the refresher; the last snapshot stays
+                continue
+
+    def worker(self, worker_id: int) -> workers.WorkerView | None:
+        for fleet in self.fleet.values():
+            for worker in fleet:
+                if worker.id == worker_id:
+                    return worker
+        return None
+
+    def models(self) -> list[str]:
+        return sorted(m for m in self.prices if m in self.fleet)
+
+    async def authenticate(self, key: str) -> keys.KeyGrant | None:
+        now = time.monotonic()
+        cached = self._keys.get(key)
+        if cached is not None and now - cached[0] < self.key_cache_ttl_s:
+            return cached[1]
+        grant = await asyncio.to_thread(self._find_key, key)
+        if len(self._keys) >= KEY_CACHE_ENTRIES_MAX:
+            self._keys.clear()
+        self._keys[key] = (now, grant)
+        return grant
+
+    def _find_key(self, key: str) -> keys.KeyGrant | None:
+        with self.engine.connect() as conn:
+            return keys.find_key(conn, key)
+
+    def measured_tokens_per_s(self, worker: workers.WorkerView) -> int | None:
+        """The shared measurement if any replica recorded one, else this process's own."""
+        if worker.throughput_tokens_per_s:
+            return worker.throughput_tokens_per_s
+        load = self.loads.get(worker.id)
+        return quantise_tokens_per_s(load.peak_tokens_per_s) if load and load.peak_tokens_per_s else None

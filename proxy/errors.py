@@ -1,0 +1,55 @@
+"""Errors a caller of the OpenAI API can get, each with its HTTP status and
+OpenAI error type. Controllers turn them into OpenAI's error JSON."""
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    status = 500
+    error_type = "api_error"
+    code = "internal_error"
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
+
+class InvalidRequest(ProxyError):
+    status, error_type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class ContextTooLong(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(ProxyError):
+    status, error_type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class NotEnoughCredits(ProxyError):
+    status, error_type, code = 402, "insufficient_quota", "insufficient_credits"
+
+
+class UnknownModel(ProxyError):
+    status, error_type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class UnknownGeneration(ProxyError):
+    status, error_type, code = 404, "invalid_request_error", "generation_not_found"
+
+
+class LimitReached(ProxyError):
+    status, error_type, code = 429, "rate_limit_error", "spend_limit_reached"
+
+
+class NoWorkerAvailable(ProxyError):
+    status, error_type, code = 503, "service_unavailable", "no_worker_available"
+
+
+class UpstreamFailed(ProxyError):
+    status, error_type, code = 502, "api_error", "upstream_error"
+
+
+def error_body(exc: ProxyError) -> dict:
+    return {"error": {"message": str(exc), "type": exc.error_type, "param": exc.param, "code": exc.code}}

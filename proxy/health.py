@@ -1,0 +1,101 @@
+"""Health checks: each proxy replica probes every worker it may route to.
+
+A successful probe is the worker's heartbeat (health columns only: it never
+touches state, so it cannot undo a drain). A draining worker becomes `drained`
+once it reports nothing running or waiting, or at the 120 s deadline."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from ledger.schema import utc_now
+from proxy import workers as registry
+from proxy.directory import Directory, WorkerLoad
+from proxy.routing import quantise_tokens_per_s
+
+HEALTH_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def busy_from_metrics(text: str) -> int | None:
+    """Running plus waiting requests from vLLM's Prometheus text, or None."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(BUSY_METRICS):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return int(total) if seen else None
+
+
+def context_from_models(payload: dict, engine: str) -> tuple[int | None, str | None]:
+    """(context length, served model name) from a worker's /v1/models."""
+    data = payload.get("data") or []
+    if not data:
+        return None, None
+    entry = data[0]
+    context = entry.get("max_model_len")
+    if context is None and engine == "llamacpp":
+        context = (entry.get("meta") or {}).get("n_ctx_train")
+    return (int(context) if isinstance(context, int) and context > 0 else None), entry.get("id")
+
+
+class HealthChecker:
+    def __init__(self, directory: Directory, client: httpx.AsyncClient, *, interval_s: float = HEALTH_INTERVAL_S) -> None:
+        self.directory = directory
+        self.client = client
+        self.interval_s = interval_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # one bad round must not stop health checking
+                pass
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        fleet = [w for ws in self.directory.fleet.values() for w in ws if w.state != "drained"]
+        results = await asyncio.gather(*(self.probe(w) for w in fleet))
+        await asyncio.to_thread(self._record, list(zip(fleet, results)))
+        await asyncio.to_thread(self.directory.refresh)
+
+    async def probe(self, worker: registry.WorkerView) -> dict:
+        try:
+            health = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
+            models = await self.client.get(worker.url + "/v1/models", timeout=PROBE_TIMEOUT_S)
+            if health.status_code != 200 or models.status_code != 200:
+                return {"healthy": False}
+            context, served = context_from_models(models.json(), worker.engine)
+            busy = None
+            if worker.engine == "vllm":
+                metrics = await self.client.get(worker.url + "/metrics", timeout=PROBE_TIMEOUT_S)
+                busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
+            return {"healthy": True, "context_length": context, "served_model": served, "busy": busy}
+        except (httpx.HTTPError, ValueError):
+            return {"healthy": False}
+
+    def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:
+        now = utc_now()
+        with self.directory.engine.begin() as conn:
+            for worker, probe in probes:
+                registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"],
+                                          context_length=probe.get("context_length"), served_model=probe.get("served_model"))
+                load = self.directory.loads.setdefault(worker.id, WorkerLoad())
+                if probe.get("busy") is not None:
+                    load.reported_busy = probe["busy"]
+                if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
+                    registry.mark_drained(conn, worker.id)
+                measured = quantise_tokens_per_s(load.peak_tokens_per_s) if load.peak_tokens_per_s else None
+                if measured and measured != worker.throughput_tokens_per_s and measured > (worker.throughput_tokens_per_s or 0):
+                    registry.record_throughput(conn, worker.id, measured)
+
+    def _idle(self, worker: registry.WorkerView, probe: dict) -> bool:
+        local = self.directory.loads.get(worker.id)
+        in_flight_here = local.in_flight if local else 0
+        reported = probe.get("busy")
+        return in_flight_here == 0 and (reported == 0 or (reported is None and probe["healthy"]))

@@ -1,0 +1,80 @@
+"""API keys for inference: shown once, stored as SHA-256, revocable."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import NamedTuple
+
+from sqlalchemy import Connection, select, update
+
+from ledger import commands as cmd
+from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
+from ledger.money import require_positive
+from ledger.schema import accounts, utc_now
+from proxy.schema import api_keys
+
+KEY_PREFIX = "sk-par-"
+KEY_RANDOM_BYTES = 32
+KEY_PREFIX_SHOWN_CHARS = 12
+
+
+class KeyGrant(NamedTuple):
+    id: int
+    account_id: int
+    spend_limit_nano_usd: int | None
+
+
+def key_sha256(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def create_key(conn: Connection, account_id: int, *, name: str | None = None,
+               spend_limit_nano_usd: int | None = None) -> tuple[int, str]:
+    """Returns (id, key); the key itself is never stored and cannot be shown again."""
+    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
+    if kind is None:
+        raise UnknownAccount(f"account {account_id} does not exist")
+    if kind != cmd.CUSTOMER:
+        raise WrongAccountKind(f"API keys belong to customer accounts; {account_id} is a {kind} account")
+    if spend_limit_nano_usd is not None:
+        require_positive(spend_limit_nano_usd, "spend limit")
+    if name is not None:
+        cmd.require_text(name, "a key name", 200)
+    key = KEY_PREFIX + secrets.token_urlsafe(KEY_RANDOM_BYTES)
+    key_id = conn.execute(
+        api_keys.insert()
+        .values(account_id=account_id, key_sha256=key_sha256(key), key_prefix=key[:KEY_PREFIX_SHOWN_CHARS],
+                name=name, spend_limit_nano_usd=spend_limit_nano_usd, created_at=utc_now())
+        .returning(api_keys.c.id)
+    ).scalar_one()
+    return key_id, key
+
+
+def revoke_key(conn: Connection, key_id: int) -> None:
+    revoked = conn.execute(
+        update(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)).values(revoked_at=utc_now())
+    ).rowcount
+    if revoked == 0:
+        exists = conn.execute(select(api_keys.c.id).where(api_keys.c.id == key_id)).first()
+        if exists is None:
+            raise InvalidInput(f"API key {key_id} does not exist")
+
+
+def find_key(conn: Connection, key: str) -> KeyGrant | None:
+    """The live key this text is, or None (unknown or revoked)."""
+    if not key.startswith(KEY_PREFIX):
+        return None
+    row = conn.execute(
+        select(api_keys.c.id, api_keys.c.account_id, api_keys.c.spend_limit_nano_usd)
+        .where(api_keys.c.key_sha256 == key_sha256(key), api_keys.c.revoked_at.is_(None))
+    ).first()
+    return KeyGrant(*row) if row else None
+
+
+def list_keys(conn: Connection, account_id: int) -> list[dict]:
+    rows = conn.execute(select(api_keys).where(api_keys.c.account_id == account_id).order_by(api_keys.c.id))
+    return [
+        {"id": r.id, "prefix": r.key_prefix, "name": r.name, "spend_limit_nano_usd": r.spend_limit_nano_usd,
+         "created_at": r.created_at.isoformat(), "revoked": r.revoked_at is not None}
+        for r in rows
+    ]

@@ -1,0 +1,57 @@
+"""The proxy's tables: API keys, model prices, workers. Money stays in the ledger."""
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, LargeBinary, String, Table, text
+
+from ledger.schema import BigId, UTCDateTime, metadata
+
+# An API key is shown once; only its SHA-256 is kept (the key is 256 random
+# bits, so a fast hash is enough: there is nothing to brute-force).
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("key_sha256", LargeBinary(32), nullable=False, unique=True),
+    Column("key_prefix", String(16), nullable=False),  # shown in listings, never enough to use
+    Column("name", String(200)),
+    Column("spend_limit_nano_usd", BigInteger),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("revoked_at", UTCDateTime),
+)
+
+# Prices per token in whole nano-dollars: a per-million price with up to six
+# decimals is exact (DESIGN.md, Money).
+model_prices = Table(
+    "model_prices",
+    metadata,
+    Column("model", String(200), primary_key=True),
+    Column("input_nano_usd_per_token", BigInteger, nullable=False),
+    Column("output_nano_usd_per_token", BigInteger, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+WORKER_STATES = ("active", "draining", "drained", "suspended")
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("owner_account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("url", String(2000), nullable=False),
+    Column("model", String(200), nullable=False),  # the public name callers use
+    Column("engine", String(16), nullable=False),
+    # Only an operator (drain) or the usage check (suspend) writes state;
+    # heartbeats write the health columns below and nothing else.
+    Column("state", String(16), nullable=False, server_default=text("'active'")),
+    Column("context_length", Integer),  # from the worker's /v1/models when it says
+    Column("served_model", String(200)),  # the name the engine itself answers to
+    Column("healthy", Boolean, nullable=False, server_default=text("false")),
+    Column("last_heartbeat_at", UTCDateTime),
+    Column("drain_requested_at", UTCDateTime),
+    Column("drained_at", UTCDateTime),
+    Column("usage_strikes", Integer, nullable=False, server_default=text("0")),
+    # Measured total decode rate, shared so every proxy replica weighs alike.
+    Column("throughput_tokens_per_s", Integer),
+    Column("created_at", UTCDateTime, nullable=False),
+)

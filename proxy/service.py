@@ -1,0 +1,386 @@
+"""One inference request, from key to settlement (DESIGN.md, A request through the proxy).
+
+`InferenceProxy.open` authenticates nothing (the controller did), prices the
+model, places the hold, routes, and reads the upstream stream up to its first
+token, retrying other workers on a failure before it; it returns a
+`Generation` whose `events()` relays the rest and settles at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import httpx
+import orjson
+
+from ledger import commands as cmd
+from ledger.errors import InsufficientFunds
+from ledger.holds import PlaceHold
+from ledger.money import nano_usd_to_usd_text
+from ledger.schema import utc_now
+from ledger.service import Ledger
+from proxy import metering, routing, sse
+from proxy import workers as registry
+from proxy.directory import Directory
+from proxy.generations import settlement_key
+from proxy.errors import (
+    ContextTooLong,
+    InvalidRequest,
+    NoWorkerAvailable,
+    NotEnoughCredits,
+    ProxyError,
+    UnknownModel,
+    UpstreamFailed,
+)
+from proxy.keys import KeyGrant
+from proxy.prices import Price
+
+HOLD_TTL_S = 15 * 60
+UPSTREAM_ATTEMPTS_MAX = 3
+CHAT, COMPLETIONS = "chat", "completions"
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+
+
+class _Retry(Exception):
+    """This worker failed before its first token: try the next one."""
+
+
+@dataclass
+class Generation:
+    proxy: "InferenceProxy"
+    kind: str
+    request_id: str
+    model: str
+    price: Price
+    grant: KeyGrant
+    hold_id: int
+    prompt_bound: int
+    max_tokens: int
+    wants_usage: bool
+    wants_continuous_usage: bool
+    started_at: datetime
+    worker: registry.WorkerView | None = None
+    response: httpx.Response | None = None
+    upstream: object = None  # the upstream event iterator
+    pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
+    counted_tokens: int = 0
+    reported_prompt: int | None = None
+    reported_completion: int | None = None
+    first_token_at: float = 0.0
+    upstream_done: bool = False  # [DONE] came before any token: an empty completion
+    finished: bool = False
+    cost_nano_usd: int = 0
+    usage: dict = field(default_factory=dict)
+    created: int = 0
+
+    # The relay
+    def transform(self, data: bytes) -> bytes | None:
+        """One upstream event to what the caller sees; None to hide it."""
+        chunk = orjson.loads(data)
+        if "error" in chunk and "choices" not in chunk:
+            raise UpstreamFailed(f"the worker failed: {chunk['error']}")
+        usage = chunk.pop("usage", None)
+        if usage:
+            self.reported_prompt = usage.get("prompt_tokens", self.reported_prompt)
+            self.reported_completion = usage.get("completion_tokens", self.reported_completion)
+        choices = chunk.get("choices")
+        if not choices:
+            return None  # the final usage chunk: the caller gets ours, with the cost, after settling
+        for choice in choices:
+            if _has_output(self.kind, choice):
+                self.counted_tokens += 1
+                if not self.first_token_at:
+                    self.first_token_at = time.perf_counter()
+        chunk["id"], chunk["model"] = self.request_id, self.model
+        self.created = chunk.get("created") or self.created
+        if usage and self.wants_continuous_usage:
+            chunk["usage"] = usage
+        return sse.encode(chunk)
+
+    async def events(self):
+        """The caller's stream: what was read before the first token, the rest
+        as it comes, then (after the settlement is durable) usage and [DONE]."""
+        try:
+            for chunk in self.pending:
+                yield chunk
+            self.pending = []
+            if not self.upstream_done:
+                async for data in self.upstream:
+                    if data == sse.DONE:
+                        break
+                    out = self.transform(data)
+                    if out is not None:
+                        yield out
+                else:
+                    raise UpstreamFailed("the worker's stream ended without [DONE]")
+            await self.proxy.finish(self)
+            if self.wants_usage:
+                yield sse.encode(self.usage_chunk())
+            yield sse.DONE_EVENT
+        except (httpx.HTTPError, UpstreamFailed, ValueError) as exc:
+            await self.proxy.abandon(self)
+            error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
+            yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
+        finally:
+            if not self.finished:  # the caller went away: stop the worker, bill what it produced
+                self.proxy.finish_in_background(self)
+            await self.close_upstream()
+
+    async def close_upstream(self) -> None:
+        if self.response is not None:
+            await self.response.aclose()
+
+    def usage_dict(self) -> dict:
+        return {**self.usage, "cost": nano_usd_to_usd_text(self.cost_nano_usd)}
+
+    def usage_chunk(self) -> dict:
+        object_name = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage_dict()}
+
+    async def collect(self) -> dict:
+        """A non-streaming answer, assembled from the same stream."""
+        text, finish_reason, error = [], None, None
+        async for event in self.events():
+            payload = event[6:].strip()
+            if payload == sse.DONE:
+                continue
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                error = chunk["error"]
+                continue
+            for choice in chunk.get("choices") or ():
+                part = choice.get("delta", {}).get("content") if self.kind == CHAT else choice.get("text")
+                if part:
+                    text.append(part)
+                finish_reason = choice.get("finish_reason") or finish_reason
+        if error is not None:
+            raise UpstreamFailed(error["message"])
+        content = "".join(text)
+        if self.kind == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish_reason}
+            object_name = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            object_name = "text_completion"
+        return {"id": self.request_id, "object": object_name, "created": self.created or int(time.time()),
+                "model": self.model, "choices": [choice], "usage": self.usage_dict()}
+
+
+def _has_output(kind: str, choice: dict) -> bool:
+    if kind != CHAT:
+        return bool(choice.get("text"))
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+class InferenceProxy:
+    def __init__(self, ledger: Ledger, directory: Directory, client: httpx.AsyncClient, *, hold_ttl_s: int = HOLD_TTL_S) -> None:
+        self.ledger = ledger
+        self.directory = directory
+        self.client = client
+        self.hold_ttl_s = hold_ttl_s
+        self._background: set[asyncio.Task] = set()
+
+    # Before the first token
+    async def open(self, kind: str, body: object, grant: KeyGrant) -> Generation:
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("model is required", param="model")
+        price = self.directory.prices.get(model)
+        fleet = self.directory.fleet.get(model)
+        if price is None or not fleet:
+            raise UnknownModel(f"The model `{model}` does not exist")
+        if body.get("n", 1) != 1:
+            raise InvalidRequest("n must be 1", param="n")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise InvalidRequest("stream_options must be an object", param="stream_options")
+        prompt_bound = metering.prompt_tokens_bound(kind, body)
+        asked_max_tokens = metering.requested_max_tokens(kind, body)
+        candidates = self._candidates(fleet, prompt_bound + (asked_max_tokens or 1))
+        room = max(w.context_length or 0 for w in candidates) - prompt_bound
+        target_max_tokens = asked_max_tokens or max(room, 1)
+        if candidates and all(w.context_length for w in candidates):
+            target_max_tokens = min(target_max_tokens, max(room, 1))
+
+        request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+        plan = metering.plan_hold(price, prompt_bound, target_max_tokens)
+        try:
+            hold = await self.ledger.place_hold_async(PlaceHold(
+                grant.account_id, plan.amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s, plan.minimum_nano_usd))
+        except InsufficientFunds:
+            raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
+        max_tokens = min(target_max_tokens, metering.affordable_max_tokens(price, prompt_bound, hold.amount_nano_usd))
+        generation = Generation(
+            proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=hold.hold_id,
+            prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=bool(stream_options.get("include_usage")),
+            wants_continuous_usage=bool(stream_options.get("continuous_usage_stats")), started_at=utc_now(),
+        )
+        try:
+            await self._start_upstream(generation, body, candidates)
+        except BaseException:
+            await self._release(generation)
+            raise
+        return generation
+
+    def _candidates(self, fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
+        routable = [w for w in fleet if w.state == "active" and w.healthy]
+        if not routable:
+            raise NoWorkerAvailable("no worker is available for this model right now")
+        fits = [w for w in routable if w.context_length is None or w.context_length >= tokens_needed]
+        if not fits:
+            largest = max(w.context_length for w in routable)
+            raise ContextTooLong(
+                f"This model's maximum context length is {largest} tokens; the request may need up to {tokens_needed}",
+                param="messages",
+            )
+        return fits
+
+    def _route(self, body: dict, model: str, fleet: list[registry.WorkerView]) -> list[registry.WorkerView]:
+        measured = {w.id: self.directory.measured_tokens_per_s(w) for w in fleet}
+        sizes = routing.weights(measured)
+        candidates = [
+            routing.Candidate(w.id, sizes[w.id][0], sizes[w.id][1], self.directory.loads[w.id].busy()) for w in fleet
+        ]
+        by_id = {w.id: w for w in fleet}
+        return [by_id[c.worker_id] for c in routing.choose(routing.affinity_key(model, body), candidates)]
+
+    async def _start_upstream(self, generation: Generation, body: dict, candidates: list[registry.WorkerView]) -> None:
+        last_error: Exception | None = None
+        for worker in self._route(body, generation.model, candidates)[:UPSTREAM_ATTEMPTS_MAX]:
+            try:
+                await self._try_worker(generation, body, worker)
+                return
+            except _Retry as exc:
+                last_error = exc
+                await generation.close_upstream()
+                self._forget_attempt(generation)
+            except BaseException:
+                await generation.close_upstream()
+                self._forget_attempt(generation)
+                raise
+        raise NoWorkerAvailable(f"every worker tried failed before its first token ({last_error})")
+
+    def _forget_attempt(self, generation: Generation) -> None:
+        load = self.directory.loads.get(generation.worker.id) if generation.worker else None
+        if load is not None:
+            load.in_flight -= 1
+        generation.worker, generation.response, generation.upstream = None, None, None
+        generation.pending, generation.counted_tokens = [], 0
+        generation.reported_prompt = generation.reported_completion = None
+
+    async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
+        upstream_body = dict(body)
+        upstream_body.pop("max_completion_tokens", None)
+        upstream_body.update(
+            model=worker.served_model or worker.model, stream=True, max_tokens=generation.max_tokens,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+        generation.worker = worker
+        self.directory.loads[worker.id].in_flight += 1
+        request = self.client.build_request("POST", worker.url + PATHS[generation.kind], content=orjson.dumps(upstream_body),
+                                            headers={"content-type": "application/json"})
+        try:
+            generation.response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _Retry(f"worker {worker.id}: {type(exc).__name__}") from None
+        status = generation.response.status_code
+        if status != 200:
+            detail = (await generation.response.aread())[:2000]
+            if status == 400:
+                raise _upstream_refusal(detail)
+            raise _Retry(f"worker {worker.id} answered {status}")
+        generation.upstream = sse.data_events(generation.response.aiter_raw())
+        try:
+            async for data in generation.upstream:
+                if data == sse.DONE:
+                    generation.upstream_done = True
+                    return
+                out = generation.transform(data)
+                if out is not None:
+                    generation.pending.append(out)
+                if generation.counted_tokens:
+                    return
+        except (httpx.HTTPError, UpstreamFailed, ValueError) as exc:
+            raise _Retry(f"worker {worker.id}: {exc}") from None
+        raise _Retry(f"worker {worker.id} closed the stream before its first token")
+
+    # After the last token
+    async def finish(self, generation: Generation) -> None:
+        """Settle what was produced, durably, then the response may end."""
+        if generation.finished:
+            return
+        generation.finished = True
+        load = self.directory.loads.get(generation.worker.id)
+        if load is not None:
+            load.in_flight -= 1
+            decode_s = time.perf_counter() - generation.first_token_at if generation.first_token_at else 0.0
+            load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
+        billed = metering.billable_usage(generation.reported_prompt, generation.reported_completion,
+                                         prompt_bound=generation.prompt_bound, counted_completion=generation.counted_tokens)
+        completion = min(billed.completion_tokens, generation.max_tokens)
+        generation.usage = {"prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
+                            "total_tokens": billed.prompt_tokens + completion}
+        if completion == 0:  # an empty completion costs nothing
+            await self._release(generation)
+            return
+        generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, completion)
+        await self.ledger.append_async(cmd.SettleRequest(
+            generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd, generation.request_id,
+            settlement_key(generation.request_id),
+            {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
+             "prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
+             "started_at": generation.started_at.isoformat()},
+        ))
+        if billed.discrepant:
+            await self._record_discrepancy(generation, billed)
+
+    async def _record_discrepancy(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        worker = generation.worker
+        await self.ledger.append_async(cmd.RecordUsageDiscrepancy(
+            generation.request_id, worker.id, generation.reported_prompt or 0, generation.reported_completion or 0,
+            billed.prompt_tokens, billed.completion_tokens, f"usage-discrepancy:{generation.request_id}",
+        ))
+        await asyncio.to_thread(self._strike, worker.id)
+
+    def _strike(self, worker_id: int) -> None:
+        with self.ledger.engine.begin() as conn:
+            registry.add_usage_strike(conn, worker_id)
+
+    async def abandon(self, generation: Generation) -> None:
+        """The worker failed mid-stream: no charge."""
+        if generation.finished:
+            return
+        generation.finished = True
+        if generation.worker is not None:
+            self.directory.loads[generation.worker.id].in_flight -= 1
+        await self._release(generation)
+
+    def finish_in_background(self, generation: Generation) -> None:
+        task = asyncio.get_running_loop().create_task(self.finish(generation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, generation: Generation) -> None:
+        await asyncio.to_thread(self.ledger.release_hold, generation.hold_id)
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _upstream_refusal(detail: bytes) -> ProxyError:
+    """A worker's 400 is the caller's problem (usually a prompt too long for it)."""
+    try:
+        message = orjson.loads(detail).get("message") or orjson.loads(detail)["error"]["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = detail.decode(errors="replace")
+    if "context" in message.lower():
+        return ContextTooLong(message, param="messages")
+    return InvalidRequest(message)
