@@ -157,7 +157,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         openapi_config=OpenAPIConfig(
             title="Paralon", version="0.1.0", path="/docs",
             render_plugins=[SwaggerRenderPlugin(js_url="/docs/assets/swagger-ui-bundle.js", css_url="/docs/assets/swagger-ui.css",
-                                                standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js", path="/")],
+                                                standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js", path="/", favicon="")],
         ),
     )
 

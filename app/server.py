@@ -1,6 +1,8 @@
 """`paralon serve`: the proxy on uvicorn."""
 from __future__ import annotations
 
+import logging
+
 import uvicorn
 
 from app.api import create_app
@@ -19,8 +21,10 @@ def _loop() -> str:
 
 def run_server(settings: Settings, host: str, port: int) -> None:
     ledger = settings.open_ledger(make_engine(settings.database_url))
-    app = create_app(ledger)
+    app = create_app(ledger, key_cache_ttl_s=settings.key_cache_ttl_ms / 1000,
+                     health_interval_s=settings.health_interval_ms / 1000)
     tune_garbage_collector()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     try:
         uvicorn.run(app, host=host, port=port, http="httptools", loop=_loop(), log_level="warning", access_log=False)
     finally:

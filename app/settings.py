@@ -15,6 +15,8 @@ class Settings:
     database_url: str
     group_commit_batch_size_max: int = BATCH_SIZE_MAX_DEFAULT
     group_commit_wait_ms: int = int(BATCH_WAIT_MS_DEFAULT)
+    health_interval_ms: int = 2000
+    key_cache_ttl_ms: int = 1000
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -24,6 +26,8 @@ class Settings:
             database_url=url,
             group_commit_batch_size_max=_int("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT, 1, 10_000),
             group_commit_wait_ms=_int("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT), 0, 100),
+            health_interval_ms=_int("PARALON_HEALTH_INTERVAL_MS", 2000, 50, 60_000),
+            key_cache_ttl_ms=_int("PARALON_KEY_CACHE_TTL_MS", 1000, 0, 60_000),
         )
 
     def open_ledger(self, engine):

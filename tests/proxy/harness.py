@@ -1,0 +1,176 @@
+"""Real servers for proxy tests: simulated workers (uvicorn in a thread of the
+test process, so their counters can be read) and `paralon serve` processes."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from sqlalchemy import select
+
+from app.migrate import migrate
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger.db import make_engine
+from ledger.money import usd_to_nano_usd
+from ledger.schema import ledger_events
+from ledger.service import append_now
+from proxy import keys, prices
+from proxy import workers as registry
+from proxy.sim_worker import build_app
+
+MODEL = "paralon-test"
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadedServer:
+    """An ASGI app on uvicorn in a background thread."""
+
+    def __init__(self, app, port: int | None = None) -> None:
+        self.app = app
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ThreadedServer":
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the simulated worker did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def sim_worker(profile: str = "instant", model: str = MODEL, **options) -> ThreadedServer:
+    return ThreadedServer(build_app(profile, model, **options)).start()
+
+
+class ServeProcess:
+    """`paralon serve` as operators run it, on its own port."""
+
+    def __init__(self, database_url: str, port: int | None = None, **env: str) -> None:
+        self.port = port or free_port()
+        self.env = {**os.environ, "PARALON_DATABASE_URL": database_url, "PARALON_HEALTH_INTERVAL_MS": "200",
+                    "PARALON_KEY_CACHE_TTL_MS": "0", "PARALON_GROUP_COMMIT_WAIT_MS": "1", **env}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServeProcess":
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(self.port)],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"paralon serve exited: {self.process.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("paralon serve did not answer in time")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@dataclass
+class Fleet:
+    database_url: str
+    engine: object
+    customer_id: int
+    owner_ids: list[int]
+    worker_ids: list[int]
+    key: str
+    key_id: int
+
+    def balance(self, account_id: int) -> acc.BalanceView:
+        with self.engine.connect() as conn:
+            return acc.read_balance(conn, account_id)
+
+    def settlements(self) -> list[dict]:
+        import orjson
+
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(ledger_events.c.payload).where(ledger_events.c.event_type == "RequestSettled"))
+            return [orjson.loads(r.payload) for r in rows]
+
+    def events(self, event_type: str) -> int:
+        with self.engine.connect() as conn:
+            return len(conn.execute(select(ledger_events.c.seq).where(ledger_events.c.event_type == event_type)).all())
+
+    def worker(self, worker_id: int) -> registry.WorkerView:
+        with self.engine.connect() as conn:
+            return registry.get_worker(conn, worker_id)
+
+
+def make_fleet(database_url: str, worker_urls: list[str], *, credits_usd: str = "10", input_usd_per_mtok: str = "0.15",
+               output_usd_per_mtok: str = "0.60", engines: list[str] | None = None, spend_limit_usd: str | None = None) -> Fleet:
+    """A customer with credits and a key, one owner per worker, the model priced."""
+    engine = make_engine(database_url)
+    migrate(engine)
+    with engine.begin() as conn:
+        customer = acc.create_account(conn, cmd.CUSTOMER, "test customer", "customer@example.com")
+        owners = [acc.create_account(conn, cmd.OWNER, f"owner {i}") for i in range(len(worker_urls))]
+        worker_ids = [registry.add_worker(conn, owner, url, MODEL, (engines or ["vllm"] * len(worker_urls))[i])
+                      for i, (owner, url) in enumerate(zip(owners, worker_urls))]
+        prices.set_price(conn, MODEL, input_usd_per_mtok, output_usd_per_mtok)
+        limit = usd_to_nano_usd(spend_limit_usd) if spend_limit_usd else None
+        key_id, key = keys.create_key(conn, customer, spend_limit_nano_usd=limit)
+    if credits_usd != "0":
+        append_now(engine, cmd.GrantCredits(customer, usd_to_nano_usd(credits_usd), "test credits", f"grant:{customer}"))
+    return Fleet(database_url, engine, customer, owners, worker_ids, key, key_id)
+
+
+@contextmanager
+def serving(database_url: str, **env: str):
+    proc = ServeProcess(database_url, **env).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError("condition not reached in time")

@@ -1,0 +1,164 @@
+"""The proxy end to end: the official `openai` SDK against `paralon serve`,
+in front of simulated vLLM workers, on SQLite and on PostgreSQL."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from ledger.verify import verify
+from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture
+def one_worker(database_url):
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    with serving(database_url) as proxy:
+        yield fleet, proxy
+    worker.stop()
+    fleet.engine.dispose()
+
+
+def _client(fleet, proxy, key=None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key or fleet.key, max_retries=0)
+
+
+def _assert_books_close(fleet) -> None:
+    """Owner earnings are the sum of charge*80//100; the chain and balances verify."""
+    settled = fleet.settlements()
+    owners_total = sum(fleet.balance(o).balance_nano_usd for o in fleet.owner_ids)
+    assert owners_total == sum(s["charge_nano_usd"] * 80 // 100 for s in settled)
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok
+
+
+def test_the_openai_sdk_gets_billed_answers_sync_and_streaming(one_worker):
+    fleet, proxy = one_worker
+    client = _client(fleet, proxy)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    answer = raw.parse()
+    assert answer.choices[0].message.content.strip()
+    assert answer.model == MODEL and answer.usage.completion_tokens == 5
+    cost_nano_usd = int(raw.headers["x-paralon-cost-nano-usd"])
+    assert cost_nano_usd == answer.usage.prompt_tokens * 150 + 5 * 600
+    assert answer.usage.model_extra["cost"] == f"0.{cost_nano_usd:09d}"
+    assert raw.headers["x-request-id"] == answer.id
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(text_chunks) == 4
+    assert all(c.usage is None for c in chunks[:-1]), "usage only in the last chunk, as asked"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+    plain = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True))
+    assert all(c.usage is None for c in plain), "no usage chunk the caller did not ask for"
+
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert completion.usage.completion_tokens == 6 and completion.choices[0].text
+
+    generation = httpx.get(f"{proxy.url}/v1/generations/{answer.id}", headers={"authorization": f"Bearer {fleet.key}"}).json()
+    assert generation["cost_nano_usd"] == cost_nano_usd
+    assert generation["completion_tokens"] == 5 and generation["worker_id"] == fleet.worker_ids[0]
+
+    settled = fleet.settlements()
+    assert len(settled) == 4
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == before - sum(s["charge_nano_usd"] for s in settled)
+    assert fleet.balance(fleet.customer_id).held_nano_usd == 0
+    _assert_books_close(fleet)
+
+
+def test_the_async_sdk_streams_concurrently(one_worker):
+    fleet, proxy = one_worker
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+        async def one(i):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=8, stream=True,
+                stream_options={"include_usage": True})
+            return [c async for c in stream][-1].usage
+        usages = await asyncio.gather(*(one(i) for i in range(20)))
+        single = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        await client.close()
+        return usages, single
+
+    usages, single = asyncio.run(main())
+    assert all(u.completion_tokens == 8 for u in usages)
+    assert single.usage.completion_tokens == 2
+    assert len(fleet.settlements()) == 21
+    _assert_books_close(fleet)
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as raised:
+        call()
+    return raised.value
+
+
+def test_errors_use_openai_shapes_and_move_no_money(one_worker):
+    fleet, proxy = one_worker
+    client = _client(fleet, proxy)
+    before = fleet.balance(fleet.customer_id)
+
+    bad_key = _error(lambda: _client(fleet, proxy, key="sk-par-nope").chat.completions.create(model=MODEL, messages=MESSAGES))
+    assert bad_key.status_code == 401 and bad_key.body["type"] == "authentication_error"
+    unknown = _error(lambda: client.chat.completions.create(model="no-such-model", messages=MESSAGES))
+    assert unknown.status_code == 404 and unknown.body["code"] == "model_not_found"
+    invalid = _error(lambda: client.chat.completions.create(model=MODEL, messages=[]))
+    assert invalid.status_code == 400 and invalid.body["type"] == "invalid_request_error"
+    too_long = _error(lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x" * 40_000}], max_tokens=10))
+    assert too_long.status_code == 400 and too_long.body["code"] == "context_length_exceeded"
+    not_json = httpx.post(proxy.url + "/v1/chat/completions", content=b"{not json",
+                          headers={"authorization": f"Bearer {fleet.key}", "content-type": "application/json"})
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
+
+    after = fleet.balance(fleet.customer_id)
+    assert (after.balance_nano_usd, after.held_nano_usd) == (before.balance_nano_usd, 0)
+    assert fleet.settlements() == []
+
+
+def test_a_revoked_key_is_refused(one_worker):
+    fleet, proxy = one_worker
+    from proxy.keys import revoke_key
+
+    with fleet.engine.begin() as conn:
+        revoke_key(conn, fleet.key_id)
+    error = _error(lambda: _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES))
+    assert error.status_code == 401
+    assert fleet.settlements() == []
+
+
+def test_an_empty_completion_costs_nothing(one_worker):
+    fleet, proxy = one_worker
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    answer = _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                                           extra_body={"sim_tokens": 0})
+    assert answer.choices[0].message.content == "" and answer.usage.model_extra["cost"] == "0.000000000"
+    assert fleet.settlements() == []
+    after = fleet.balance(fleet.customer_id)
+    assert (after.balance_nano_usd, after.held_nano_usd) == (before, 0)
+
+
+def test_models_list_prices_and_context(one_worker):
+    fleet, proxy = one_worker
+    models = _client(fleet, proxy).models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["pricing"]["output_nano_usd_per_token"] == 600
+    assert models[0].model_extra["context_length"] > 0
+
+
+def test_the_api_docs_are_served_without_the_internet(one_worker):
+    _, proxy = one_worker
+    page = httpx.get(proxy.url + "/docs")
+    assert page.status_code == 200 and "https://" not in page.text
+    assert httpx.get(proxy.url + "/docs/assets/swagger-ui-bundle.js").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(proxy.url + "/docs/openapi.json").json()["paths"]
