@@ -19,6 +19,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
+from proxy import key_spend
 from proxy.directory import Directory
 from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError, UnknownGeneration, error_body
 from proxy.generations import find_generation
@@ -29,6 +30,7 @@ from proxy.service import CHAT, COMPLETIONS, InferenceProxy
 
 UPSTREAM_CONNECTIONS_MAX = 1024
 HOLD_SWEEP_INTERVAL_S = 30.0
+KEY_SPEND_INTERVAL_S = 0.5
 
 
 def _json(data: dict, status: int = 200, headers: dict | None = None) -> Response:
@@ -140,7 +142,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
         app.state.proxy = InferenceProxy(ledger, directory, client)
-        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger))]
+        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger), _follow_key_spend(ledger))]
         try:
             yield
         finally:
@@ -160,6 +162,16 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
                                                 standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js", path="/", favicon="")],
         ),
     )
+
+
+async def _follow_key_spend(ledger: Ledger) -> None:
+    """Keep the per-key spend read model current (for spend limits)."""
+    while True:
+        try:
+            await asyncio.to_thread(key_spend.catch_up, ledger.engine)
+        except Exception:  # another replica may be applying the same page; the next round goes on
+            pass
+        await asyncio.sleep(KEY_SPEND_INTERVAL_S)
 
 
 async def _sweep_holds(ledger: Ledger) -> None:

@@ -166,6 +166,8 @@ _ADD_PLACED = (
 def set_balances(conn: Connection, balances: dict[int, int], holds_closed: dict[int, int], last_seq: int) -> None:
     """Balances as decided under the append lock; `holds_closed` adds the full
     amount of every hold the batch settled."""
+    if not balances:  # a batch of events that move no money
+        return
     ids = sorted(balances)
     closed = [holds_closed.get(a, 0) for a in ids]
     if is_postgres(conn):

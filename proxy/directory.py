@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from proxy import keys, prices, workers
+from proxy import key_spend, keys, prices, workers
 from proxy.routing import quantise_tokens_per_s
 
 REFRESH_INTERVAL_S = 1.0
@@ -43,16 +43,19 @@ class Directory:
     prices: dict[str, prices.Price] = field(default_factory=dict)
     fleet: dict[str, list[workers.WorkerView]] = field(default_factory=dict)  # by public model name
     loads: dict[int, WorkerLoad] = field(default_factory=dict)
+    budgets: key_spend.KeyBudgets = field(default_factory=key_spend.KeyBudgets)
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
 
     def refresh(self) -> None:
         with self.engine.connect() as conn:
             new_prices = prices.load_prices(conn)
+            position, spent = key_spend.load_spent(conn)
             fleet: dict[str, list[workers.WorkerView]] = {}
             for worker in workers.list_workers(conn):
                 fleet.setdefault(worker.model, []).append(worker)
                 self.loads.setdefault(worker.id, WorkerLoad())
         self.prices, self.fleet = new_prices, fleet
+        self.budgets.refresh(position, spent)
 
     async def run(self, interval_s: float = REFRESH_INTERVAL_S) -> None:
         while True:

@@ -29,6 +29,7 @@ from proxy.generations import settlement_key
 from proxy.errors import (
     ContextTooLong,
     InvalidRequest,
+    LimitReached,
     NoWorkerAvailable,
     NotEnoughCredits,
     ProxyError,
@@ -57,6 +58,7 @@ class Generation:
     price: Price
     grant: KeyGrant
     hold_id: int
+    hold_nano_usd: int
     prompt_bound: int
     max_tokens: int
     wants_usage: bool
@@ -211,14 +213,17 @@ class InferenceProxy:
 
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         plan = metering.plan_hold(price, prompt_bound, target_max_tokens)
+        amount_nano_usd = self._within_key_limit(grant, plan)
         try:
             hold = await self.ledger.place_hold_async(PlaceHold(
-                grant.account_id, plan.amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s, plan.minimum_nano_usd))
+                grant.account_id, amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s, plan.minimum_nano_usd))
         except InsufficientFunds:
             raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
+        self.directory.budgets.held[grant.id] += hold.amount_nano_usd
         max_tokens = min(target_max_tokens, metering.affordable_max_tokens(price, prompt_bound, hold.amount_nano_usd))
         generation = Generation(
             proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=hold.hold_id,
+            hold_nano_usd=hold.amount_nano_usd,
             prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=bool(stream_options.get("include_usage")),
             wants_continuous_usage=bool(stream_options.get("continuous_usage_stats")), started_at=utc_now(),
         )
@@ -228,6 +233,15 @@ class InferenceProxy:
             await self._release(generation)
             raise
         return generation
+
+    def _within_key_limit(self, grant: KeyGrant, plan: metering.HoldPlan) -> int:
+        """The hold amount, capped at what the key may still spend."""
+        if grant.spend_limit_nano_usd is None:
+            return plan.amount_nano_usd
+        remaining = self.directory.budgets.remaining(grant.id, grant.spend_limit_nano_usd)
+        if remaining < plan.minimum_nano_usd:
+            raise LimitReached("this API key has reached its spend limit")
+        return min(plan.amount_nano_usd, remaining)
 
     def _candidates(self, fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
         routable = [w for w in fleet if w.state == "active" and w.healthy]
@@ -331,13 +345,15 @@ class InferenceProxy:
             await self._release(generation)
             return
         generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, completion)
-        await self.ledger.append_async(cmd.SettleRequest(
+        settled = await self.ledger.append_async(cmd.SettleRequest(
             generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd, generation.request_id,
             settlement_key(generation.request_id),
             {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
              "prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
              "started_at": generation.started_at.isoformat()},
         ))
+        self._unhold(generation)
+        self.directory.budgets.settle(generation.grant.id, settled.seq, generation.cost_nano_usd)
         if billed.discrepant:
             await self._record_discrepancy(generation, billed)
 
@@ -368,7 +384,11 @@ class InferenceProxy:
         task.add_done_callback(self._background.discard)
 
     async def _release(self, generation: Generation) -> None:
+        self._unhold(generation)
         await asyncio.to_thread(self.ledger.release_hold, generation.hold_id)
+
+    def _unhold(self, generation: Generation) -> None:
+        self.directory.budgets.held[generation.grant.id] -= generation.hold_nano_usd
 
     async def drain_background(self) -> None:
         while self._background:

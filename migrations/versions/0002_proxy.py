@@ -30,6 +30,11 @@ def upgrade() -> None:
     )
     op.create_index("ix_api_keys_account", "api_keys", ["account_id"])
     op.create_table(
+        "api_key_spend",
+        sa.Column("key_id", sa.BigInteger, sa.ForeignKey("api_keys.id"), primary_key=True),
+        sa.Column("spent_nano_usd", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    )
+    op.create_table(
         "model_prices",
         sa.Column("model", sa.String(200), primary_key=True),
         sa.Column("input_nano_usd_per_token", sa.BigInteger, nullable=False),
@@ -63,5 +68,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("workers")
     op.drop_table("model_prices")
+    op.drop_table("api_key_spend")
     op.drop_index("ix_api_keys_account", "api_keys")
     op.drop_table("api_keys")

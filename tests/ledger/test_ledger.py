@@ -134,6 +134,32 @@ def test_holds_never_take_available_below_zero(ledger, engine):
     assert ledger.balance(customer).available_nano_usd == 0
 
 
+def test_a_hold_with_a_minimum_takes_what_is_available_down_to_that_minimum(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    ledger.place_hold(PlaceHold(customer, 7 * USD, key("hold")))
+    partial = ledger.place_hold(PlaceHold(customer, 5 * USD, key("hold"), minimum_nano_usd=USD))
+    assert partial.amount_nano_usd == 3 * USD and ledger.balance(customer).available_nano_usd == 0
+    before = money_snapshot(engine)
+    with pytest.raises(InsufficientFunds):
+        ledger.place_hold(PlaceHold(customer, 5 * USD, key("hold"), minimum_nano_usd=1))
+    assert money_snapshot(engine) == before
+    with pytest.raises(InvalidInput):
+        ledger.place_hold(PlaceHold(customer, USD, key("hold"), minimum_nano_usd=2 * USD))
+
+
+def test_a_usage_discrepancy_is_an_event_that_moves_no_money(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    before = money_snapshot(engine)["balances"]
+    result = ledger.append(cmd.RecordUsageDiscrepancy("req-1", 7, 40, 300, 40, 100, key("discrepancy")))
+    assert result.status == "created"
+    assert money_snapshot(engine)["balances"] == before
+    with pytest.raises(NotReversible):
+        ledger.append(cmd.ReverseEvent(result.seq, "nothing to undo", key()))
+    with engine.connect() as conn:
+        assert verify(conn).ok
+    assert ledger.balance(customer).available_nano_usd == 10 * USD
+
+
 def test_a_debit_outside_a_hold_cannot_spend_what_holds_reserve(ledger, engine):
     customer = customer_with(ledger, 10 * USD)
     ledger.place_hold(PlaceHold(customer, 8 * USD, key("hold")))

@@ -1,0 +1,199 @@
+"""Billing under pressure: concurrency against a small balance, callers that
+leave, workers that fail or inflate their usage, spend limits."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from ledger.verify import verify
+from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def _headers(fleet) -> dict:
+    return {"authorization": f"Bearer {fleet.key}", "content-type": "application/json"}
+
+
+def _assert_books_close(fleet) -> None:
+    settled = fleet.settlements()
+    owners_total = sum(fleet.balance(o).balance_nano_usd for o in fleet.owner_ids)
+    assert owners_total == sum(s["charge_nano_usd"] * 80 // 100 for s in settled)
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok
+
+
+def test_200_concurrent_streams_against_credits_for_about_20(database_url):
+    """Given credits for about 20 requests, when 200 stream at once, then
+    available never goes below zero, every completed request is charged once,
+    and the owner gets charge*80//100 of each."""
+    worker = sim_worker("h200", time_scale=4.0)
+    # A request: prompt bound 41 tokens at 150 + 40 tokens at 600 = 30,150 nano-USD held.
+    fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
+    stop, lowest = threading.Event(), []
+
+    def watch():
+        while not stop.is_set():
+            lowest.append(fleet.balance(fleet.customer_id).available_nano_usd)
+
+    watcher = threading.Thread(target=watch)
+    with serving(database_url) as proxy:
+        async def main():
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0, timeout=120)
+
+            async def one(i):
+                try:
+                    stream = await client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": f"story {i:03d}"}], max_tokens=40,
+                        stream=True, stream_options={"include_usage": True})
+                    chunks = [c async for c in stream]
+                    return chunks[-1].id, chunks[-1].usage
+                except openai.APIStatusError as exc:
+                    return None, exc.status_code
+
+            results = await asyncio.gather(*(one(i) for i in range(200)))
+            await client.close()
+            return results
+
+        watcher.start()
+        try:
+            results = asyncio.run(main())
+        finally:
+            stop.set()
+            watcher.join()
+    worker.stop()
+
+    completed = {rid: usage for rid, usage in results if rid is not None}
+    refused = [status for rid, status in results if rid is None]
+    assert set(refused) <= {402} and len(completed) + len(refused) == 200
+    assert 10 <= len(completed) < 200, "credits for about 20: some served, most refused"
+    assert min(lowest) >= 0
+    settled = {s["request_id"]: s for s in fleet.settlements()}
+    charged = {rid for rid, usage in completed.items() if usage.completion_tokens}
+    assert set(settled) == charged, "each completed request charged exactly once, nothing else"
+    for rid in charged:
+        assert settled[rid]["charge_nano_usd"] == int(orjson.loads(orjson.dumps(completed[rid].model_extra["cost"])).replace(".", ""))
+    customer = fleet.balance(fleet.customer_id)
+    assert customer.held_nano_usd == 0 and customer.available_nano_usd >= 0
+    assert customer.balance_nano_usd == 600_000 - sum(s["charge_nano_usd"] for s in settled.values())
+    _assert_books_close(fleet)
+
+
+def test_a_caller_that_disconnects_is_billed_for_what_was_produced(database_url):
+    worker = sim_worker("h200", time_scale=1.0)
+    fleet = make_fleet(database_url, [worker.url])
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                if events >= 6:
+                    break
+        wait_for(lambda: worker.app.state.requests_aborted == 1)
+        settled = wait_for(fleet.settlements)
+    worker.stop()
+    assert len(settled) == 1
+    produced = settled[0]["meta"]["completion_tokens"]
+    assert 5 <= produced < 400, "billed what was produced, not max_tokens"
+    assert fleet.balance(fleet.customer_id).held_nano_usd == 0
+    _assert_books_close(fleet)
+
+
+def test_a_worker_killed_mid_stream_costs_nothing(database_url):
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    before = fleet.balance(fleet.customer_id)
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True, "sim_fail_after_tokens": 5}
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert "error" in orjson.loads(events[-1]), "the caller is told the stream failed"
+        ok = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "sim_fail_after_tokens": None, "stream": False},
+                        headers=_headers(fleet), timeout=30)
+        assert ok.status_code == 200
+    worker.stop()
+    settled = fleet.settlements()
+    assert [s["request_id"] for s in settled] == [ok.json()["id"]], "only the request that completed is charged"
+    after = fleet.balance(fleet.customer_id)
+    assert after.held_nano_usd == 0
+    assert after.balance_nano_usd == before.balance_nano_usd - settled[0]["charge_nano_usd"]
+
+
+def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_url):
+    good = sim_worker("instant")
+    fleet = make_fleet(database_url, ["http://127.0.0.1:9", good.url])  # port 9: nothing listens
+    with fleet.engine.begin() as conn:  # both look healthy to routing until the dead one is probed
+        from proxy.schema import workers
+        conn.execute(workers.update().values(healthy=True, context_length=32768))
+    with serving(database_url, PARALON_HEALTH_INTERVAL_MS="60000") as proxy:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+        answers = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=3)
+                   for i in range(6)]
+    good.stop()
+    assert all(a.usage.completion_tokens == 3 for a in answers)
+    settled = fleet.settlements()
+    assert len(settled) == 6 and {s["owner_account_id"] for s in settled} == {fleet.owner_ids[1]}
+    assert fleet.balance(fleet.owner_ids[0]).balance_nano_usd == 0
+    _assert_books_close(fleet)
+
+
+def test_a_worker_inflating_its_usage_is_billed_the_count_and_then_suspended(database_url):
+    honest, inflating = sim_worker("instant"), sim_worker("instant", inflate_usage=3)
+    fleet = make_fleet(database_url, [honest.url, inflating.url])
+    with serving(database_url) as proxy:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+        for i in range(40):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"conversation {i}"}], max_tokens=10)
+        suspended = wait_for(lambda: fleet.worker(fleet.worker_ids[1]).state == "suspended")
+        served_after = len(fleet.settlements())
+        for i in range(10):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"later {i}"}], max_tokens=10)
+    honest.stop(), inflating.stop()
+    assert suspended
+    settled = fleet.settlements()
+    by_inflater = [s for s in settled if s["owner_account_id"] == fleet.owner_ids[1]]
+    assert by_inflater and all(s["meta"]["completion_tokens"] == 10 for s in by_inflater), "billed what was counted"
+    assert fleet.events("UsageDiscrepancyRecorded") == len(by_inflater) >= 3
+    assert all(s["owner_account_id"] == fleet.owner_ids[0] for s in settled[served_after:]), "no traffic once suspended"
+    _assert_books_close(fleet)
+
+
+def test_a_key_with_a_spend_limit_gets_429_once_it_is_spent(database_url):
+    worker = sim_worker("instant")
+    # Each request costs prompt*150 + 10*600 = about 6,600 nano-USD; the limit covers about 3.
+    fleet = make_fleet(database_url, [worker.url], spend_limit_usd="0.00002")
+    with serving(database_url) as proxy:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+        statuses = []
+        for i in range(8):
+            try:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
+                statuses.append(200)
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
+                assert exc.body["type"] == "rate_limit_error"
+    worker.stop()
+    assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
+    spent = sum(s["charge_nano_usd"] for s in fleet.settlements())
+    assert spent <= 20_000, "the limit held"
+    _assert_books_close(fleet)
+
+
+@pytest.mark.parametrize("credits_usd", ["0"])
+def test_no_credits_is_402_and_moves_nothing(database_url, credits_usd):
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url], credits_usd=credits_usd)
+    with serving(database_url) as proxy:
+        response = httpx.post(proxy.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                              headers=_headers(fleet))
+    worker.stop()
+    assert response.status_code == 402 and response.json()["error"]["code"] == "insufficient_credits"
+    assert fleet.settlements() == [] and fleet.balance(fleet.customer_id).held_nano_usd == 0
