@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from proxy import key_spend, keys, prices, workers
-from proxy.routing import quantise_tokens_per_s
 
 REFRESH_INTERVAL_S = 1.0
 KEY_CACHE_TTL_S = 1.0
@@ -91,8 +90,6 @@ class Directory:
             return keys.find_key(conn, key)
 
     def measured_tokens_per_s(self, worker: workers.WorkerView) -> int | None:
-        """The shared measurement if any replica recorded one, else this process's own."""
-        if worker.throughput_tokens_per_s:
-            return worker.throughput_tokens_per_s
-        load = self.loads.get(worker.id)
-        return quantise_tokens_per_s(load.peak_tokens_per_s) if load and load.peak_tokens_per_s else None
+        """The measurement every replica shares (from the database), so that
+        all of them weigh workers alike and agree on affinity."""
+        return worker.throughput_tokens_per_s

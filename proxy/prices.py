@@ -7,12 +7,13 @@ from sqlalchemy import Connection, select
 
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount
-from ledger.money import usd_to_nano_usd
+from ledger.money import NANO_USD_PER_USD, usd_to_nano_usd
 from ledger.schema import utc_now
 from proxy.schema import model_prices
 
 TOKENS_PER_MTOK = 1_000_000
 PRICE_DECIMALS_MAX = 6
+PRICE_USD_PER_MTOK_MAX = 10_000
 
 
 class Price(NamedTuple):
@@ -30,6 +31,8 @@ def nano_usd_per_token(usd_per_mtok: str) -> int:
     nano_per_mtok = usd_to_nano_usd(usd_per_mtok, decimals_max=PRICE_DECIMALS_MAX)
     if nano_per_mtok < 0:
         raise InvalidAmount(f"a price cannot be negative: {usd_per_mtok!r}")
+    if nano_per_mtok > PRICE_USD_PER_MTOK_MAX * NANO_USD_PER_USD:
+        raise InvalidAmount(f"a price above ${PRICE_USD_PER_MTOK_MAX}/MTok is refused: {usd_per_mtok!r}")
     per_token, rest = divmod(nano_per_mtok, TOKENS_PER_MTOK)
     if rest:
         raise InvalidAmount(f"${usd_per_mtok}/MTok is not a whole number of nano-USD per token (use a multiple of $0.001/MTok)")
