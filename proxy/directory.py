@@ -23,8 +23,11 @@ class WorkerLoad:
 
     in_flight: int = 0
     reported_busy: int = 0  # running + waiting, from the worker's /metrics
-    peak_tokens_per_s: float = 0.0  # per-request decode rate x concurrency, best seen
+    # Per-request decode rate x concurrency, the best seen since the last time
+    # it was recorded: what the worker has shown it can deliver in total.
+    peak_tokens_per_s: float = 0.0
     completed: int = 0
+    recorded_at_s: float = 0.0  # monotonic
 
     def busy(self) -> int:
         return max(self.in_flight, self.reported_busy)
@@ -33,6 +36,9 @@ class WorkerLoad:
         self.completed += 1
         if tokens >= 2 and decode_s > 0:
             self.peak_tokens_per_s = max(self.peak_tokens_per_s, tokens / decode_s * max(1, concurrency))
+
+    def start_new_period(self, now_s: float) -> None:
+        self.peak_tokens_per_s, self.completed, self.recorded_at_s = 0.0, 0, now_s
 
 
 @dataclass

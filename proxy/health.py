@@ -6,6 +6,7 @@ once it reports nothing running or waiting, or at the 120 s deadline."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -16,6 +17,8 @@ from proxy.routing import quantise_tokens_per_s
 
 HEALTH_INTERVAL_S = 2.0
 PROBE_TIMEOUT_S = 2.0
+MEASURED_REQUESTS_MIN = 5
+WEIGHT_PERIOD_S = 60.0
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -90,9 +93,25 @@ class HealthChecker:
                     load.reported_busy = probe["busy"]
                 if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
                     registry.mark_drained(conn, worker.id)
-                measured = quantise_tokens_per_s(load.peak_tokens_per_s) if load.peak_tokens_per_s else None
-                if measured and measured != worker.throughput_tokens_per_s and measured > (worker.throughput_tokens_per_s or 0):
-                    registry.record_throughput(conn, worker.id, measured)
+                self._record_throughput(conn, worker, load)
+
+    @staticmethod
+    def _record_throughput(conn, worker: registry.WorkerView, load: WorkerLoad) -> None:
+        """Share a measurement once a new worker has served enough to be
+        measured (the first replica to do so wins), then at most once per
+        period and only when it moved by a step: every change of weight moves
+        some conversations off the worker holding their cache."""
+        if load.completed < MEASURED_REQUESTS_MIN or not load.peak_tokens_per_s:
+            return
+        now_s = time.monotonic()
+        measured = quantise_tokens_per_s(load.peak_tokens_per_s)
+        if worker.throughput_tokens_per_s is None:
+            registry.record_throughput(conn, worker.id, measured, only_if_unmeasured=True)
+        elif now_s - load.recorded_at_s >= WEIGHT_PERIOD_S and measured != worker.throughput_tokens_per_s:
+            registry.record_throughput(conn, worker.id, measured)
+        else:
+            return
+        load.start_new_period(now_s)
 
     def _idle(self, worker: registry.WorkerView, probe: dict) -> bool:
         local = self.directory.loads.get(worker.id)

@@ -129,8 +129,11 @@ def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context
     conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
 
 
-def record_throughput(conn: Connection, worker_id: int, tokens_per_s: int) -> None:
-    conn.execute(update(workers).where(workers.c.id == worker_id).values(throughput_tokens_per_s=tokens_per_s))
+def record_throughput(conn: Connection, worker_id: int, tokens_per_s: int, *, only_if_unmeasured: bool = False) -> None:
+    statement = update(workers).where(workers.c.id == worker_id)
+    if only_if_unmeasured:
+        statement = statement.where(workers.c.throughput_tokens_per_s.is_(None))
+    conn.execute(statement.values(throughput_tokens_per_s=tokens_per_s))
 
 
 def add_usage_strike(conn: Connection, worker_id: int) -> bool:

@@ -82,9 +82,10 @@ def test_two_proxy_replicas_send_a_conversations_follow_ups_to_the_same_worker(d
     fleet = make_fleet(database_url, [s.url for s in sims])
     with serving(database_url) as one, serving(database_url) as two:
         clients = [openai.OpenAI(base_url=p.url + "/v1", api_key=fleet.key, max_retries=0) for p in (one, two)]
-        for i in range(12):  # a probe period: throughput gets measured and shared before the check
-            clients[i % 2].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"warm {i}"}], max_tokens=20)
-        time.sleep(1.5)
+        for i in range(45):  # a probe period: every worker is measured, and the measurement shared
+            clients[0].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"warm {i}"}], max_tokens=20)
+        wait_for(lambda: all(fleet.worker(w).throughput_tokens_per_s for w in fleet.worker_ids))
+        time.sleep(0.5)  # both replicas have read it
         served_by: dict[int, set[int]] = {}
         for conversation in range(16):
             messages = [{"role": "system", "content": "You are terse."},
