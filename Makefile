@@ -4,19 +4,32 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test bench lock clean
+.PHONY: venv system-packages run test bench lock clean
+
+# Debian packages the build needs, installed only when missing.
+system-packages:
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake ninja-build build-essential)
 
 venv: $(STAMP)
 
+# llama.cpp (for the real-engine test) is compiled from source: portable, no
+# tools or servers of its own; pip keeps the built wheel for the next venv.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): pyproject.toml requirements.lock
+	$(MAKE) system-packages
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "installing dependencies (the first time compiles llama.cpp: about 4 minutes on 2 cores)"
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
 run: venv
-	$(BIN)/paralon migrate
-	$(BIN)/paralon demo
+	$(BIN)/paralon up
 
 test: venv
 	$(BIN)/pytest -q

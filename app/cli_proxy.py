@@ -27,6 +27,18 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
 
         run_server(Settings.from_env(), host, port)
 
+    @main.command("up")
+    @click.option("--host", default="127.0.0.1", show_default=True)
+    @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+    @click.option("--worker-ports", default=(8101, 8102), show_default=True, type=(int, int),
+                  help="Ports of the two simulated workers (h200, 2x4090).")
+    @handles_errors
+    def up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
+        """The embedded default: SQLite, two simulated workers, a demo customer and key, the proxy."""
+        from app.up import run_up
+
+        run_up(host, port, worker_ports)
+
     @main.group()
     def keys() -> None:
         """API keys for inference (shown once, stored hashed)."""

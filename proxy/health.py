@@ -35,15 +35,13 @@ def busy_from_metrics(text: str) -> int | None:
     return int(total) if seen else None
 
 
-def context_from_models(payload: dict, engine: str) -> tuple[int | None, str | None]:
-    """(context length, served model name) from a worker's /v1/models."""
+def context_from_models(payload: dict) -> tuple[int | None, str | None]:
+    """(context length, served model name) from a vLLM worker's /v1/models."""
     data = payload.get("data") or []
     if not data:
         return None, None
     entry = data[0]
     context = entry.get("max_model_len")
-    if context is None and engine == "llamacpp":
-        context = (entry.get("meta") or {}).get("n_ctx_train")
     return (int(context) if isinstance(context, int) and context > 0 else None), entry.get("id")
 
 
@@ -69,18 +67,26 @@ class HealthChecker:
 
     async def probe(self, worker: registry.WorkerView) -> dict:
         try:
+            if worker.engine == "llamacpp":
+                return await self._probe_llamacpp(worker)
             health = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
             models = await self.client.get(worker.url + "/v1/models", timeout=PROBE_TIMEOUT_S)
             if health.status_code != 200 or models.status_code != 200:
                 return {"healthy": False}
-            context, served = context_from_models(models.json(), worker.engine)
-            busy = None
-            if worker.engine == "vllm":
-                metrics = await self.client.get(worker.url + "/metrics", timeout=PROBE_TIMEOUT_S)
-                busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
+            context, served = context_from_models(models.json())
+            metrics = await self.client.get(worker.url + "/metrics", timeout=PROBE_TIMEOUT_S)
+            busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return {"healthy": True, "context_length": context, "served_model": served, "busy": busy}
         except (httpx.HTTPError, ValueError):
             return {"healthy": False}
+
+    async def _probe_llamacpp(self, worker: registry.WorkerView) -> dict:
+        """llama-cpp-python's server has no /health, and every model endpoint
+        waits for (or interrupts) the one request it runs at a time: any answer
+        from the server proves it is up, and the context length comes from
+        registration."""
+        response = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
+        return {"healthy": response.status_code < 500}
 
     def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:
         now = utc_now()

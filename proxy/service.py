@@ -41,6 +41,7 @@ from proxy.prices import Price
 
 HOLD_TTL_S = 15 * 60
 UPSTREAM_ATTEMPTS_MAX = 3
+USAGE_PROBE_TIMEOUT_S = 30.0
 CHAT, COMPLETIONS = "chat", "completions"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 
@@ -65,6 +66,7 @@ class Generation:
     wants_continuous_usage: bool
     started_at: datetime
     worker: registry.WorkerView | None = None
+    upstream_body: dict | None = None
     response: httpx.Response | None = None
     upstream: object = None  # the upstream event iterator
     pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
@@ -296,7 +298,7 @@ class InferenceProxy:
             model=worker.served_model or worker.model, stream=True, max_tokens=generation.max_tokens,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
         )
-        generation.worker = worker
+        generation.worker, generation.upstream_body = worker, upstream_body
         self.directory.loads[worker.id].in_flight += 1
         request = self.client.build_request("POST", worker.url + PATHS[generation.kind], content=orjson.dumps(upstream_body),
                                             headers={"content-type": "application/json"})
@@ -336,6 +338,8 @@ class InferenceProxy:
             load.in_flight -= 1
             decode_s = time.perf_counter() - generation.first_token_at if generation.first_token_at else 0.0
             load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
+        if generation.reported_prompt is None and generation.counted_tokens:
+            await self._ask_prompt_tokens(generation)
         billed = metering.billable_usage(generation.reported_prompt, generation.reported_completion,
                                          prompt_bound=generation.prompt_bound, counted_completion=generation.counted_tokens)
         completion = min(billed.completion_tokens, generation.max_tokens)
@@ -356,6 +360,22 @@ class InferenceProxy:
         self.directory.budgets.settle(generation.grant.id, settled.seq, generation.cost_nano_usd)
         if billed.discrepant:
             await self._record_discrepancy(generation, billed)
+
+    async def _ask_prompt_tokens(self, generation: Generation) -> None:
+        """llama-cpp-python streams no usage. Ask it for one token of the same
+        prompt without streaming: its KV cache still holds the prompt, so the
+        answer costs about one decode step and carries the exact prompt count.
+        Should that fail, the prompt's upper bound is billed."""
+        body = {**generation.upstream_body, "stream": False, "max_tokens": 1}
+        body.pop("stream_options", None)
+        try:
+            response = await self.client.post(generation.worker.url + PATHS[generation.kind], content=orjson.dumps(body),
+                                              headers={"content-type": "application/json"}, timeout=USAGE_PROBE_TIMEOUT_S)
+            prompt_tokens = response.json()["usage"]["prompt_tokens"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return
+        if type(prompt_tokens) is int and prompt_tokens >= 0:
+            generation.reported_prompt = prompt_tokens
 
     async def _record_discrepancy(self, generation: Generation, billed: metering.BilledUsage) -> None:
         worker = generation.worker

@@ -74,6 +74,8 @@ def add_worker(conn: Connection, owner_account_id: int, url: str, model: str, en
     cmd.require_text(model, "a model name", 200)
     if context_length is not None and (type(context_length) is not int or context_length <= 0):
         raise InvalidInput("context length must be a positive number of tokens")
+    if engine == "llamacpp" and context_length is None:
+        raise InvalidInput("llama.cpp does not report its context length: pass --context-length (its n_ctx)")
     return conn.execute(
         workers.insert()
         .values(owner_account_id=owner_account_id, url=require_url(url), model=model, engine=engine,

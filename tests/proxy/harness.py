@@ -140,14 +140,17 @@ class Fleet:
 
 
 def make_fleet(database_url: str, worker_urls: list[str], *, credits_usd: str = "10", input_usd_per_mtok: str = "0.15",
-               output_usd_per_mtok: str = "0.60", engines: list[str] | None = None, spend_limit_usd: str | None = None) -> Fleet:
+               output_usd_per_mtok: str = "0.60", engines: list[str] | None = None, spend_limit_usd: str | None = None,
+               context_lengths: list[int | None] | None = None) -> Fleet:
     """A customer with credits and a key, one owner per worker, the model priced."""
     engine = make_engine(database_url)
     migrate(engine)
     with engine.begin() as conn:
         customer = acc.create_account(conn, cmd.CUSTOMER, "test customer", "customer@example.com")
         owners = [acc.create_account(conn, cmd.OWNER, f"owner {i}") for i in range(len(worker_urls))]
-        worker_ids = [registry.add_worker(conn, owner, url, MODEL, (engines or ["vllm"] * len(worker_urls))[i])
+        engines = engines or ["vllm"] * len(worker_urls)
+        context_lengths = context_lengths or [None] * len(worker_urls)
+        worker_ids = [registry.add_worker(conn, owner, url, MODEL, engines[i], context_lengths[i])
                       for i, (owner, url) in enumerate(zip(owners, worker_urls))]
         prices.set_price(conn, MODEL, input_usd_per_mtok, output_usd_per_mtok)
         limit = usd_to_nano_usd(spend_limit_usd) if spend_limit_usd else None

@@ -1,0 +1,123 @@
+"""`paralon up` (what `make run` starts): the whole service on the embedded
+default. SQLite, two simulated GPU workers of different profiles owned by a
+demo owner, a demo customer with credits, a fresh API key printed with a curl
+and an openai example, then the proxy in the foreground until Ctrl-C."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import click
+import httpx
+from sqlalchemy import Engine, select
+
+from app.migrate import migrate
+from app.server import run_server
+from app.settings import Settings
+from ledger import commands as cmd
+from ledger.accounts import create_account
+from ledger.db import make_engine
+from ledger.money import usd_to_nano_usd
+from ledger.schema import accounts
+from ledger.service import append_now
+from proxy import keys, prices
+from proxy import workers as registry
+from proxy.schema import workers
+
+DEMO_MODEL = "paralon-demo"
+DEMO_CREDITS_USD = "10"
+DEMO_WORKERS = (("h200", 8101), ("2x4090", 8102))
+START_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Demo:
+    customer_id: int
+    owner_id: int
+    key: str
+
+
+def _account(conn, kind: str, name: str, email: str | None = None) -> int:
+    found = conn.execute(select(accounts.c.id).where(accounts.c.kind == kind, accounts.c.name == name)).scalar()
+    return found if found is not None else create_account(conn, kind, name, email)
+
+
+def prepare_demo(engine: Engine, worker_ports: list[tuple[str, int]]) -> Demo:
+    """Idempotent: a second `make run` reuses the accounts and workers and adds a key."""
+    migrate(engine)
+    with engine.begin() as conn:
+        customer = _account(conn, cmd.CUSTOMER, "Demo customer", "customer@example.com")
+        owner = _account(conn, cmd.OWNER, "Demo GPU owner", "owner@example.com")
+        prices.set_price(conn, DEMO_MODEL, "0.15", "0.60")
+        for _, port in worker_ports:
+            url = f"http://127.0.0.1:{port}"
+            if conn.execute(select(workers.c.id).where(workers.c.url == url)).first() is None:
+                registry.add_worker(conn, owner, url, DEMO_MODEL)
+        _, key = keys.create_key(conn, customer, name="make run")
+    append_now(engine, cmd.GrantCredits(customer, usd_to_nano_usd(DEMO_CREDITS_USD), "demo credits", f"demo:credits:{customer}"))
+    return Demo(customer, owner, key)
+
+
+def _require_free(port: int) -> None:
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            raise click.ClickException(f"port {port} is in use: stop what runs there, or set another port")
+
+
+def start_sim_workers(worker_ports: list[tuple[str, int]]) -> list[subprocess.Popen]:
+    processes = []
+    for profile, port in worker_ports:
+        _require_free(port)
+        processes.append(subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(port),
+             "--profile", profile, "--model", DEMO_MODEL]))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for _, port in worker_ports:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"the simulated worker on port {port} did not start")
+            time.sleep(0.1)
+    return processes
+
+
+def print_welcome(demo: Demo, base_url: str, worker_ports: list[tuple[str, int]]) -> None:
+    fleet = ", ".join(f"{profile} on :{port}" for profile, port in worker_ports)
+    click.echo(f"""
+Paralon is running on {base_url} (SQLite at var/, workers: {fleet}).
+Demo customer {demo.customer_id} has ${DEMO_CREDITS_USD} of credits; demo owner {demo.owner_id} earns 80% of each request.
+
+API key (shown once): {demo.key}
+
+  curl {base_url}/v1/chat/completions -H "Authorization: Bearer {demo.key}" \\
+    -H "Content-Type: application/json" \\
+    -d '{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  .venv/bin/python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="{demo.key}"); print(c.chat.completions.create(model="{DEMO_MODEL}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32).usage)'
+
+Balances: .venv/bin/paralon balance {demo.customer_id}   (owner: .venv/bin/paralon balance {demo.owner_id})
+API docs: {base_url}/docs     Stop: Ctrl-C
+""")
+
+
+def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
+    settings = Settings.from_env()
+    _require_free(port)
+    fleet = [(profile, worker_port) for (profile, _), worker_port in zip(DEMO_WORKERS, worker_ports)]
+    demo = prepare_demo(make_engine(settings.database_url), fleet)
+    processes = start_sim_workers(fleet)
+    try:
+        print_welcome(demo, f"http://{host}:{port}", fleet)
+        run_server(settings, host, port)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)

@@ -1,0 +1,55 @@
+"""`make run` (`paralon up`) on a fresh directory: the printed key and example work."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from tests.proxy.harness import free_port, wait_for
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_up_serves_the_demo_and_the_printed_key_works(tmp_path):
+    port, workers = free_port(), (free_port(), free_port())
+    env = {**os.environ, "PARALON_DATABASE_URL": f"sqlite:///{tmp_path}/var/paralon.db"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from app.cli import main; main()", "up", "--port", str(port),
+         "--worker-ports", str(workers[0]), str(workers[1])],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines: list[str] = []
+        while not any("Stop: Ctrl-C" in line for line in lines):
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "".join(lines)
+            lines.append(line)
+        printed = "".join(lines)
+        key = re.search(r"API key \(shown once\): (sk-par-\S+)", printed).group(1)
+        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in printed
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        answer = client.chat.completions.create(model="paralon-demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        assert answer.usage.completion_tokens == 8 and float(answer.usage.model_extra["cost"]) > 0
+        assert {m.id for m in client.models.list().data} == {"paralon-demo"}
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(20)
+    time.sleep(0.5)
+    for worker_port in workers:  # the simulated workers stopped with it
+        try:
+            httpx.get(f"http://127.0.0.1:{worker_port}/health", timeout=0.5)
+            raise AssertionError(f"a simulated worker still answers on {worker_port}")
+        except httpx.ConnectError:
+            pass
