@@ -27,7 +27,7 @@ class WorkerLoad:
     # it was recorded: what the worker has shown it can deliver in total.
     peak_tokens_per_s: float = 0.0
     completed: int = 0
-    recorded_at_s: float = 0.0  # monotonic
+    recorded_at_s: float = field(default_factory=time.monotonic)  # start of the measuring period
 
     def busy(self) -> int:
         return max(self.in_flight, self.reported_busy)
