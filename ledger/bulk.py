@@ -18,36 +18,36 @@ from ledger.schema import account_balances, customer_holds, holds, ledger_events
 
 # PostgreSQL array literals, built at C speed: psycopg adapts a list element by
 # element in Python, which was the largest single cost of a batch.
-def _ints(values) -> str:
+def ints(values) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-def _nullable_ints(values) -> str:
+def nullable_ints(values) -> str:
     return "{" + ",".join(["NULL" if v is None else str(v) for v in values]) + "}"
 
 
-def _words(values) -> str:
+def words(values) -> str:
     """Strings that need no quoting: event type names."""
     return "{" + ",".join(values) + "}"
 
 
-def _bytes(values) -> str:
+def bytea_array(values) -> str:
     """bytea elements in hex form; the backslash is doubled for the array parser."""
     return "{" + ",".join(['"\\\\x' + v.hex() + '"' for v in values]) + "}"
 
 
-def _texts(values) -> str:
+def texts(values) -> str:
     return "{" + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]) + "}"
 
 
 Spec = tuple[tuple[str, Callable], ...]
 EVENT_SPEC: Spec = (
-    ("seq", _ints), ("event_type", _words), ("payload", _texts), ("idempotency_key", _texts),
-    ("content_digest", _bytes), ("reverses_seq", _nullable_ints), ("prev_hash", _bytes), ("hash", _bytes),
+    ("seq", ints), ("event_type", words), ("payload", texts), ("idempotency_key", texts),
+    ("content_digest", bytea_array), ("reverses_seq", nullable_ints), ("prev_hash", bytea_array), ("hash", bytea_array),
 )
-POSTING_SPEC: Spec = (("event_seq", _ints), ("leg", _ints), ("account_id", _ints), ("amount_nano_usd", _ints))
+POSTING_SPEC: Spec = (("event_seq", ints), ("leg", ints), ("account_id", ints), ("amount_nano_usd", ints))
 HOLD_SPEC: Spec = (
-    ("account_id", _ints), ("amount_nano_usd", _ints), ("idempotency_key", _texts), ("ttl_s", _ints),
+    ("account_id", ints), ("amount_nano_usd", ints), ("idempotency_key", texts), ("ttl_s", ints),
 )
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at")
 
@@ -108,7 +108,7 @@ def in_chunks(values: list, size: int = IN_CLAUSE_SIZE_MAX):
         yield values[start : start + size]
 
 
-def _pg_rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
+def pg_rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
     """Run on the transaction's own psycopg connection and return plain tuples:
     for statements returning a row per batch item, SQLAlchemy's per-row result
     processing costs more than the statement."""
@@ -122,7 +122,7 @@ def one_of(conn: Connection, column, values: list):
     statement text, and every cache keyed on it, is the same for any batch size."""
     if not is_postgres(conn):
         return column.in_(values)
-    literal = _texts(values) if values and isinstance(values[0], str) else _ints(values)
+    literal = texts(values) if values and isinstance(values[0], str) else ints(values)
     return column == any_(cast(bindparam(None, literal, type_=String), ARRAY(column.type)))
 
 
@@ -173,7 +173,7 @@ def set_balances(conn: Connection, balances: dict[int, int], holds_closed: dict[
     if is_postgres(conn):
         conn.exec_driver_sql(
             _PG_SET_BALANCES,
-            {"account_id": _ints(ids), "balance": _ints([balances[a] for a in ids]), "closed": _ints(closed), "seq": last_seq},
+            {"account_id": ints(ids), "balance": ints([balances[a] for a in ids]), "closed": ints(closed), "seq": last_seq},
         )
     else:
         conn.execute(_SET_BALANCE, [{"b_account_id": a, "b_balance": balances[a], "b_seq": last_seq, "b_closed": c} for a, c in zip(ids, closed)])
@@ -193,7 +193,7 @@ def _add(conn: Connection, pg_sql: str, statement, name: str, amounts: dict[int,
         return
     ids = sorted(amounts)
     if is_postgres(conn):
-        conn.exec_driver_sql(pg_sql, {"account_id": _ints(ids), name: _ints([amounts[a] for a in ids])})
+        conn.exec_driver_sql(pg_sql, {"account_id": ints(ids), name: ints([amounts[a] for a in ids])})
     else:
         conn.execute(statement, [{"b_account_id": a, f"b_{name}": amounts[a]} for a in ids])
 
@@ -206,7 +206,7 @@ def close_holds(conn: Connection, hold_ids: list[int]) -> list[tuple]:
     if not hold_ids:
         return []
     if is_postgres(conn):
-        return _pg_rows(conn, _PG_CLOSE_HOLDS, {"id": _ints(hold_ids)})
+        return pg_rows(conn, _PG_CLOSE_HOLDS, {"id": ints(hold_ids)})
     closed = []
     for hold_id in hold_ids:  # SQLite: executemany cannot return rows
         closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": hold_id}))
@@ -224,7 +224,7 @@ def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str
     if not rows:
         return {}
     if is_postgres(conn):
-        return {key: hold_id for hold_id, key in _pg_rows(conn, _PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})}
+        return {key: hold_id for hold_id, key in pg_rows(conn, _PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})}
     values = [
         {"account_id": a, "amount_nano_usd": m, "idempotency_key": k,
          "created_at": now, "expires_at": now + timedelta(seconds=ttl)}

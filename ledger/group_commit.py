@@ -48,11 +48,16 @@ class GroupCommitWriter(Generic[C, R]):
         batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
         queue_depth_max: int = QUEUE_DEPTH_MAX_DEFAULT,
         validate: Callable[[C], None] | None = None,
+        single_statement_on_postgres: bool = False,
     ) -> None:
         if batch_size_max < 1 or batch_wait_ms < 0 or queue_depth_max < batch_size_max:
             raise ValueError("need batch_size_max >= 1, batch_wait_ms >= 0, queue_depth_max >= batch_size_max")
         self._engine = engine
         self._apply_batch = apply_batch
+        # A batch that is one statement on PostgreSQL runs without BEGIN and
+        # COMMIT: one round trip in all, the statement being its own transaction.
+        self._autocommit = single_statement_on_postgres and engine.dialect.name == "postgresql"
+        self._conn: Connection | None = None  # kept for the thread's life: no pool check-out per batch
         self._validate = validate
         self.batch_size_max = batch_size_max
         self.batch_wait_s = batch_wait_ms / 1000
@@ -117,18 +122,42 @@ class GroupCommitWriter(Generic[C, R]):
             return [self._queue.popleft() for _ in range(count)]
 
     def _run(self) -> None:
-        while batch := self._take_batch():
-            self._commit(batch)
+        try:
+            while batch := self._take_batch():
+                self._commit(batch)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
 
     def _commit(self, batch: list) -> None:
         _deliver(batch, self._apply_with_retries([command for command, _ in batch]))
+
+    def _connection(self) -> Connection:
+        if self._conn is None or self._conn.invalidated or self._conn.closed:
+            if self._conn is not None:
+                self._conn.close()
+            conn = self._engine.connect()
+            self._conn = conn.execution_options(isolation_level="AUTOCOMMIT") if self._autocommit else conn
+        return self._conn
+
+    def _apply_once(self, commands: list) -> list:
+        conn = self._connection()
+        if self._autocommit:
+            try:
+                results = self._apply_batch(conn, commands)
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()  # ends SQLAlchemy's own bookkeeping; the database committed already
+            return results
+        with conn.begin():
+            return self._apply_batch(conn, commands)
 
     def _apply_with_retries(self, commands: list) -> list:
         attempt = 1
         while True:
             try:
-                with self._engine.begin() as conn:
-                    results = self._apply_batch(conn, commands)
+                results = self._apply_once(commands)
             except DBAPIError as exc:
                 if attempt < TRANSIENT_RETRIES_MAX and _is_transient(exc):
                     attempt += 1

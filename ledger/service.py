@@ -39,7 +39,7 @@ class Ledger:
         )
         self.holder: GroupCommitWriter[hl.PlaceHold, hl.HoldResult] = GroupCommitWriter(
             engine, hl.place_holds, name="ledger-holds", batch_size_max=batch_size_max,
-            batch_wait_ms=hold_batch_wait_ms, validate=hl.validate_place_hold,
+            batch_wait_ms=hold_batch_wait_ms, validate=hl.validate_place_hold, single_statement_on_postgres=True,
         )
 
     def close(self) -> None:

@@ -42,6 +42,9 @@ from proxy.prices import Price
 HOLD_TTL_S = 15 * 60
 UPSTREAM_ATTEMPTS_MAX = 3
 USAGE_PROBE_TIMEOUT_S = 30.0
+# How long a hold granted in full lets the next request of the same customer
+# start upstream before its own hold is confirmed.
+SOLVENT_FOR_S = 30.0
 CHAT, COMPLETIONS = "chat", "completions"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 
@@ -188,9 +191,47 @@ class InferenceProxy:
         self.client = client
         self.hold_ttl_s = hold_ttl_s
         self._background: set[asyncio.Task] = set()
+        self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
 
     # Before the first token
     async def open(self, kind: str, body: object, grant: KeyGrant) -> Generation:
+        """Hold, route and read up to the first token. For a customer whose last
+        hold here was granted in full, the upstream request starts while the
+        hold is being placed, so the hold adds nothing to the first token; it
+        is abandoned (nothing relayed, nothing charged) if the hold is refused."""
+        generation, candidates, hold_request = self._prepare(kind, body, grant)
+        hold_task = asyncio.ensure_future(self.ledger.place_hold_async(hold_request))
+        upstream_task = None
+        if self._solvent_until.get(grant.account_id, 0.0) > time.monotonic():
+            upstream_task = asyncio.ensure_future(self._start_upstream(generation, body, candidates))
+        try:
+            hold = await asyncio.shield(hold_task)
+        except asyncio.CancelledError:  # the caller left: release the hold whenever it lands
+            hold_task.add_done_callback(self._release_when_placed)
+            await self._abandon_attempt(generation, upstream_task)
+            raise
+        except BaseException as exc:
+            self._solvent_until.pop(grant.account_id, None)
+            await self._abandon_attempt(generation, upstream_task)
+            if isinstance(exc, InsufficientFunds):
+                raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
+            raise
+        self._accept_hold(generation, hold)
+        if hold.amount_nano_usd < hold_request.amount_nano_usd:  # clamped: ask again for fewer tokens
+            self._solvent_until.pop(grant.account_id, None)
+            await self._abandon_attempt(generation, upstream_task)
+            upstream_task = None
+        else:
+            self._solvent_until[grant.account_id] = time.monotonic() + SOLVENT_FOR_S
+        try:
+            await (upstream_task or self._start_upstream(generation, body, candidates))
+        except BaseException:
+            await self._release(generation)
+            raise
+        return generation
+
+    def _prepare(self, kind: str, body: object, grant: KeyGrant) -> tuple[Generation, list[registry.WorkerView], PlaceHold]:
+        """Validate, price, bound, and plan the hold: everything that needs no I/O."""
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         model = body.get("model")
@@ -208,33 +249,44 @@ class InferenceProxy:
         prompt_bound = metering.prompt_tokens_bound(kind, body)
         asked_max_tokens = metering.requested_max_tokens(kind, body)
         candidates = self._candidates(fleet, prompt_bound + (asked_max_tokens or 1))
-        room = max(w.context_length or 0 for w in candidates) - prompt_bound
-        target_max_tokens = asked_max_tokens or max(room, 1)
-        if candidates and all(w.context_length for w in candidates):
-            target_max_tokens = min(target_max_tokens, max(room, 1))
-
+        room = max(max(w.context_length or 0 for w in candidates) - prompt_bound, 1)
+        max_tokens = asked_max_tokens or room
+        if all(w.context_length for w in candidates):
+            max_tokens = min(max_tokens, room)
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
-        plan = metering.plan_hold(price, prompt_bound, target_max_tokens)
-        amount_nano_usd = self._within_key_limit(grant, plan)
-        try:
-            hold = await self.ledger.place_hold_async(PlaceHold(
-                grant.account_id, amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s, plan.minimum_nano_usd))
-        except InsufficientFunds:
-            raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
-        self.directory.budgets.held[grant.id] += hold.amount_nano_usd
-        max_tokens = min(target_max_tokens, metering.affordable_max_tokens(price, prompt_bound, hold.amount_nano_usd))
+        plan = metering.plan_hold(price, prompt_bound, max_tokens)
+        hold_request = PlaceHold(grant.account_id, self._within_key_limit(grant, plan), f"hold:{request_id}",
+                                 self.hold_ttl_s, plan.minimum_nano_usd)
         generation = Generation(
-            proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=hold.hold_id,
-            hold_nano_usd=hold.amount_nano_usd,
-            prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=bool(stream_options.get("include_usage")),
+            proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=0,
+            hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens,
+            wants_usage=bool(stream_options.get("include_usage")),
             wants_continuous_usage=bool(stream_options.get("continuous_usage_stats")), started_at=utc_now(),
         )
-        try:
-            await self._start_upstream(generation, body, candidates)
-        except BaseException:
-            await self._release(generation)
-            raise
-        return generation
+        return generation, candidates, hold_request
+
+    def _accept_hold(self, generation: Generation, hold) -> None:
+        generation.hold_id, generation.hold_nano_usd = hold.hold_id, hold.amount_nano_usd
+        generation.max_tokens = min(generation.max_tokens, metering.affordable_max_tokens(
+            generation.price, generation.prompt_bound, hold.amount_nano_usd))
+        self.directory.budgets.held[generation.grant.id] += hold.amount_nano_usd
+
+    async def _abandon_attempt(self, generation: Generation, upstream_task: asyncio.Future | None) -> None:
+        """Stop a speculative upstream request, whether or not it got its first token."""
+        if upstream_task is None:
+            return
+        upstream_task.cancel()
+        await asyncio.gather(upstream_task, return_exceptions=True)
+        if generation.worker is not None:  # it had finished: close what it opened
+            await generation.close_upstream()
+            self._forget_attempt(generation)
+
+    def _release_when_placed(self, hold_task: asyncio.Future) -> None:
+        if not hold_task.cancelled() and hold_task.exception() is None:
+            hold_id = hold_task.result().hold_id
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.ledger.release_hold, hold_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _within_key_limit(self, grant: KeyGrant, plan: metering.HoldPlan) -> int:
         """The hold amount, capped at what the key may still spend."""
@@ -290,6 +342,7 @@ class InferenceProxy:
         generation.worker, generation.response, generation.upstream = None, None, None
         generation.pending, generation.counted_tokens = [], 0
         generation.reported_prompt = generation.reported_completion = None
+        generation.first_token_at, generation.upstream_done = 0.0, False
 
     async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
         upstream_body = dict(body)
