@@ -13,10 +13,12 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
-from litestar.response import Stream
+from litestar.response.base import ASGIResponse
 from litestar.static_files import create_static_files_router
+from litestar.types import ASGIApp
 from swagger_ui_bundle import swagger_ui_path
 
+from app.relay_response import RelayResponse
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
 from proxy import key_spend
@@ -27,6 +29,7 @@ from proxy.health import HealthChecker
 from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
 from proxy.service import CHAT, COMPLETIONS, InferenceProxy
+from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024
 HOLD_SWEEP_INTERVAL_S = 30.0
@@ -64,27 +67,25 @@ async def _body(request: Request) -> object:
         raise InvalidRequest("the request body is not valid JSON") from None
 
 
-async def _complete(request: Request, kind: str) -> Response | Stream:
+async def _complete(request: Request, kind: str) -> ASGIApp:
     grant = await _grant(request)
     body = await _body(request)
     proxy: InferenceProxy = request.app.state.proxy
     generation = await proxy.open(kind, body, grant)
-    headers = {"x-request-id": generation.request_id}
     if body.get("stream"):
-        return Stream(generation.events(), media_type="text/event-stream",
-                      headers={**headers, "cache-control": "no-cache"})
+        return RelayResponse(generation)
     answer = await generation.collect()
-    headers["x-paralon-cost-nano-usd"] = str(generation.cost_nano_usd)
-    return _json(answer, headers=headers)
+    return ASGIResponse(body=orjson.dumps(answer), media_type="application/json",
+                        headers={"x-request-id": generation.request_id, "x-paralon-cost-nano-usd": str(generation.cost_nano_usd)})
 
 
 @post("/v1/chat/completions", summary="Create a chat completion (OpenAI API)", status_code=200)
-async def chat_completions(request: Request) -> Response | Stream:
+async def chat_completions(request: Request) -> ASGIApp:
     return await _complete(request, CHAT)
 
 
 @post("/v1/completions", summary="Create a completion (OpenAI API)", status_code=200)
-async def completions(request: Request) -> Response | Stream:
+async def completions(request: Request) -> ASGIApp:
     return await _complete(request, COMPLETIONS)
 
 
@@ -141,7 +142,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
-        app.state.proxy = InferenceProxy(ledger, directory, client)
+        upstream = UpstreamPool()
+        app.state.proxy = InferenceProxy(ledger, directory, upstream)
         tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger), _follow_key_spend(ledger))]
         try:
             yield
@@ -149,6 +151,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
             for task in tasks:
                 task.cancel()
             await app.state.proxy.drain_background()
+            upstream.close()
             await client.aclose()
 
     return Litestar(

@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import httpx
 import orjson
 
 from ledger import commands as cmd
@@ -38,6 +37,7 @@ from proxy.errors import (
 )
 from proxy.keys import KeyGrant
 from proxy.prices import Price
+from proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 HOLD_TTL_S = 15 * 60
 UPSTREAM_ATTEMPTS_MAX = 3
@@ -70,7 +70,7 @@ class Generation:
     started_at: datetime
     worker: registry.WorkerView | None = None
     upstream_body: dict | None = None
-    response: httpx.Response | None = None
+    response: UpstreamResponse | None = None
     upstream: object = None  # the upstream event iterator
     pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
     counted_tokens: int = 0
@@ -127,7 +127,7 @@ class Generation:
             if self.wants_usage:
                 yield sse.encode(self.usage_chunk())
             yield sse.DONE_EVENT
-        except (httpx.HTTPError, UpstreamFailed, ValueError) as exc:
+        except (UpstreamError, UpstreamFailed, ValueError) as exc:
             await self.proxy.abandon(self)
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
@@ -138,7 +138,7 @@ class Generation:
 
     async def close_upstream(self) -> None:
         if self.response is not None:
-            await self.response.aclose()
+            self.response.abort()
 
     def usage_dict(self) -> dict:
         return {**self.usage, "cost": nano_usd_to_usd_text(self.cost_nano_usd)}
@@ -185,10 +185,10 @@ def _has_output(kind: str, choice: dict) -> bool:
 
 
 class InferenceProxy:
-    def __init__(self, ledger: Ledger, directory: Directory, client: httpx.AsyncClient, *, hold_ttl_s: int = HOLD_TTL_S) -> None:
+    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S) -> None:
         self.ledger = ledger
         self.directory = directory
-        self.client = client
+        self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self._background: set[asyncio.Task] = set()
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
@@ -353,19 +353,17 @@ class InferenceProxy:
         )
         generation.worker, generation.upstream_body = worker, upstream_body
         self.directory.loads[worker.id].in_flight += 1
-        request = self.client.build_request("POST", worker.url + PATHS[generation.kind], content=orjson.dumps(upstream_body),
-                                            headers={"content-type": "application/json"})
         try:
-            generation.response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise _Retry(f"worker {worker.id}: {type(exc).__name__}") from None
-        status = generation.response.status_code
+            generation.response = await self.upstream.post(worker.url + PATHS[generation.kind], orjson.dumps(upstream_body))
+        except UpstreamError as exc:
+            raise _Retry(f"worker {worker.id}: {exc}") from None
+        status = generation.response.status
         if status != 200:
-            detail = (await generation.response.aread())[:2000]
+            detail = (await generation.response.read())[:2000]
             if status == 400:
                 raise _upstream_refusal(detail)
             raise _Retry(f"worker {worker.id} answered {status}")
-        generation.upstream = sse.data_events(generation.response.aiter_raw())
+        generation.upstream = sse.data_events(generation.response.pieces())
         try:
             async for data in generation.upstream:
                 if data == sse.DONE:
@@ -376,7 +374,7 @@ class InferenceProxy:
                     generation.pending.append(out)
                 if generation.counted_tokens:
                     return
-        except (httpx.HTTPError, UpstreamFailed, ValueError) as exc:
+        except (UpstreamError, UpstreamFailed, ValueError) as exc:
             raise _Retry(f"worker {worker.id}: {exc}") from None
         raise _Retry(f"worker {worker.id} closed the stream before its first token")
 
@@ -422,10 +420,10 @@ class InferenceProxy:
         body = {**generation.upstream_body, "stream": False, "max_tokens": 1}
         body.pop("stream_options", None)
         try:
-            response = await self.client.post(generation.worker.url + PATHS[generation.kind], content=orjson.dumps(body),
-                                              headers={"content-type": "application/json"}, timeout=USAGE_PROBE_TIMEOUT_S)
-            prompt_tokens = response.json()["usage"]["prompt_tokens"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            async with asyncio.timeout(USAGE_PROBE_TIMEOUT_S):
+                response = await self.upstream.post(generation.worker.url + PATHS[generation.kind], orjson.dumps(body))
+                prompt_tokens = orjson.loads(await response.read())["usage"]["prompt_tokens"]
+        except (UpstreamError, ValueError, KeyError, TypeError, TimeoutError):
             return
         if type(prompt_tokens) is int and prompt_tokens >= 0:
             generation.reported_prompt = prompt_tokens

@@ -1,0 +1,39 @@
+"""The streaming answer as a bare ASGI response: each chunk goes straight to
+the server's `send`, and a disconnect cancels the relay at once (which aborts
+the upstream request and bills what was produced)."""
+from __future__ import annotations
+
+import asyncio
+
+from proxy.service import Generation
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class RelayResponse:
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [*SSE_HEADERS, (b"x-request-id", self.generation.request_id.encode())]
+        relay = asyncio.current_task()
+        left = False
+
+        async def watch_disconnect() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            relay.cancel()
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for chunk in self.generation.events():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+        finally:
+            watcher.cancel()

@@ -1,0 +1,192 @@
+"""A lean HTTP/1.1 client for the relay: keep-alive connections to workers,
+responses parsed by httptools (uvicorn's C parser), body pieces handed over as
+they arrive, and an abort that closes the connection (which is how vLLM and
+llama.cpp learn to stop generating).
+
+A general client (httpx) costs about as much CPU per streamed token as the
+rest of the proxy together; the relay does only this, so it does it directly.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+CONNECT_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 300.0  # a worker silent this long mid-response is abandoned
+IDLE_CONNECTIONS_PER_WORKER_MAX = 256
+READ_PAUSE_BYTES = 1024 * 1024  # stop reading from a worker whose caller is this far behind
+
+
+class UpstreamError(Exception):
+    """The worker could not be reached, or broke the connection."""
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers_done: asyncio.Future = loop.create_future()
+        self.pieces: deque[bytes] = deque()
+        self.buffered_bytes = 0
+        self.waiter: asyncio.Future | None = None
+        self.complete = self.lost = self.paused = False
+        self.last_activity_s = loop.time()
+
+    def reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers_done = self.loop.create_future()
+        self.complete = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.last_activity_s = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed response from the worker: {exc}"))
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(UpstreamError("the worker closed the connection"))
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        if not self.headers_done.done():
+            self.headers_done.set_result(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+        self.buffered_bytes += len(body)
+        if self.buffered_bytes > READ_PAUSE_BYTES and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        if not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+        self._wake()
+
+    def take(self) -> bytes | None:
+        piece = self.pieces.popleft()
+        self.buffered_bytes -= len(piece)
+        if self.paused and self.buffered_bytes < READ_PAUSE_BYTES // 2:
+            self.paused = False
+            self.transport.resume_reading()
+        return piece
+
+
+class UpstreamResponse:
+    def __init__(self, pool: "UpstreamPool", key: tuple[str, int], connection: _Connection, status: int) -> None:
+        self._pool, self._key, self._conn = pool, key, connection
+        self.status = status
+        self._done = False
+
+    async def pieces(self):
+        """Body bytes as they arrive (chunked encoding already undone)."""
+        conn = self._conn
+        while True:
+            if conn.pieces:
+                yield conn.take()
+            elif conn.complete:
+                self._finish()
+                return
+            elif conn.lost:
+                self._done = True
+                raise UpstreamError("the worker closed the connection mid-response")
+            else:
+                conn.waiter = conn.loop.create_future()
+                timer = conn.loop.call_later(IDLE_TIMEOUT_S, conn.waiter.cancel)
+                try:
+                    await conn.waiter
+                except asyncio.CancelledError:
+                    if conn.loop.time() - conn.last_activity_s >= IDLE_TIMEOUT_S:
+                        self.abort()
+                        raise UpstreamError("the worker went silent") from None
+                    raise
+                finally:
+                    timer.cancel()
+                    conn.waiter = None
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.pieces()])
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.release(self._key, self._conn)
+
+    def abort(self) -> None:
+        """Close the connection: the worker stops generating."""
+        if not self._done:
+            self._done = True
+            if self._conn.transport is not None:
+                self._conn.transport.abort()
+
+
+class UpstreamPool:
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        parts = urlsplit(url)
+        key = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
+        if parts.scheme != "http":
+            raise UpstreamError("only http:// workers are relayed directly")
+        head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\nContent-Type: application/json\r\n"
+                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        connection = await self._acquire(key)
+        connection.transport.write(head + body)
+        try:
+            status = await connection.headers_done
+        except UpstreamError:
+            connection.transport.abort()
+            raise
+        return UpstreamResponse(self, key, connection, status)
+
+    async def _acquire(self, key: tuple[str, int]) -> _Connection:
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()
+            if not connection.lost:
+                connection.reset()
+                return connection
+        loop = asyncio.get_running_loop()
+        try:
+            _, connection = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(loop), key[0], key[1]), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from None
+        return connection
+
+    def release(self, key: tuple[str, int], connection: _Connection) -> None:
+        if connection.lost or not connection.parser.should_keep_alive() or connection.pieces:
+            connection.transport.close()
+            return
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < IDLE_CONNECTIONS_PER_WORKER_MAX:
+            idle.append(connection)
+        else:
+            connection.transport.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.transport.close()
+        self._idle.clear()
