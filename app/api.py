@@ -28,7 +28,8 @@ from proxy.generations import find_generation
 from proxy.health import HealthChecker
 from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
-from proxy.service import CHAT, COMPLETIONS, InferenceProxy
+from proxy.relay import CHAT, COMPLETIONS
+from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024
