@@ -29,7 +29,7 @@ from proxy.health import HealthChecker
 from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
 from proxy.relay import CHAT, COMPLETIONS
-from proxy.service import InferenceProxy
+from proxy.service import HOLD_TTL_S, InferenceProxy
 from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024
@@ -131,7 +131,8 @@ async def health() -> Response:
     return _json({"status": "ok"})
 
 
-def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0) -> Litestar:
+def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0,
+               hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S) -> Litestar:
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -144,8 +145,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
         upstream = UpstreamPool()
-        app.state.proxy = InferenceProxy(ledger, directory, upstream)
-        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger), _follow_key_spend(ledger))]
+        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
+        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), _follow_key_spend(ledger))]
         try:
             yield
         finally:
@@ -178,10 +179,10 @@ async def _follow_key_spend(ledger: Ledger) -> None:
         await asyncio.sleep(KEY_SPEND_INTERVAL_S)
 
 
-async def _sweep_holds(ledger: Ledger) -> None:
+async def _sweep_holds(ledger: Ledger, interval_s: float) -> None:
     """Release holds a crashed proxy left behind, once they expire."""
     while True:
-        await asyncio.sleep(HOLD_SWEEP_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         try:
             await asyncio.to_thread(ledger.expire_holds)
         except Exception:

@@ -17,6 +17,8 @@ class Settings:
     group_commit_wait_ms: int = int(BATCH_WAIT_MS_DEFAULT)
     health_interval_ms: int = 2000
     key_cache_ttl_ms: int = 1000
+    hold_ttl_s: int = 900
+    hold_sweep_interval_ms: int = 30_000
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -28,6 +30,8 @@ class Settings:
             group_commit_wait_ms=_int("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT), 0, 100),
             health_interval_ms=_int("PARALON_HEALTH_INTERVAL_MS", 2000, 50, 60_000),
             key_cache_ttl_ms=_int("PARALON_KEY_CACHE_TTL_MS", 1000, 0, 60_000),
+            hold_ttl_s=_int("PARALON_HOLD_TTL_S", 900, 1, 24 * 3600),
+            hold_sweep_interval_ms=_int("PARALON_HOLD_SWEEP_INTERVAL_MS", 30_000, 50, 3_600_000),
         )
 
     def open_ledger(self, engine):

@@ -197,3 +197,23 @@ def test_no_credits_is_402_and_moves_nothing(database_url, credits_usd):
     worker.stop()
     assert response.status_code == 402 and response.json()["error"]["code"] == "insufficient_credits"
     assert fleet.settlements() == [] and fleet.balance(fleet.customer_id).held_nano_usd == 0
+
+
+def test_a_hold_left_by_a_crashed_proxy_expires_and_is_released(database_url):
+    """Given a proxy killed mid-stream, its hold stays until it expires; then
+    the sweeper of any other proxy releases it, and nobody is charged."""
+    worker = sim_worker("h200", time_scale=0.5)  # slow: the stream is still running when the proxy dies
+    fleet = make_fleet(database_url, [worker.url])
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url, PARALON_HOLD_TTL_S="2") as doomed:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30) as response:
+            next(response.iter_lines())
+            doomed.process.kill()  # no finally, no settlement, no release
+        doomed.process.wait(10)
+    assert fleet.balance(fleet.customer_id).held_nano_usd > 0
+    with serving(database_url, PARALON_HOLD_SWEEP_INTERVAL_MS="200"):
+        wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0, timeout_s=15)
+    worker.stop()
+    assert fleet.settlements() == []
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == before
