@@ -26,14 +26,19 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ledger_throughput import ScratchDatabase, log  # noqa: E402
+from proxy.upstream import UpstreamPool  # noqa: E402
 from tests.proxy.harness import MODEL, ServeProcess, free_port, make_fleet  # noqa: E402
 
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # per request, give or take MAX_TOKENS_SPREAD
+MAX_TOKENS_SPREAD = 16
+START_SPREAD_S = 0.5
+CONTENT_MARK, EMPTY_CONTENT_MARK = b'"content":"', b'"content":""'
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -56,32 +61,40 @@ def start_worker(port: int, profile: str) -> subprocess.Popen:
     raise SystemExit("the simulated worker did not start")
 
 
-async def caller(client: httpx.AsyncClient, url: str, headers: dict, deadline: float, ttfts_ms: list[float], index: int) -> int:
+async def caller(pool: UpstreamPool, url: str, headers: dict, deadline: float, ttfts_ms: list[float], index: int,
+                 callers: int) -> int:
+    """One closed-loop caller. The client is the proxy's own lean HTTP client,
+    so that the caller's CPU, which shares these two cores, stays small."""
     tokens, turn = 0, 0
+    # Callers start spread over one request's time and ask for slightly
+    # different lengths, so that they do not move in lockstep: a steady load,
+    # not 16 requests arriving in the same millisecond every round.
+    await asyncio.sleep(index * START_SPREAD_S / max(callers, 1))
+    max_tokens = MAX_TOKENS - MAX_TOKENS_SPREAD + (index * 7) % (2 * MAX_TOKENS_SPREAD + 1)
     while time.monotonic() < deadline:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"caller {index} turn {turn}"}],
-                "max_tokens": MAX_TOKENS, "stream": True}
+        body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"caller {index} turn {turn}"}],
+                             "max_tokens": max_tokens, "stream": True})
         turn += 1
         started = time.perf_counter()
+        response = await pool.post(url, body, headers)
+        if response.status != 200:
+            raise SystemExit(f"{url} answered {response.status}: {(await response.read())[:300]!r}")
         first = True
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raise SystemExit(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
-            async for line in response.aiter_lines():
-                if line.startswith('data: {"id"') and '"content":"' in line and '"content":""' not in line:
-                    if first:
-                        ttfts_ms.append((time.perf_counter() - started) * 1000)
-                        first = False
-                    tokens += 1
+        async for piece in response.pieces():
+            produced = piece.count(CONTENT_MARK) - piece.count(EMPTY_CONTENT_MARK)
+            if produced and first:
+                ttfts_ms.append((time.perf_counter() - started) * 1000)
+                first = False
+            tokens += produced
     return tokens
 
 
 async def run_phase(url: str, headers: dict, callers: int, seconds: float) -> tuple[list[float], int]:
     ttfts_ms: list[float] = []
-    limits = httpx.Limits(max_connections=callers, max_keepalive_connections=callers)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        deadline = time.monotonic() + seconds
-        tokens = await asyncio.gather(*(caller(client, url, headers, deadline, ttfts_ms, i) for i in range(callers)))
+    pool = UpstreamPool()
+    deadline = time.monotonic() + seconds
+    tokens = await asyncio.gather(*(caller(pool, url, headers, deadline, ttfts_ms, i, callers) for i in range(callers)))
+    pool.close()
     return ttfts_ms, sum(tokens)
 
 

@@ -13,7 +13,7 @@ from sqlalchemy import Connection, String, any_, bindparam, cast, delete, update
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ledger.db import is_postgres
-from ledger.schema import account_balances, customer_holds, holds, ledger_events, ledger_postings
+from ledger.schema import account_balances, customer_holds, holds, ledger_events, ledger_head, ledger_postings
 
 
 # PostgreSQL array literals, built at C speed: psycopg adapts a list element by
@@ -53,7 +53,8 @@ HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_a
 
 
 def _columns(spec: Spec, rows: list[tuple]) -> dict[str, str]:
-    return {name: encode(column) for (name, encode), column in zip(spec, zip(*rows))}
+    columns = list(zip(*rows)) or [()] * len(spec)  # no rows: every array empty
+    return {name: encode(column) for (name, encode), column in zip(spec, columns)}
 
 
 def _dicts(spec: Spec, rows: list[tuple]) -> list[dict]:
@@ -98,6 +99,44 @@ FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempoten
     %(ttl_s)s::int[]) AS u(account_id, amount, key, ttl_s)
 RETURNING id, idempotency_key
 """
+
+
+# Everything an append writes once its events are decided, as one statement on
+# PostgreSQL (data-modifying CTEs): one round trip instead of four.
+_PG_WRITE_APPENDED = """
+WITH events AS (
+    INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, prev_hash, hash, recorded_at)
+    SELECT u.*, %(recorded_at)s FROM unnest(%(seq)s::bigint[], %(event_type)s::text[], %(payload)s::text[],
+        %(idempotency_key)s::text[], %(content_digest)s::bytea[], %(reverses_seq)s::bigint[], %(prev_hash)s::bytea[], %(hash)s::bytea[]) AS u
+), postings AS (
+    INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd)
+    SELECT * FROM unnest(%(event_seq)s::bigint[], %(leg)s::int[], %(account_id)s::bigint[], %(amount_nano_usd)s::bigint[])
+), balances AS (
+    UPDATE account_balances AS b
+    SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
+    FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
+    WHERE b.account_id = u.account_id
+)
+UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1
+"""
+
+
+def write_appended(conn: Connection, event_rows: list[tuple], posting_rows: list[tuple], balances: dict[int, int],
+                   holds_closed: dict[int, int], last_seq: int, last_hash: bytes, recorded_at: datetime) -> None:
+    """Events, postings, balances and the head of the chain, for a decided batch."""
+    if not is_postgres(conn):
+        insert_events(conn, event_rows, recorded_at)
+        insert_postings(conn, posting_rows)
+        set_balances(conn, balances, holds_closed, last_seq)
+        conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=last_seq, last_hash=last_hash))
+        return
+    ids = sorted(balances)
+    conn.exec_driver_sql(_PG_WRITE_APPENDED, {
+        **_columns(EVENT_SPEC, event_rows), **_columns(POSTING_SPEC, posting_rows),
+        "recorded_at": recorded_at, "last_seq": last_seq, "last_hash": last_hash,
+        "balance_account_id": ints(ids), "balance": ints([balances[a] for a in ids]),
+        "closed": ints([holds_closed.get(a, 0) for a in ids]),
+    })
 
 
 IN_CLAUSE_SIZE_MAX = 1000

@@ -7,9 +7,11 @@ write. Holds are never locked here except the ones being settled.
 """
 from __future__ import annotations
 
+import weakref
+
 from typing import NamedTuple
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, Engine, select
 
 from ledger import accounts as acc
 from ledger import bulk
@@ -155,10 +157,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
 
     bulk.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
-        bulk.insert_events(conn, event_rows, recorded_at)
-        bulk.insert_postings(conn, posting_rows)
-        bulk.set_balances(conn, {a: book.balances[a] for a in touched}, holds_closed, seq)
-        conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=seq, last_hash=prev_hash))
+        bulk.write_appended(conn, event_rows, posting_rows, {a: book.balances[a] for a in touched}, holds_closed,
+                            seq, prev_hash, recorded_at)
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):
@@ -245,7 +245,10 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     named, reversed events, and the holds being settled, which are closed here
     in one statement (a release or expiry racing with it finds them gone)."""
     book = _BatchBook()
-    book.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
+    facts = _facts_of(conn)
+    if not facts.system:
+        facts.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
+    book.system = facts.system
     reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
     _load_reversal_targets(conn, book, reversed_seqs)
     _load_reversals(conn, book, reversed_seqs)
@@ -258,10 +261,39 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
                 account_ids.add(c.owner_account_id)
             case cmd.ReverseEvent() if c.seq in book.events:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
-    for chunk in bulk.in_chunks(sorted(account_ids)):
-        book.kinds.update(conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all())
+    book.kinds.update({a: facts.kinds[a] for a in account_ids if a in facts.kinds})
+    for chunk in bulk.in_chunks(sorted(account_ids - book.kinds.keys())):
+        found = conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all()
+        book.kinds.update(found)
+        facts.remember_kinds(found)
     _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)])
     return book
+
+
+class _Facts:
+    """What never changes once written: the system accounts and every
+    account's kind. Kept per engine so a batch need not read them again."""
+
+    KINDS_MAX = 100_000
+
+    def __init__(self) -> None:
+        self.system: dict[str, int] = {}
+        self.kinds: dict[int, str] = {}
+
+    def remember_kinds(self, rows) -> None:
+        if len(self.kinds) > self.KINDS_MAX:
+            self.kinds.clear()
+        self.kinds.update(rows)
+
+
+_FACTS_BY_ENGINE: "weakref.WeakKeyDictionary[Engine, _Facts]" = weakref.WeakKeyDictionary()
+
+
+def _facts_of(conn: Connection) -> _Facts:
+    facts = _FACTS_BY_ENGINE.get(conn.engine)
+    if facts is None:
+        facts = _FACTS_BY_ENGINE[conn.engine] = _Facts()
+    return facts
 
 
 def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest]) -> None:

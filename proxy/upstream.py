@@ -144,13 +144,14 @@ class UpstreamPool:
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
-    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+    async def post(self, url: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamResponse:
         parts = urlsplit(url)
         key = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
         if parts.scheme != "http":
             raise UpstreamError("only http:// workers are relayed directly")
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n").encode()
         connection = await self._acquire(key)
         connection.transport.write(head + body)
         try:
