@@ -156,6 +156,23 @@ def pg_rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
         return cursor.fetchall()
 
 
+def pipelined_rows(conn: Connection, statements: list[tuple[str, dict]]) -> list[list[tuple]]:
+    """Several statements in one round trip (psycopg's pipeline mode), run in
+    order on the server, each reading after the one before it took effect."""
+    raw = conn.connection.driver_connection
+    cursors = []
+    try:
+        with raw.pipeline():
+            for sql, params in statements:
+                cursor = raw.cursor()
+                cursors.append(cursor)
+                cursor.execute(sql, params)
+        return [cursor.fetchall() for cursor in cursors]
+    finally:
+        for cursor in cursors:
+            cursor.close()
+
+
 def one_of(conn: Connection, column, values: list):
     """`column IN values`; on PostgreSQL one array parameter (`= ANY`), so the
     statement text, and every cache keyed on it, is the same for any batch size."""

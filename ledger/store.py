@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine, select
 
 from ledger import accounts as acc
 from ledger import bulk
+from ledger.db import is_postgres
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.errors import (
@@ -118,16 +119,11 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, pending, book, results)
 
-    head = conn.execute(
-        select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
-    ).one()
-    # Keys another batch committed while this one was preparing.
-    late = _known_keys(conn, [(i, commands[i], digests[i]) for i in prepared])
-    _load_balances(conn, book, prepared.values())
+    head_seq, head_hash, late = _lock_and_read(conn, book, [(i, commands[i], digests[i]) for i in prepared], prepared.values())
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
-    seq, prev_hash = head.last_seq, head.last_hash
+    seq, prev_hash = head_seq, head_hash
     recorded_at = utc_now()
     at_text = ev.format_time(recorded_at)
     event_rows, posting_rows = [], []
@@ -215,17 +211,21 @@ def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_con
     return first
 
 
-def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, str]]) -> dict[int, AppendResult | LedgerError]:
+def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, bytes]]) -> dict[int, AppendResult | LedgerError]:
     """For (index, command, digest) items whose key is already in the log: `exists`
     when the content matches, a conflict when it does not."""
     keys = sorted({command.idempotency_key for _, command, _ in items})
-    known: dict[str, tuple[str, int, str]] = {}
+    known: dict[str, tuple[bytes, int, str]] = {}
     for chunk in bulk.in_chunks(keys):
         rows = conn.execute(
             select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq, ledger_events.c.event_type)
             .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
         )
         known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
+    return _answers(items, known)
+
+
+def _answers(items: list[tuple[int, cmd.Command, bytes]], known: dict[str, tuple[bytes, int, str]]) -> dict[int, AppendResult | LedgerError]:
     answered: dict[int, AppendResult | LedgerError] = {}
     for index, command, digest in items:
         found = known.get(command.idempotency_key)
@@ -314,24 +314,45 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
-def _load_balances(conn: Connection, book: _BatchBook, prepared) -> None:
-    """Under the append lock: balances of every account posted to, and the
-    active holds of customers debited outside a hold (their hold rows locked)."""
+_PG_LOCK_HEAD = "SELECT last_seq, last_hash FROM ledger_head WHERE id = 1 FOR UPDATE"
+_PG_KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "
+                  "WHERE idempotency_key = ANY(%(keys)s::text[])")
+_PG_BALANCES = "SELECT account_id, balance_nano_usd FROM account_balances WHERE account_id = ANY(%(ids)s::bigint[])"
+
+
+def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, dict]:
+    """Take the append lock, then (each read after it, so it sees every batch
+    committed before) the keys committed meanwhile, the balances of every
+    account posted to, and the active holds of customers debited outside a
+    hold (their hold rows locked). On PostgreSQL the first three are one
+    pipelined round trip. Returns (last seq, last hash, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
     for event, postings, _ in prepared:
         for p in postings:
             account_ids.add(p.account_id)
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
-    for chunk in bulk.in_chunks(sorted(account_ids)):
-        book.balances.update(
-            conn.execute(
-                select(account_balances.c.account_id, account_balances.c.balance_nano_usd).where(bulk.one_of(conn, account_balances.c.account_id, chunk))
-            ).all()
-        )
+    if is_postgres(conn):
+        keys = sorted({command.idempotency_key for _, command, _ in keyed})
+        head_rows, key_rows, balance_rows = bulk.pipelined_rows(conn, [
+            (_PG_LOCK_HEAD, {}), (_PG_KNOWN_KEYS, {"keys": bulk.texts(keys)}), (_PG_BALANCES, {"ids": bulk.ints(sorted(account_ids))}),
+        ])
+        (head_seq, head_hash), late = head_rows[0], _answers(keyed, {r[0]: (r[1], r[2], r[3]) for r in key_rows})
+        book.balances.update(balance_rows)
+    else:
+        head_seq, head_hash = conn.execute(
+            select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
+        ).one()
+        late = _known_keys(conn, keyed)
+        for chunk in bulk.in_chunks(sorted(account_ids)):
+            book.balances.update(conn.execute(
+                select(account_balances.c.account_id, account_balances.c.balance_nano_usd)
+                .where(bulk.one_of(conn, account_balances.c.account_id, chunk))
+            ).all())
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)
     book.held_by_account.update({a: view.held_nano_usd for a, view in acc.read_books(conn, customers).items()})
+    return head_seq, head_hash, late
 
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
