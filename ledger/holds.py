@@ -138,6 +138,35 @@ _PLACE_HOLDS_SQL = (
 
 
 def _place_holds_in_one_statement(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
+    """The function takes each key once. A key repeated inside the batch answers
+    like its first occurrence when that was placed, and is tried in a further
+    call when it was refused (as the rules above do)."""
+    results: list[HoldResult | LedgerError | None] = [None] * len(requests)
+    pending = list(range(len(requests)))
+    while pending:
+        firsts: dict[str, int] = {}
+        later = []
+        for i in pending:
+            if requests[i].idempotency_key in firsts:
+                later.append(i)
+            else:
+                firsts[requests[i].idempotency_key] = i
+        batch = list(firsts.values())
+        for i, result in zip(batch, _call_place_holds(conn, [requests[i] for i in batch])):
+            results[i] = result
+        pending = []
+        for i in later:
+            first = firsts[requests[i].idempotency_key]
+            if not isinstance(results[first], HoldResult):
+                pending.append(i)
+            elif _same_hold(requests[first], requests[i]):
+                results[i] = results[first]._replace(status=EXISTS)
+            else:
+                results[i] = _key_conflict(requests[i])
+    return results  # type: ignore[return-value]
+
+
+def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
     params = {
         "account": bulk.ints([r.account_id for r in requests]),
         "amount": bulk.ints([r.amount_nano_usd for r in requests]),

@@ -147,6 +147,22 @@ def test_a_hold_with_a_minimum_takes_what_is_available_down_to_that_minimum(ledg
         ledger.place_hold(PlaceHold(customer, USD, key("hold"), minimum_nano_usd=2 * USD))
 
 
+def test_hold_keys_repeated_inside_one_batch(ledger, engine):
+    """A repeat answers like its first occurrence when that was placed, is a
+    conflict with other content, and is tried on its own when the first was refused."""
+    customer = customer_with(ledger, 10 * USD)
+    batch = [
+        PlaceHold(customer, USD, "k1"), PlaceHold(customer, USD, "k1"), PlaceHold(customer, 2 * USD, "k1"),
+        PlaceHold(customer, 50 * USD, "k2"), PlaceHold(customer, 3 * USD, "k2"),
+    ]
+    with engine.begin() as conn:
+        first, repeat, other, refused, retried = place_holds(conn, batch)
+    assert first.status == "created" and (repeat.status, repeat.hold_id) == ("exists", first.hold_id)
+    assert isinstance(other, IdempotencyConflict) and isinstance(refused, InsufficientFunds)
+    assert retried.status == "created" and retried.amount_nano_usd == 3 * USD
+    assert ledger.balance(customer).held_nano_usd == 4 * USD
+
+
 def test_a_usage_discrepancy_is_an_event_that_moves_no_money(ledger, engine):
     customer = customer_with(ledger, 10 * USD)
     before = money_snapshot(engine)["balances"]
