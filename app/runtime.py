@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 
 # A group-commit batch allocates hundreds of thousands of short-lived objects.
 # With CPython's default gen0 threshold (700 allocations) that sets off
@@ -21,12 +20,3 @@ def tune_garbage_collector() -> None:
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD_ALLOCATIONS, GC_GEN1_THRESHOLD_COLLECTIONS, GC_GEN2_THRESHOLD_COLLECTIONS)
 
-
-# The event loop shares the interpreter with the group-commit writers and the
-# background refreshers. Python hands the GIL over every 5 ms by default, so a
-# token arriving while one of them runs Python could wait that long.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def favour_the_event_loop() -> None:
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

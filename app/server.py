@@ -6,7 +6,7 @@ import logging
 import uvicorn
 
 from app.api import create_app
-from app.runtime import favour_the_event_loop, tune_garbage_collector
+from app.runtime import tune_garbage_collector
 from app.settings import Settings
 from ledger.db import make_engine
 
@@ -25,7 +25,6 @@ def run_server(settings: Settings, host: str, port: int) -> None:
                      health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
                      hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000)
     tune_garbage_collector()
-    favour_the_event_loop()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     try:
         uvicorn.run(app, host=host, port=port, http="httptools", loop=_loop(), log_level="warning", access_log=False)

@@ -118,7 +118,7 @@ def main() -> None:
         url = scratch.url.render_as_string(hide_password=False)
         fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
         proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
-                             PARALON_GROUP_COMMIT_WAIT_MS=os.environ.get("BENCH_WAIT_MS", "1")).start()
+                             PARALON_GROUP_COMMIT_WAIT_MS="1").start()
         try:
             direct_url = f"http://127.0.0.1:{worker_port}/v1/chat/completions"
             proxy_url = f"{proxy.url}/v1/chat/completions"

@@ -35,14 +35,16 @@ class StoredEvent:
         return json.loads(self.payload_json)
 
 
-def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT) -> list[StoredEvent]:
-    """Events with seq > after_seq, in order, postings included."""
+def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT, *, with_postings: bool = True) -> list[StoredEvent]:
+    """Events with seq > after_seq, in order, postings included unless a reader needs only payloads."""
     limit = max(1, min(limit, PAGE_SIZE_MAX))
     rows = conn.execute(
         select(ledger_events).where(ledger_events.c.seq > after_seq).order_by(ledger_events.c.seq).limit(limit)
     ).all()
     if not rows:
         return []
+    if not with_postings:
+        return [StoredEvent(r.seq, r.event_type, r.payload, r.idempotency_key, r.recorded_at, r.prev_hash, r.hash) for r in rows]
     by_seq: dict[int, list[tuple[int, int]]] = {r.seq: [] for r in rows}
     for p in conn.execute(
         select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
@@ -67,7 +69,8 @@ def iter_events(conn: Connection, page_size: int = PAGE_SIZE_DEFAULT) -> Iterato
 Handler = Callable[[Connection, list[StoredEvent]], None]
 
 
-def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int = PAGE_SIZE_DEFAULT) -> int:
+def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int = PAGE_SIZE_DEFAULT, *,
+                 with_postings: bool = True) -> int:
     """Hand the next page of events to `handler` and advance the position in the
     same transaction as the handler's writes: each event takes effect exactly once."""
     with engine.begin() as conn:
@@ -77,7 +80,7 @@ def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int
         if position is None:
             conn.execute(consumer_positions.insert().values(consumer=consumer, last_seq=0, updated_at=utc_now()))
             position = 0
-        page = read_events(conn, position, page_size)
+        page = read_events(conn, position, page_size, with_postings=with_postings)
         if not page:
             return 0
         handler(conn, page)

@@ -41,7 +41,7 @@ def catch_up(engine: Engine) -> int:
     """Apply what the log has beyond the consumer's position; returns events read."""
     total = 0
     for _ in range(PAGES_PER_CATCH_UP_MAX):
-        read = consume_once(engine, CONSUMER, apply_settlements)
+        read = consume_once(engine, CONSUMER, apply_settlements, with_postings=False)
         if not read:
             break
         total += read

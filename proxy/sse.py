@@ -13,6 +13,10 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Each event's data payload, as bytes, in order (`[DONE]` included)."""
     buffer = b""
     async for piece in raw:
+        # The common case, one whole `data:` event per piece, without copying.
+        if not buffer and piece.startswith(b"data:") and piece.endswith(b"\n\n") and piece.count(b"\n") == 2:
+            yield piece[5:-2].strip()
+            continue
         buffer += piece
         while True:
             end = buffer.find(b"\n\n")

@@ -33,13 +33,13 @@ class _Connection(asyncio.Protocol):
         self.pieces: deque[bytes] = deque()
         self.buffered_bytes = 0
         self.waiter: asyncio.Future | None = None
-        self.complete = self.lost = self.paused = False
+        self.complete = self.lost = self.paused = self.keep_alive = False
         self.last_activity_s = loop.time()
 
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.headers_done = self.loop.create_future()
-        self.complete = False
+        self.complete = self.keep_alive = False
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -72,6 +72,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self._wake()
 
     def _wake(self) -> None:
@@ -97,6 +98,16 @@ class UpstreamResponse:
         self._pool, self._key, self._conn = pool, key, connection
         self.status = status
         self._done = False
+        # One watchdog per response, not a timer per token: a worker silent for
+        # IDLE_TIMEOUT_S loses the connection, which wakes the reader with an error.
+        self._watchdog = connection.loop.call_later(IDLE_TIMEOUT_S, self._check_idle)
+
+    def _check_idle(self) -> None:
+        silent_s = self._conn.loop.time() - self._conn.last_activity_s
+        if silent_s >= IDLE_TIMEOUT_S:
+            self.abort()
+        elif not self._done:
+            self._watchdog = self._conn.loop.call_later(IDLE_TIMEOUT_S - silent_s, self._check_idle)
 
     async def pieces(self):
         """Body bytes as they arrive (chunked encoding already undone)."""
@@ -109,19 +120,13 @@ class UpstreamResponse:
                 return
             elif conn.lost:
                 self._done = True
+                self._watchdog.cancel()
                 raise UpstreamError("the worker closed the connection mid-response")
             else:
                 conn.waiter = conn.loop.create_future()
-                timer = conn.loop.call_later(IDLE_TIMEOUT_S, conn.waiter.cancel)
                 try:
                     await conn.waiter
-                except asyncio.CancelledError:
-                    if conn.loop.time() - conn.last_activity_s >= IDLE_TIMEOUT_S:
-                        self.abort()
-                        raise UpstreamError("the worker went silent") from None
-                    raise
                 finally:
-                    timer.cancel()
                     conn.waiter = None
 
     async def read(self) -> bytes:
@@ -130,12 +135,14 @@ class UpstreamResponse:
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            self._watchdog.cancel()
             self._pool.release(self._key, self._conn)
 
     def abort(self) -> None:
         """Close the connection: the worker stops generating."""
         if not self._done:
             self._done = True
+            self._watchdog.cancel()
             if self._conn.transport is not None:
                 self._conn.transport.abort()
 
@@ -177,7 +184,7 @@ class UpstreamPool:
         return connection
 
     def release(self, key: tuple[str, int], connection: _Connection) -> None:
-        if connection.lost or not connection.parser.should_keep_alive() or connection.pieces:
+        if connection.lost or not connection.keep_alive or connection.pieces:
             connection.transport.close()
             return
         idle = self._idle.setdefault(key, [])

@@ -1,0 +1,98 @@
+"""The relay's HTTP client against small real servers on localhost."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy import upstream
+from proxy.upstream import UpstreamError, UpstreamPool
+
+
+async def _server(handler):
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    return await reader.readexactly(length)
+
+
+def test_chunked_pieces_arrive_in_order_and_the_connection_is_reused():
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        while True:
+            try:
+                body = await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for piece in (b"data: 1\n\n", b"data: " + body + b"\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+
+    async def main():
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        bodies = []
+        for i in range(3):
+            response = await pool.post(url + "/v1/x", f"req{i}".encode())
+            assert response.status == 200
+            bodies.append(await response.read())
+        pool.close()
+        server.close()
+        return bodies
+
+    assert asyncio.run(main()) == [b"data: 1\n\ndata: req%d\n\n" % i for i in range(3)]
+    assert len(connections) == 1, "keep-alive: one connection for three requests"
+
+
+def test_abort_closes_the_connection_so_the_worker_stops():
+
+    async def main():
+        closed = asyncio.Event()
+
+        async def handler(reader, writer):
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await writer.drain()
+            if await reader.read() == b"":  # the client went away
+                closed.set()
+
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        response = await pool.post(url, b"{}")
+        pieces = response.pieces()
+        assert await pieces.__anext__() == b"hello"
+        response.abort()
+        await asyncio.wait_for(closed.wait(), 5)
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_silent_worker_and_a_closed_port_are_upstream_errors(monkeypatch):
+    monkeypatch.setattr(upstream, "IDLE_TIMEOUT_S", 0.2)
+
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)  # never another byte
+
+    async def main():
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        response = await pool.post(url, b"{}")
+        with pytest.raises(UpstreamError):
+            await asyncio.wait_for(response.read(), 3)
+        with pytest.raises(UpstreamError):
+            await pool.post("http://127.0.0.1:9/v1/x", b"{}")
+        server.close()
+
+    asyncio.run(main())
