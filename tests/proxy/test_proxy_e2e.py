@@ -162,3 +162,15 @@ def test_the_api_docs_are_served_without_the_internet(one_worker):
     assert page.status_code == 200 and "https://" not in page.text
     assert httpx.get(proxy.url + "/docs/assets/swagger-ui-bundle.js").status_code == 200
     assert "/v1/chat/completions" in httpx.get(proxy.url + "/docs/openapi.json").json()["paths"]
+
+
+def test_no_healthy_worker_is_503_and_moves_no_money(database_url):
+    """Given a model whose only worker does not answer its health check, a
+    request gets OpenAI's error JSON with 503 and nothing is held or charged."""
+    fleet = make_fleet(database_url, ["http://127.0.0.1:9"])  # nothing listens on port 9
+    with serving(database_url) as proxy:
+        error = _error(lambda: _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES))
+    assert error.status_code == 503 and error.body["code"] == "no_worker_available"
+    customer = fleet.balance(fleet.customer_id)
+    assert customer.held_nano_usd == 0 and fleet.settlements() == []
+    fleet.engine.dispose()
