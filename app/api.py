@@ -140,7 +140,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0),
                                    limits=httpx.Limits(max_connections=UPSTREAM_CONNECTIONS_MAX,
                                                        max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
-        await asyncio.to_thread(directory.refresh)
+        await directory.refresh_async()
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger

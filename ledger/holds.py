@@ -157,13 +157,20 @@ def _place_holds_in_one_statement(conn: Connection, requests: list[PlaceHold]) -
         pending = []
         for i in later:
             first = firsts[requests[i].idempotency_key]
-            if not isinstance(results[first], HoldResult):
+            placed = results[first]
+            if not isinstance(placed, HoldResult):
                 pending.append(i)
-            elif _same_hold(requests[first], requests[i]):
-                results[i] = results[first]._replace(status=EXISTS)
+            elif (placed.status == EXISTS and _matches_stored(_Stored(requests[first].account_id, placed.amount_nano_usd), requests[i])) \
+                    or (placed.status == CREATED and _same_hold(requests[first], requests[i])):
+                results[i] = placed._replace(status=EXISTS)
             else:
                 results[i] = _key_conflict(requests[i])
     return results  # type: ignore[return-value]
+
+
+class _Stored(NamedTuple):
+    account_id: int
+    amount_nano_usd: int
 
 
 def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:

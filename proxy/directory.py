@@ -51,22 +51,31 @@ class Directory:
     budgets: key_spend.KeyBudgets = field(default_factory=key_spend.KeyBudgets)
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
 
-    def refresh(self) -> None:
+    def _read(self) -> tuple:
         with self.engine.connect() as conn:
             new_prices = prices.load_prices(conn)
             position, spent = key_spend.load_spent(conn)
             fleet: dict[str, list[workers.WorkerView]] = {}
             for worker in workers.list_workers(conn):
                 fleet.setdefault(worker.model, []).append(worker)
+        return new_prices, fleet, position, spent
+
+    def _apply(self, snapshot: tuple) -> None:
+        """On the event loop's thread, like everything else that touches this state."""
+        self.prices, self.fleet, position, spent = snapshot
+        for fleet in self.fleet.values():
+            for worker in fleet:
                 self.loads.setdefault(worker.id, WorkerLoad())
-        self.prices, self.fleet = new_prices, fleet
         self.budgets.refresh(position, spent)
+
+    async def refresh_async(self) -> None:
+        self._apply(await asyncio.to_thread(self._read))
 
     async def run(self, interval_s: float = REFRESH_INTERVAL_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await asyncio.to_thread(self.refresh)
+                await self.refresh_async()
             except Exception:  # a database blip must not stop the refresher; the last snapshot stays
                 continue
 

@@ -63,7 +63,7 @@ class HealthChecker:
         fleet = [w for ws in self.directory.fleet.values() for w in ws if w.state != "drained"]
         results = await asyncio.gather(*(self.probe(w) for w in fleet))
         await asyncio.to_thread(self._record, list(zip(fleet, results)))
-        await asyncio.to_thread(self.directory.refresh)
+        await self.directory.refresh_async()
 
     async def probe(self, worker: registry.WorkerView) -> dict:
         try:

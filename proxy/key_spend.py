@@ -49,14 +49,16 @@ def catch_up(engine: Engine) -> int:
 
 
 def load_spent(conn: Connection) -> tuple[int, dict[int, int]]:
-    """(consumer position, spent by key) for the keys that have a limit."""
+    """(consumer position, spent by key) for the keys that have a limit. The
+    position is read first: a page applied in between is then counted twice
+    for a moment (the limit errs strict), never missed."""
+    position = consumer_position(conn, CONSUMER)
     rows = conn.execute(
         select(api_key_spend.c.key_id, api_key_spend.c.spent_nano_usd)
         .join(api_keys, api_keys.c.id == api_key_spend.c.key_id)
         .where(api_keys.c.spend_limit_nano_usd.is_not(None))
     )
-    spent = dict(rows.all())
-    return consumer_position(conn, CONSUMER), spent
+    return position, dict(rows.all())
 
 
 class KeyBudgets:

@@ -2,6 +2,7 @@
 counts settlement needs. `InferenceProxy` (proxy/service.py) opens it and settles it."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,7 +49,10 @@ class Generation:
     reported_completion: int | None = None
     first_token_at: float = 0.0
     upstream_done: bool = False  # [DONE] came before any token: an empty completion
+    deadline_s: float = 0.0  # monotonic; the stream is cut here, while its hold is still alive
+    overran: bool = False  # the worker sent more tokens than the hold pays for
     finished: bool = False
+    settling: asyncio.Task | None = None
     cost_nano_usd: int = 0
     usage: dict = field(default_factory=dict)
     created: int = 0
@@ -68,6 +72,9 @@ class Generation:
             return None  # the final usage chunk: the caller gets ours, with the cost, after settling
         for choice in choices:
             if _has_output(self.kind, choice):
+                if self.counted_tokens >= self.max_tokens:  # never relay a token nobody pays for
+                    self.overran = True
+                    return None
                 self.counted_tokens += 1
                 if not self.first_token_at:
                     self.first_token_at = time.perf_counter()
@@ -91,24 +98,28 @@ class Generation:
                     out = self.transform(data)
                     if out is not None:
                         yield out
+                    elif self.overran or time.monotonic() > self.deadline_s:
+                        break  # stop the worker; what it produced is billed below
                 else:
                     raise UpstreamFailed("the worker's stream ended without [DONE]")
-            await self.proxy.finish(self)
+            # Its own task: a caller leaving now cannot interrupt the settlement.
+            await asyncio.shield(self.proxy.settle(self))
             if self.wants_usage:
                 yield sse.encode(self.usage_chunk())
             yield sse.DONE_EVENT
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
-            await self.proxy.abandon(self)
+            await asyncio.shield(self.proxy.settle(self, charge=False))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
         finally:
-            if not self.finished:  # the caller went away: stop the worker, bill what it produced
-                self.proxy.finish_in_background(self)
+            self.proxy.settle(self)  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
 
     async def close_upstream(self) -> None:
+        """Back to the pool when the response ended cleanly; otherwise the
+        connection is closed, which stops the worker."""
         if self.response is not None:
-            self.response.abort()
+            self.response.close()
 
     def usage_dict(self) -> dict:
         return {**self.usage, "cost": nano_usd_to_usd_text(self.cost_nano_usd)}

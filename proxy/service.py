@@ -8,13 +8,14 @@ token, retrying other workers on a failure before it; it returns a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
 import orjson
 
 from ledger import commands as cmd
-from ledger.errors import InsufficientFunds
+from ledger.errors import InsufficientFunds, LedgerError, WriterOverloaded
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
@@ -36,12 +37,21 @@ from proxy.keys import KeyGrant
 from proxy.relay import CHAT, COMPLETIONS, Generation
 from proxy.upstream import UpstreamError, UpstreamPool
 
+log = logging.getLogger(__name__)
+
 HOLD_TTL_S = 15 * 60
 UPSTREAM_ATTEMPTS_MAX = 3
 USAGE_PROBE_TIMEOUT_S = 30.0
 # How long a hold granted in full lets the next request of the same customer
 # start upstream before its own hold is confirmed.
 SOLVENT_FOR_S = 30.0
+SETTLE_ATTEMPTS_MAX = 5
+SETTLE_RETRY_WAIT_S = 0.05
+# A stream is cut (and billed for what it produced) this long before its hold
+# could expire, so that its settlement always finds the hold.
+HOLD_MARGIN_S_MAX = 60
+# max_tokens when the caller set none and no candidate has told its context length yet
+MAX_TOKENS_WITHOUT_CONTEXT = 4096
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 
 
@@ -81,14 +91,15 @@ class InferenceProxy:
             if isinstance(exc, InsufficientFunds):
                 raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
             raise
+        asked_max_tokens = generation.max_tokens
         self._accept_hold(generation, hold)
-        if hold.amount_nano_usd < hold_request.amount_nano_usd:  # clamped: ask again for fewer tokens
-            self._solvent_until.pop(grant.account_id, None)
-            await self._abandon_attempt(generation, upstream_task)
-            upstream_task = None
-        else:
-            self._solvent_until[grant.account_id] = time.monotonic() + SOLVENT_FOR_S
         try:
+            if generation.max_tokens < asked_max_tokens:  # clamped: ask again for what the hold pays for
+                self._solvent_until.pop(grant.account_id, None)
+                await self._abandon_attempt(generation, upstream_task)
+                upstream_task = None
+            else:
+                self._solvent_until[grant.account_id] = time.monotonic() + SOLVENT_FOR_S
             await (upstream_task or self._start_upstream(generation, body, candidates))
         except BaseException:
             await self._release(generation)
@@ -114,9 +125,10 @@ class InferenceProxy:
         prompt_bound = metering.prompt_tokens_bound(kind, body)
         asked_max_tokens = metering.requested_max_tokens(kind, body)
         candidates = self._candidates(fleet, prompt_bound + (asked_max_tokens or 1))
-        room = max(max(w.context_length or 0 for w in candidates) - prompt_bound, 1)
+        known_contexts = [w.context_length for w in candidates if w.context_length]
+        room = max(max(known_contexts) - prompt_bound, 1) if known_contexts else MAX_TOKENS_WITHOUT_CONTEXT
         max_tokens = asked_max_tokens or room
-        if all(w.context_length for w in candidates):
+        if len(known_contexts) == len(candidates):
             max_tokens = min(max_tokens, room)
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         plan = metering.plan_hold(price, prompt_bound, max_tokens)
@@ -132,6 +144,7 @@ class InferenceProxy:
 
     def _accept_hold(self, generation: Generation, hold) -> None:
         generation.hold_id, generation.hold_nano_usd = hold.hold_id, hold.amount_nano_usd
+        generation.deadline_s = time.monotonic() + self.hold_ttl_s - min(HOLD_MARGIN_S_MAX, self.hold_ttl_s // 4)
         generation.max_tokens = min(generation.max_tokens, metering.affordable_max_tokens(
             generation.price, generation.prompt_bound, hold.amount_nano_usd))
         self.directory.budgets.held[generation.grant.id] += hold.amount_nano_usd
@@ -265,17 +278,33 @@ class InferenceProxy:
             await self._release(generation)
             return
         generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, completion)
-        settled = await self.ledger.append_async(cmd.SettleRequest(
-            generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd, generation.request_id,
-            settlement_key(generation.request_id),
-            {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
-             "prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
-             "started_at": generation.started_at.isoformat()},
-        ))
+        try:
+            settled = await self._append_settlement(generation, billed.prompt_tokens, completion)
+        except LedgerError:
+            log.exception("request %s could not be settled; its hold is released", generation.request_id)
+            generation.cost_nano_usd = 0
+            await self._release(generation)
+            return
         self._unhold(generation)
         self.directory.budgets.settle(generation.grant.id, settled.seq, generation.cost_nano_usd)
         if billed.discrepant:
             await self._record_discrepancy(generation, billed)
+
+    async def _append_settlement(self, generation: Generation, prompt_tokens: int, completion_tokens: int):
+        command = cmd.SettleRequest(
+            generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd, generation.request_id,
+            settlement_key(generation.request_id),
+            {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
+             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "started_at": generation.started_at.isoformat()},
+        )
+        for attempt in range(1, SETTLE_ATTEMPTS_MAX + 1):
+            try:
+                return await self.ledger.append_async(command)
+            except WriterOverloaded:  # the idempotency key makes another try safe
+                if attempt == SETTLE_ATTEMPTS_MAX:
+                    raise
+                await asyncio.sleep(SETTLE_RETRY_WAIT_S * attempt)
 
     async def _ask_prompt_tokens(self, generation: Generation) -> None:
         """llama-cpp-python streams no usage. Ask it for one token of the same
@@ -284,12 +313,16 @@ class InferenceProxy:
         Should that fail, the prompt's upper bound is billed."""
         body = {**generation.upstream_body, "stream": False, "max_tokens": 1}
         body.pop("stream_options", None)
+        response = None
         try:
             async with asyncio.timeout(USAGE_PROBE_TIMEOUT_S):
                 response = await self.upstream.post(generation.worker.url + PATHS[generation.kind], orjson.dumps(body))
                 prompt_tokens = orjson.loads(await response.read())["usage"]["prompt_tokens"]
         except (UpstreamError, ValueError, KeyError, TypeError, TimeoutError):
             return
+        finally:
+            if response is not None:
+                response.close()
         if type(prompt_tokens) is int and prompt_tokens >= 0:
             generation.reported_prompt = prompt_tokens
 
@@ -305,8 +338,18 @@ class InferenceProxy:
         with self.ledger.engine.begin() as conn:
             registry.add_usage_strike(conn, worker_id)
 
+    def settle(self, generation: Generation, *, charge: bool = True) -> asyncio.Task:
+        """Settle once, in a task of its own (nothing the caller does can cancel
+        it): bill what was produced, or, with charge=False (the worker failed
+        mid-stream), release the hold and charge nothing."""
+        if generation.settling is None:
+            work = self.finish(generation) if charge else self.abandon(generation)
+            generation.settling = asyncio.get_running_loop().create_task(work)
+            self._background.add(generation.settling)
+            generation.settling.add_done_callback(self._background.discard)
+        return generation.settling
+
     async def abandon(self, generation: Generation) -> None:
-        """The worker failed mid-stream: no charge."""
         if generation.finished:
             return
         generation.finished = True
@@ -314,14 +357,10 @@ class InferenceProxy:
             self.directory.loads[generation.worker.id].in_flight -= 1
         await self._release(generation)
 
-    def finish_in_background(self, generation: Generation) -> None:
-        task = asyncio.get_running_loop().create_task(self.finish(generation))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def _release(self, generation: Generation) -> None:
         self._unhold(generation)
-        await asyncio.to_thread(self.ledger.release_hold, generation.hold_id)
+        # Shielded: a caller leaving must not stop the release once it is due.
+        await asyncio.shield(asyncio.to_thread(self.ledger.release_hold, generation.hold_id))
 
     def _unhold(self, generation: Generation) -> None:
         self.directory.budgets.held[generation.grant.id] -= generation.hold_nano_usd

@@ -28,6 +28,8 @@ send them):
 - "sim_fail_after_tokens": N           close the connection after N tokens,
                                        without [DONE] (streaming); a bare 500
                                        without a body shape when not streaming
+- "sim_extra_tokens": N                generate N tokens past max_tokens (a worker
+                                       that ignores the limit)
 - "sim_inflate_usage": K               report prompt and completion tokens
                                        multiplied by K (a dishonest worker);
                                        overrides build_app(inflate_usage=...)
@@ -669,7 +671,7 @@ class SimWorker:
             prompt_bytes=prompt_bytes,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
-            completion_tokens=sim_tokens if stops_early else max_tokens,
+            completion_tokens=sim_tokens if stops_early else max_tokens + (_optional_int(data, "sim_extra_tokens", 0) or 0),
             finish_reason="stop" if stops_early else "length",
             stream=stream,
             include_usage=include_usage,

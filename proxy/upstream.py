@@ -87,6 +87,7 @@ class _Connection(asyncio.Protocol):
     def take(self) -> bytes | None:
         piece = self.pieces.popleft()
         self.buffered_bytes -= len(piece)
+        self.last_activity_s = self.loop.time()  # a slow reader is not a silent worker
         if self.paused and self.buffered_bytes < READ_PAUSE_BYTES // 2:
             self.paused = False
             self.transport.resume_reading()
@@ -104,10 +105,10 @@ class UpstreamResponse:
 
     def _check_idle(self) -> None:
         silent_s = self._conn.loop.time() - self._conn.last_activity_s
-        if silent_s >= IDLE_TIMEOUT_S:
+        if silent_s >= IDLE_TIMEOUT_S and not self._conn.paused:
             self.abort()
         elif not self._done:
-            self._watchdog = self._conn.loop.call_later(IDLE_TIMEOUT_S - silent_s, self._check_idle)
+            self._watchdog = self._conn.loop.call_later(max(IDLE_TIMEOUT_S - silent_s, 1.0), self._check_idle)
 
     async def pieces(self):
         """Body bytes as they arrive (chunked encoding already undone)."""
@@ -138,6 +139,13 @@ class UpstreamResponse:
             self._watchdog.cancel()
             self._pool.release(self._key, self._conn)
 
+    def close(self) -> None:
+        """Done with it: back to the pool if the response ended cleanly, else abort."""
+        if self._conn.complete and not self._conn.pieces:
+            self._finish()
+        else:
+            self.abort()
+
     def abort(self) -> None:
         """Close the connection: the worker stops generating."""
         if not self._done:
@@ -163,7 +171,7 @@ class UpstreamPool:
         connection.transport.write(head + body)
         try:
             status = await connection.headers_done
-        except UpstreamError:
+        except BaseException:  # failed, or the caller gave up: either way the worker must stop
             connection.transport.abort()
             raise
         return UpstreamResponse(self, key, connection, status)

@@ -175,8 +175,11 @@ def test_a_key_with_a_spend_limit_gets_429_once_it_is_spent(database_url):
         statuses = []
         for i in range(8):
             try:
-                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
+                answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
                 statuses.append(200)
+                # A hold capped by the limit clamps max_tokens, even when the request
+                # went upstream before its hold was confirmed: what is relayed is billed.
+                assert len(answer.choices[0].message.content.split()) == answer.usage.completion_tokens
             except openai.APIStatusError as exc:
                 statuses.append(exc.status_code)
                 assert exc.body["type"] == "rate_limit_error"
@@ -217,3 +220,37 @@ def test_a_hold_left_by_a_crashed_proxy_expires_and_is_released(database_url):
     worker.stop()
     assert fleet.settlements() == []
     assert fleet.balance(fleet.customer_id).balance_nano_usd == before
+
+
+def test_tokens_past_max_tokens_are_never_relayed_nor_billed(database_url):
+    """A worker that ignores max_tokens: the caller gets what the hold pays for, and no more."""
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "sim_extra_tokens": 20,
+                "stream_options": {"include_usage": True}}
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
+    worker.stop()
+    events = [orjson.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    relayed = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+    assert len(relayed) == 5 and events[-1]["usage"]["completion_tokens"] == 5
+    assert [s["meta"]["completion_tokens"] for s in fleet.settlements()] == [5]
+    _assert_books_close(fleet)
+
+
+def test_a_caller_leaving_after_the_last_token_is_still_billed_once(database_url):
+    """The settlement runs in its own task: a disconnect right at the end cannot skip it."""
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    with serving(database_url) as proxy:
+        for i in range(10):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 3, "stream": True}
+            with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30) as r:
+                for line in r.iter_lines():
+                    if '"finish_reason":"length"' in line:
+                        break  # leave before [DONE]
+        settled = wait_for(lambda: len(fleet.settlements()) == 10 and fleet.settlements())
+    worker.stop()
+    assert all(s["meta"]["completion_tokens"] == 3 for s in settled)
+    wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0)
+    _assert_books_close(fleet)
