@@ -18,6 +18,7 @@ from litestar.static_files import create_static_files_router
 from litestar.types import ASGIApp
 from swagger_ui_bundle import swagger_ui_path
 
+from app.management import MANAGEMENT_HANDLERS
 from app.relay_response import RelayResponse
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
@@ -157,7 +158,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
             await client.aclose()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, get_generation, health,
+        route_handlers=[chat_completions, completions, list_models, get_generation, health, *MANAGEMENT_HANDLERS,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},

@@ -98,6 +98,52 @@ def accounts_create(kind: str, name: str, email: str | None, as_json: bool) -> N
 
 
 @main.group()
+def tokens() -> None:
+    """Management tokens (roles: customer, accountant, owner, admin), shown once, stored hashed."""
+
+
+@tokens.command("create")
+@click.argument("account_id", type=int)
+@click.option("--role", type=click.Choice(["customer", "accountant", "owner", "admin"]), required=True,
+              help="admin tokens act for the platform account (`paralon accounts platform`).")
+@json_option
+@handles_errors
+def tokens_create(account_id: int, role: str, as_json: bool) -> None:
+    from app.tokens import create_token
+
+    with _engine().begin() as conn:
+        token_id, token = create_token(conn, account_id, role)
+    _emit(as_json, {"id": token_id, "token": token, "account_id": account_id, "role": role},
+          f"{role} token {token_id}: {token}\n(shown once: store it now)")
+
+
+@tokens.command("revoke")
+@click.argument("token_id", type=int)
+@json_option
+@handles_errors
+def tokens_revoke(token_id: int, as_json: bool) -> None:
+    from app.tokens import revoke_token
+
+    with _engine().begin() as conn:
+        revoke_token(conn, token_id)
+    _emit(as_json, {"id": token_id, "revoked": True}, f"management token {token_id} revoked")
+
+
+@accounts.command("platform")
+@json_option
+@handles_errors
+def accounts_platform(as_json: bool) -> None:
+    """The platform's own account (what admin tokens act for)."""
+    from sqlalchemy import select
+
+    from ledger.schema import accounts as accounts_table
+
+    with _engine().connect() as conn:
+        account_id = conn.execute(select(accounts_table.c.id).where(accounts_table.c.system_code == "platform:revenue")).scalar_one()
+    _emit(as_json, {"id": account_id}, f"platform account {account_id}")
+
+
+@main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""
 

@@ -53,3 +53,15 @@ class UpstreamFailed(ProxyError):
 
 def error_body(exc: ProxyError) -> dict:
     return {"error": {"message": str(exc), "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+class PermissionDenied(ProxyError):
+    """The token's role may not do this to its own account's data."""
+
+    status, error_type, code = 403, "permission_error", "permission_denied"
+
+
+class NotFound(ProxyError):
+    """Does not exist, or belongs to an account the token may not know about."""
+
+    status, error_type, code = 404, "invalid_request_error", "not_found"

@@ -71,6 +71,10 @@ def find_key(conn: Connection, key: str) -> KeyGrant | None:
     return KeyGrant(*row) if row else None
 
 
+def key_account(conn: Connection, key_id: int) -> int | None:
+    return conn.execute(select(api_keys.c.account_id).where(api_keys.c.id == key_id)).scalar()
+
+
 def list_keys(conn: Connection, account_id: int) -> list[dict]:
     rows = conn.execute(select(api_keys).where(api_keys.c.account_id == account_id).order_by(api_keys.c.id))
     return [

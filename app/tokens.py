@@ -1,0 +1,79 @@
+"""Management tokens: who may do what through the management API.
+
+customer    its own account: API keys, top-ups, usage
+accountant  its own (customer) account, read-only: invoices, statements, exports
+owner       its own (owner) account: its workers and earnings
+admin       the platform: every account
+"""
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import NamedTuple
+
+from sqlalchemy import Connection, select, update
+
+from app.schema import management_tokens
+from ledger import commands as cmd
+from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
+from ledger.schema import accounts, utc_now
+
+TOKEN_PREFIX = "pt-par-"
+TOKEN_RANDOM_BYTES = 32
+TOKEN_PREFIX_SHOWN_CHARS = 12
+ROLES = ("customer", "accountant", "owner", "admin")
+# The kind of account each role acts for.
+ACCOUNT_KIND_OF_ROLE = {"customer": cmd.CUSTOMER, "accountant": cmd.CUSTOMER, "owner": cmd.OWNER, "admin": cmd.PLATFORM}
+
+
+class Principal(NamedTuple):
+    token_id: int
+    account_id: int
+    role: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+def token_sha256(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str]:
+    """Returns (id, token); the token itself is never stored and cannot be shown again."""
+    if role not in ROLES:
+        raise InvalidInput(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
+    if kind is None:
+        raise UnknownAccount(f"account {account_id} does not exist")
+    if kind != ACCOUNT_KIND_OF_ROLE[role]:
+        raise WrongAccountKind(f"a {role} token acts for a {ACCOUNT_KIND_OF_ROLE[role]} account; {account_id} is a {kind} account")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_RANDOM_BYTES)
+    token_id = conn.execute(
+        management_tokens.insert()
+        .values(account_id=account_id, role=role, token_sha256=token_sha256(token),
+                token_prefix=token[:TOKEN_PREFIX_SHOWN_CHARS], created_at=utc_now())
+        .returning(management_tokens.c.id)
+    ).scalar_one()
+    return token_id, token
+
+
+def revoke_token(conn: Connection, token_id: int) -> None:
+    revoked = conn.execute(
+        update(management_tokens).where(management_tokens.c.id == token_id, management_tokens.c.revoked_at.is_(None))
+        .values(revoked_at=utc_now())
+    ).rowcount
+    if not revoked and conn.execute(select(management_tokens.c.id).where(management_tokens.c.id == token_id)).first() is None:
+        raise InvalidInput(f"management token {token_id} does not exist")
+
+
+def find_token(conn: Connection, token: str) -> Principal | None:
+    """The live token this text is, or None (unknown, revoked, or not a management token)."""
+    if not token.startswith(TOKEN_PREFIX):
+        return None
+    row = conn.execute(
+        select(management_tokens.c.id, management_tokens.c.account_id, management_tokens.c.role)
+        .where(management_tokens.c.token_sha256 == token_sha256(token), management_tokens.c.revoked_at.is_(None))
+    ).first()
+    return Principal(*row) if row else None

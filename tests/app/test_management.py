@@ -1,0 +1,125 @@
+"""Management tokens and the management API: each role sees and changes only
+what it may, another account's data answers 404, and API keys and management
+tokens are not interchangeable."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import select
+
+from app.cli import main
+from app.schema import management_tokens
+from app.tokens import create_token, token_sha256
+from ledger import accounts as acc
+from ledger.db import make_engine
+from ledger.schema import accounts
+from proxy import workers as registry
+from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker
+
+
+@pytest.fixture
+def served(database_url):
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    with fleet.engine.begin() as conn:
+        other_customer = acc.create_account(conn, "customer", "someone else")
+        other_owner = acc.create_account(conn, "owner", "another GPU farm")
+        other_worker = registry.add_worker(conn, other_owner, "http://127.0.0.1:1", MODEL)
+        platform = conn.execute(select(accounts.c.id).where(accounts.c.system_code == "platform:revenue")).scalar_one()
+        tokens = {
+            "customer": create_token(conn, fleet.customer_id, "customer")[1],
+            "accountant": create_token(conn, fleet.customer_id, "accountant")[1],
+            "owner": create_token(conn, fleet.owner_ids[0], "owner")[1],
+            "admin": create_token(conn, platform, "admin")[1],
+            "other_customer": create_token(conn, other_customer, "customer")[1],
+        }
+    with serving(database_url) as proxy:
+        yield fleet, proxy, tokens, other_worker
+    worker.stop()
+    fleet.engine.dispose()
+
+
+def _call(proxy, method: str, path: str, token: str | None, **kwargs) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, proxy.url + path, headers=headers, **kwargs)
+
+
+def test_each_role_sees_its_own_account(served):
+    fleet, proxy, tokens, _ = served
+    customer = _call(proxy, "GET", "/v1/account", tokens["customer"]).json()
+    assert customer["id"] == fleet.customer_id and customer["available_nano_usd"] == 10_000_000_000
+    assert _call(proxy, "GET", "/v1/account", tokens["accountant"]).json()["role"] == "accountant"
+    assert "earnings_nano_usd" in _call(proxy, "GET", "/v1/account", tokens["owner"]).json()
+
+
+def test_a_customer_manages_its_keys_and_nobody_elses(served):
+    fleet, proxy, tokens, _ = served
+    created = _call(proxy, "POST", "/v1/keys", tokens["customer"], json={"name": "ci", "spend_limit_usd": "5"})
+    assert created.status_code == 201 and created.json()["key"].startswith("sk-par-")
+    key_id = created.json()["id"]
+    listed = _call(proxy, "GET", "/v1/keys", tokens["customer"]).json()["data"]
+    assert {k["id"] for k in listed} == {fleet.key_id, key_id} and all("key" not in k for k in listed)
+
+    assert _call(proxy, "DELETE", f"/v1/keys/{key_id}", tokens["other_customer"]).status_code == 404
+    assert _call(proxy, "GET", "/v1/keys", tokens["other_customer"]).json()["data"] == []
+    assert _call(proxy, "POST", "/v1/keys", tokens["accountant"], json={}).status_code == 403, "accountants only read"
+    assert _call(proxy, "DELETE", f"/v1/keys/{key_id}", tokens["customer"]).json()["revoked"] is True
+    assert _call(proxy, "DELETE", "/v1/keys/999999", tokens["customer"]).status_code == 404
+
+    for bad in ({"spend_limit_usd": "1.2345678901"}, {"spend_limit_usd": "-3"}, [1, 2]):
+        before = len(_call(proxy, "GET", "/v1/keys", tokens["customer"]).json()["data"])
+        response = _call(proxy, "POST", "/v1/keys", tokens["customer"], json=bad)
+        assert response.status_code == 400 and response.json()["error"]["message"]
+        assert len(_call(proxy, "GET", "/v1/keys", tokens["customer"]).json()["data"]) == before
+    not_json = _call(proxy, "POST", "/v1/keys", tokens["customer"], content=b"{nope")
+    assert not_json.status_code == 400
+
+
+def test_an_owner_drains_its_own_workers_only(served):
+    fleet, proxy, tokens, other_worker = served
+    mine = _call(proxy, "GET", "/v1/workers", tokens["owner"]).json()["data"]
+    assert [w["id"] for w in mine] == fleet.worker_ids
+    assert _call(proxy, "POST", f"/v1/workers/{other_worker}/drain", tokens["owner"]).status_code == 404
+    assert fleet.worker(other_worker).state == "active"
+    assert _call(proxy, "POST", f"/v1/workers/{fleet.worker_ids[0]}/drain", tokens["owner"]).json()["state"] == "draining"
+    everyone = _call(proxy, "GET", "/v1/workers", tokens["admin"]).json()["data"]
+    assert {w["id"] for w in everyone} == {*fleet.worker_ids, other_worker}
+    assert _call(proxy, "GET", "/v1/workers", tokens["customer"]).status_code == 403
+
+
+def test_keys_and_tokens_are_not_interchangeable(served):
+    fleet, proxy, tokens, _ = served
+    assert _call(proxy, "GET", "/v1/account", fleet.key).status_code == 401, "an API key is no management token"
+    assert _call(proxy, "GET", "/v1/account", None).status_code == 401
+    inference = _call(proxy, "POST", "/v1/chat/completions", tokens["customer"],
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert inference.status_code == 401, "a management token is no API key"
+    assert fleet.settlements() == [] and fleet.balance(fleet.customer_id).held_nano_usd == 0
+
+
+def test_tokens_from_the_cli_are_shown_once_and_revocable(database_url):
+    runner = CliRunner()
+
+    def run(*args, expect=0):
+        result = runner.invoke(main, list(args), env={"PARALON_DATABASE_URL": database_url}, catch_exceptions=False)
+        assert result.exit_code == expect, result.output
+        return result
+
+    run("migrate")
+    customer = json.loads(run("accounts", "create", "--kind", "customer", "--name", "Ada", "--json").stdout)["id"]
+    created = json.loads(run("tokens", "create", str(customer), "--role", "accountant", "--json").stdout)
+    assert created["token"].startswith("pt-par-")
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        stored = conn.execute(select(management_tokens)).one()
+    engine.dispose()
+    assert stored.token_sha256 == token_sha256(created["token"]) and created["token"] not in str(tuple(stored))
+    refused = json.loads(run("tokens", "create", str(customer), "--role", "admin", "--json", expect=2).stderr)["error"]
+    assert refused["code"] == "wrong_account_kind"
+    platform = json.loads(run("accounts", "platform", "--json").stdout)["id"]
+    assert json.loads(run("tokens", "create", str(platform), "--role", "admin", "--json").stdout)["token"]
+    run("tokens", "revoke", str(created["id"]), "--json")
+    run("tokens", "revoke", "999999", "--json", expect=2)
