@@ -20,6 +20,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from app.management import MANAGEMENT_HANDLERS
 from app.relay_response import RelayResponse
+from app.webhooks import stripe_webhook
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
 from proxy import key_spend
@@ -133,7 +134,8 @@ async def health() -> Response:
 
 
 def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0,
-               hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S) -> Litestar:
+               hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
+               stripe_settings=None) -> Litestar:
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -145,6 +147,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
+        app.state.stripe = stripe_settings
+        app.state.background = set()
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
         tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), _follow_key_spend(ledger))]
@@ -158,7 +162,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
             await client.aclose()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, get_generation, health, *MANAGEMENT_HANDLERS,
+        route_handlers=[chat_completions, completions, list_models, get_generation, health, stripe_webhook, *MANAGEMENT_HANDLERS,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},

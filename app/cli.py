@@ -144,6 +144,23 @@ def accounts_platform(as_json: bool) -> None:
 
 
 @main.group()
+def stripe() -> None:
+    """Card top-ups through Stripe."""
+
+
+@stripe.command("process-pending")
+@json_option
+@handles_errors
+def stripe_process_pending(as_json: bool) -> None:
+    """Process stored webhook events that were not processed yet."""
+    from app.stripe_payments import process_pending
+
+    done = process_pending(_engine())
+    _emit(as_json, {"processed": [{"event_id": e, "outcome": o} for e, o in done]},
+          "\n".join(f"{e}: {o}" for e, o in done) or "nothing pending")
+
+
+@main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""
 

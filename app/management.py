@@ -7,6 +7,7 @@ Controllers translate HTTP to the same functions the CLI calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 from litestar import Request, Response, delete, get, post
@@ -142,3 +143,27 @@ async def drain_worker(request: Request, worker_id: int) -> Response:
 
 
 MANAGEMENT_HANDLERS = [get_account, list_keys, create_key, revoke_key, list_workers, drain_worker]
+
+
+@post("/v1/credits/checkout", summary="Start a card top-up: a Stripe Checkout session for the caller's account",
+      status_code=201)
+async def create_checkout(request: Request) -> Response:
+    from app.stripe_payments import create_checkout as start_checkout
+
+    who = await principal(request, ("customer",))
+    try:
+        body = orjson.loads(await request.body() or b"{}")
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict) or "amount_usd" not in body:
+        raise InvalidRequest('send {"amount_usd": "25.00"}', param="amount_usd")
+    caller_key = request.headers.get("idempotency-key") or f"{who.token_id}:{int(time.time()) // 60}"
+    settings, engine = request.app.state.stripe, request.app.state.ledger.engine
+    try:
+        session = await asyncio.to_thread(start_checkout, engine, settings, who.account_id, body["amount_usd"], caller_key)
+    except LedgerError as exc:
+        raise InvalidRequest(str(exc), param="amount_usd") from None
+    return _json(session, 201)
+
+
+MANAGEMENT_HANDLERS.append(create_checkout)

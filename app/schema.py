@@ -1,7 +1,7 @@
 """Tables of the edge: management tokens (who may do what through the API)."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, String, Table
+from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, String, Table, Text
 
 from ledger.schema import BigId, UTCDateTime, metadata
 
@@ -16,4 +16,25 @@ management_tokens = Table(
     Column("token_prefix", String(16), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("revoked_at", UTCDateTime),
+)
+
+stripe_checkout_sessions = Table(
+    "stripe_checkout_sessions",
+    metadata,
+    Column("session_id", String(255), primary_key=True),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("amount_cents", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Every webhook event, stored before it is answered, processed once afterwards.
+stripe_events = Table(
+    "stripe_events",
+    metadata,
+    Column("event_id", String(255), primary_key=True),
+    Column("event_type", String(100), nullable=False),
+    Column("payload", Text, nullable=False),
+    Column("received_at", UTCDateTime, nullable=False),
+    Column("processed_at", UTCDateTime),
+    Column("outcome", String(500)),
 )

@@ -23,7 +23,7 @@ def run_server(settings: Settings, host: str, port: int) -> None:
     ledger = settings.open_ledger(make_engine(settings.database_url))
     app = create_app(ledger, key_cache_ttl_s=settings.key_cache_ttl_ms / 1000,
                      health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
-                     hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000)
+                     hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000, stripe_settings=settings.stripe())
     tune_garbage_collector()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     try:

@@ -19,6 +19,12 @@ class Settings:
     key_cache_ttl_ms: int = 1000
     hold_ttl_s: int = 900
     hold_sweep_interval_ms: int = 30_000
+    stripe_secret_key: str | None = None
+    stripe_webhook_secret: str | None = None
+    stripe_api_base: str | None = None
+    checkout_min_usd: int = 5
+    checkout_max_usd: int = 10_000
+    public_url: str = "http://127.0.0.1:8000"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -32,7 +38,20 @@ class Settings:
             key_cache_ttl_ms=_int("PARALON_KEY_CACHE_TTL_MS", 1000, 0, 60_000),
             hold_ttl_s=_int("PARALON_HOLD_TTL_S", 900, 1, 24 * 3600),
             hold_sweep_interval_ms=_int("PARALON_HOLD_SWEEP_INTERVAL_MS", 30_000, 50, 3_600_000),
+            stripe_secret_key=os.environ.get("PARALON_STRIPE_SECRET_KEY") or None,
+            stripe_webhook_secret=os.environ.get("PARALON_STRIPE_WEBHOOK_SECRET") or None,
+            stripe_api_base=os.environ.get("PARALON_STRIPE_API_BASE") or None,
+            checkout_min_usd=_int("PARALON_CHECKOUT_MIN_USD", 5, 1, 1_000_000),
+            checkout_max_usd=_int("PARALON_CHECKOUT_MAX_USD", 10_000, 1, 1_000_000),
+            public_url=(os.environ.get("PARALON_PUBLIC_URL") or "http://127.0.0.1:8000").rstrip("/"),
         )
+
+    def stripe(self):
+        from app.stripe_payments import StripeSettings
+
+        return StripeSettings(self.stripe_secret_key, self.stripe_webhook_secret, self.stripe_api_base,
+                              self.checkout_min_usd * 100, self.checkout_max_usd * 100,
+                              f"{self.public_url}/checkout/done?session_id={{CHECKOUT_SESSION_ID}}", f"{self.public_url}/checkout/cancelled")
 
     def open_ledger(self, engine):
         """The ledger with this process's group-commit limits."""

@@ -27,6 +27,7 @@ NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
 REASON_LENGTH_MAX = 500
 KEY_LENGTH_MAX = 200
 META_ENTRIES_MAX = 32
+PAYMENT_METHODS = ("card", "crypto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,18 @@ class GrantCredits:
     account_id: int
     amount_nano_usd: int
     reason: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class PurchaseCredits:
+    """Money that arrived: credited against the counter-account of where it came from."""
+
+    account_id: int
+    amount_nano_usd: int
+    payment_method: str
+    external_reference: str
+    counter_account: str  # system code, e.g. "external:stripe"
     idempotency_key: str
 
 
@@ -75,7 +88,7 @@ class ReverseEvent:
     idempotency_key: str
 
 
-Command = GrantCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
+Command = GrantCredits | PurchaseCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
 
 
 class HoldView(NamedTuple):
@@ -130,6 +143,12 @@ def validate_shape(command: Command) -> None:
     match command:
         case GrantCredits():
             require_positive(command.amount_nano_usd)
+        case PurchaseCredits():
+            require_positive(command.amount_nano_usd)
+            if command.payment_method not in PAYMENT_METHODS:
+                raise InvalidInput(f"payment method must be one of {', '.join(PAYMENT_METHODS)}")
+            require_text(command.external_reference, "an external reference", REASON_LENGTH_MAX)
+            require_text(command.counter_account, "a counter-account", KEY_LENGTH_MAX)
         case AdjustBalance():
             if type(command.delta_nano_usd) is not int or command.delta_nano_usd == 0:
                 raise InvalidAmount("an adjustment must be a non-zero integer number of nano-USD")
@@ -174,6 +193,11 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             _require_kind(book, command.account_id, CUSTOMER)
             counter = book.system_account(GRANTS_ACCOUNT)
             event = ev.CreditsGranted(command.account_id, command.amount_nano_usd, command.reason)
+            postings = [ev.Posting(command.account_id, command.amount_nano_usd), ev.Posting(counter, -command.amount_nano_usd)]
+        case PurchaseCredits():
+            _require_kind(book, command.account_id, CUSTOMER)
+            counter = book.system_account(command.counter_account)
+            event = ev.CreditsPurchased(command.account_id, command.amount_nano_usd, command.payment_method, command.external_reference)
             postings = [ev.Posting(command.account_id, command.amount_nano_usd), ev.Posting(counter, -command.amount_nano_usd)]
         case AdjustBalance():
             kind = book.kind(command.account_id)

@@ -31,6 +31,16 @@ class CreditsGranted:
 
 
 @dataclass(frozen=True, slots=True)
+class CreditsPurchased:
+    """A customer paid for credits (card through Stripe, or a stablecoin on a chain)."""
+
+    account_id: int
+    amount_nano_usd: int
+    payment_method: str  # "card" or "crypto"
+    external_reference: str  # Stripe session and event, or chain, transaction and log index
+
+
+@dataclass(frozen=True, slots=True)
 class BalanceAdjusted:
     """An operator corrected a balance up or down, with a mandatory reason."""
 

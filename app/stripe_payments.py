@@ -1,0 +1,171 @@
+"""Card top-ups through Stripe Checkout, at the edge of the system.
+
+A checkout session is created for the caller's own account (the account in
+`client_reference_id` and metadata, a deterministic idempotency key, the API
+version pinned). A webhook is verified with Stripe's signature scheme, stored
+raw and unique on its event id before it is answered, and processed once: a
+paid session that this service created credits its `amount_total`, keyed by
+the session, so any number of copies and both "completed" and
+"async_payment_succeeded" credit it once.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+import orjson
+import stripe
+from sqlalchemy import Engine, select, update
+from sqlalchemy.exc import IntegrityError
+
+from app.schema import stripe_checkout_sessions, stripe_events
+from ledger import commands as cmd
+from ledger.errors import IdempotencyConflict, InvalidAmount, InvalidInput, LedgerError
+from ledger.money import NANO_USD_PER_CENT
+from ledger.schema import utc_now
+from ledger.service import append_now
+
+STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
+SIGNATURE_TOLERANCE_S = 300
+STRIPE_COUNTER_ACCOUNT = "external:stripe"
+PAID_SESSION_EVENTS = ("checkout.session.completed", "checkout.session.async_payment_succeeded")
+
+
+class StripeNotConfigured(InvalidInput):
+    code = "stripe_not_configured"
+
+
+class BadSignature(InvalidInput):
+    code = "bad_signature"
+
+
+@dataclass(frozen=True)
+class StripeSettings:
+    secret_key: str | None
+    webhook_secret: str | None
+    api_base: str | None
+    checkout_min_cents: int
+    checkout_max_cents: int
+    success_url: str
+    cancel_url: str
+
+
+def amount_cents(amount_usd: object, settings: StripeSettings) -> int:
+    """'25.00' -> 2500: at most two decimals, within the configured limits."""
+    try:
+        value = Decimal(str(amount_usd).strip())
+    except InvalidOperation:
+        raise InvalidAmount(f"amount_usd must be a decimal amount such as \"25.00\", got {amount_usd!r}") from None
+    if not value.is_finite() or value != value.quantize(Decimal("0.01")):
+        raise InvalidAmount(f"amount_usd has more than two decimals: {amount_usd!r}")
+    cents = int(value * 100)
+    if not settings.checkout_min_cents <= cents <= settings.checkout_max_cents:
+        raise InvalidAmount(f"amount_usd must be from {settings.checkout_min_cents / 100:.2f} to {settings.checkout_max_cents / 100:.2f}")
+    return cents
+
+
+def _client(settings: StripeSettings) -> stripe.StripeClient:
+    if not settings.secret_key:
+        raise StripeNotConfigured("card top-ups need PARALON_STRIPE_SECRET_KEY")
+    addresses = {"api": settings.api_base} if settings.api_base else None
+    return stripe.StripeClient(settings.secret_key, stripe_version=STRIPE_API_VERSION, base_addresses=addresses,
+                               max_network_retries=2)
+
+
+def checkout_idempotency_key(account_id: int, cents: int, caller_key: str) -> str:
+    """The same account, amount and caller key always make the same session."""
+    return "paralon-checkout-" + hashlib.sha256(f"{account_id}:{cents}:{caller_key}".encode()).hexdigest()[:40]
+
+
+def create_checkout(engine: Engine, settings: StripeSettings, account_id: int, amount_usd: object, caller_key: str) -> dict:
+    cents = amount_cents(amount_usd, settings)
+    session = _client(settings).v1.checkout.sessions.create(
+        params={
+            "mode": "payment",
+            "client_reference_id": str(account_id),
+            "metadata": {"paralon_account_id": str(account_id)},
+            "line_items": [{"quantity": 1, "price_data": {"currency": "usd", "unit_amount": cents,
+                                                          "product_data": {"name": "Paralon credits"}}}],
+            "success_url": settings.success_url,
+            "cancel_url": settings.cancel_url,
+        },
+        options={"idempotency_key": checkout_idempotency_key(account_id, cents, caller_key)},
+    )
+    with engine.begin() as conn:
+        if conn.execute(select(stripe_checkout_sessions.c.session_id).where(stripe_checkout_sessions.c.session_id == session.id)).first() is None:
+            conn.execute(stripe_checkout_sessions.insert().values(session_id=session.id, account_id=account_id,
+                                                                  amount_cents=cents, created_at=utc_now()))
+    return {"id": session.id, "url": session.url, "amount_cents": cents}
+
+
+def receive_webhook(engine: Engine, settings: StripeSettings, payload: bytes, signature_header: str | None) -> str | None:
+    """Verify and store one webhook; returns the event id when it is new (to be
+    processed), None when it was already stored. A bad signature stores nothing."""
+    if not settings.webhook_secret:
+        raise StripeNotConfigured("webhooks need PARALON_STRIPE_WEBHOOK_SECRET")
+    try:
+        stripe.WebhookSignature.verify_header(payload.decode("utf-8", "replace"), signature_header, settings.webhook_secret,
+                                              tolerance=SIGNATURE_TOLERANCE_S)
+    except stripe.SignatureVerificationError as exc:
+        raise BadSignature(f"webhook signature refused: {exc}") from None
+    try:
+        event = orjson.loads(payload)
+        event_id, event_type = event["id"], event["type"]
+    except (ValueError, KeyError, TypeError):
+        raise InvalidInput("webhook body is not a Stripe event") from None
+    try:
+        with engine.begin() as conn:
+            conn.execute(stripe_events.insert().values(event_id=event_id, event_type=event_type,
+                                                       payload=payload.decode(), received_at=utc_now()))
+    except IntegrityError:
+        return None  # a copy of an event already stored
+    return event_id
+
+
+def process_event(engine: Engine, event_id: str) -> str:
+    """Act on a stored event once; returns what was done. Safe to run again:
+    every ledger effect carries an idempotency key derived from Stripe's ids."""
+    with engine.connect() as conn:
+        row = conn.execute(select(stripe_events).where(stripe_events.c.event_id == event_id)).one()
+    event = orjson.loads(row.payload)
+    outcome = _apply(engine, event)
+    with engine.begin() as conn:
+        conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id)
+                     .values(processed_at=utc_now(), outcome=outcome[:500]))
+    return outcome
+
+
+def _apply(engine: Engine, event: dict) -> str:
+    if event["type"] not in PAID_SESSION_EVENTS:
+        return f"ignored: {event['type']}"
+    session = event["data"]["object"]
+    if event["type"] == "checkout.session.completed" and session.get("payment_status") != "paid":
+        return "waiting: session completed, payment not yet paid"
+    with engine.connect() as conn:
+        ours = conn.execute(select(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == session["id"])).first()
+    if ours is None:
+        return f"ignored: session {session['id']} was not created by this service"
+    amount_total = session.get("amount_total")
+    if type(amount_total) is not int or amount_total <= 0:
+        return f"refused: session {session['id']} has no positive amount_total"
+    try:
+        result = append_now(engine, cmd.PurchaseCredits(
+            ours.account_id, amount_total * NANO_USD_PER_CENT, "card", f"stripe:session:{session['id']}:event:{event['id']}",
+            STRIPE_COUNTER_ACCOUNT, f"stripe:checkout:{session['id']}",
+        ))
+    except IdempotencyConflict:
+        return f"already credited by another event of session {session['id']}"
+    except LedgerError as exc:
+        return f"refused: {exc}"
+    return f"credited {amount_total} cents to account {ours.account_id} (event {result.seq}, {result.status})"
+
+
+def process_pending(engine: Engine) -> list[tuple[str, str]]:
+    """Every stored event not processed yet (say, the process stopped between
+    answering and processing), oldest first; returns (event id, outcome)."""
+    with engine.connect() as conn:
+        pending = conn.execute(
+            select(stripe_events.c.event_id).where(stripe_events.c.processed_at.is_(None)).order_by(stripe_events.c.received_at)
+        ).scalars().all()
+    return [(event_id, process_event(engine, event_id)) for event_id in pending]

@@ -1,0 +1,42 @@
+"""Webhooks from payment providers: verify, store, answer 2xx at once, then
+process once (in-process here; on a task queue in production)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from litestar import Request, Response, post
+
+from app import stripe_payments
+from ledger.errors import LedgerError
+
+log = logging.getLogger(__name__)
+
+
+def _json(data: dict, status: int) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+@post("/webhooks/stripe", summary="Stripe events (verified with the endpoint secret)", status_code=200)
+async def stripe_webhook(request: Request) -> Response:
+    payload = await request.body()
+    engine, settings = request.app.state.ledger.engine, request.app.state.stripe
+    try:
+        event_id = await asyncio.to_thread(stripe_payments.receive_webhook, engine, settings,
+                                           payload, request.headers.get("stripe-signature"))
+    except LedgerError as exc:
+        return _json({"error": {"code": exc.code, "message": str(exc)}}, 400)
+    if event_id is not None:
+        task = asyncio.create_task(_process(engine, event_id))
+        request.app.state.background.add(task)
+        task.add_done_callback(request.app.state.background.discard)
+    return _json({"received": True}, 200)
+
+
+async def _process(engine, event_id: str) -> None:
+    try:
+        outcome = await asyncio.to_thread(stripe_payments.process_event, engine, event_id)
+        log.info("stripe event %s: %s", event_id, outcome)
+    except Exception:  # stored and unprocessed: `paralon stripe process-pending` picks it up
+        log.exception("stripe event %s failed", event_id)

@@ -1,0 +1,50 @@
+"""Card top-ups through Stripe: the clearing account, the sessions this
+service created, and every webhook event received (unique on its id).
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-11-29
+"""
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from alembic import op
+
+from ledger.schema import UTCDateTime
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    accounts = sa.table("accounts", sa.column("id"), sa.column("kind"), sa.column("name"), sa.column("system_code"),
+                        sa.column("created_at", UTCDateTime))
+    account_id = bind.execute(
+        accounts.insert().values(kind="external", name="Stripe clearing", system_code="external:stripe",
+                                 created_at=datetime.now(UTC)).returning(accounts.c.id)
+    ).scalar_one()
+    bind.execute(sa.table("account_balances", sa.column("account_id")).insert().values(account_id=account_id))
+    op.create_table(
+        "stripe_checkout_sessions",
+        sa.Column("session_id", sa.String(255), primary_key=True),
+        sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), nullable=False),
+        sa.Column("amount_cents", sa.BigInteger, nullable=False),
+        sa.Column("created_at", UTCDateTime, nullable=False),
+    )
+    op.create_table(
+        "stripe_events",
+        sa.Column("event_id", sa.String(255), primary_key=True),
+        sa.Column("event_type", sa.String(100), nullable=False),
+        sa.Column("payload", sa.Text, nullable=False),  # the raw body, as signed
+        sa.Column("received_at", UTCDateTime, nullable=False),
+        sa.Column("processed_at", UTCDateTime),
+        sa.Column("outcome", sa.String(500)),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("stripe_events")
+    op.drop_table("stripe_checkout_sessions")

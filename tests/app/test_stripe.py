@@ -1,0 +1,153 @@
+"""Card top-ups through Stripe Checkout, offline: the real `stripe` SDK against
+a local stand-in for Stripe's API, webhooks signed with Stripe's scheme."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+from sqlalchemy import func, select
+
+from app.schema import stripe_checkout_sessions, stripe_events
+from app.tokens import create_token
+from tests.app.stripe_standin import StripeStandIn, session_event, signed
+from tests.proxy.harness import ThreadedServer, make_fleet, serving, wait_for
+
+SECRET = "whsec_test_secret"
+
+
+@pytest.fixture
+def stripe_setup(database_url):
+    standin = StripeStandIn()
+    api = ThreadedServer(standin).start()
+    fleet = make_fleet(database_url, [], credits_usd="0")
+    with fleet.engine.begin() as conn:
+        token = create_token(conn, fleet.customer_id, "customer")[1]
+        accountant = create_token(conn, fleet.customer_id, "accountant")[1]
+    env = {"PARALON_STRIPE_SECRET_KEY": "sk_test_standin", "PARALON_STRIPE_WEBHOOK_SECRET": SECRET,
+           "PARALON_STRIPE_API_BASE": api.url}
+    with serving(database_url, **env) as proxy:
+        yield fleet, proxy, standin, token, accountant
+    api.stop()
+    fleet.engine.dispose()
+
+
+def _checkout(proxy, token, amount, key=None):
+    headers = {"authorization": f"Bearer {token}"}
+    if key:
+        headers["idempotency-key"] = key
+    return httpx.post(proxy.url + "/v1/credits/checkout", json={"amount_usd": amount}, headers=headers, timeout=30)
+
+
+def _deliver(proxy, payload: bytes, signature: str | None) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if signature is not None:
+        headers["stripe-signature"] = signature
+    return httpx.post(proxy.url + "/webhooks/stripe", content=payload, headers=headers)
+
+
+def _counts(fleet) -> tuple[int, int, int]:
+    with fleet.engine.connect() as conn:
+        sessions = conn.execute(select(func.count()).select_from(stripe_checkout_sessions)).scalar()
+        events = conn.execute(select(func.count()).select_from(stripe_events)).scalar()
+    return sessions, events, fleet.balance(fleet.customer_id).balance_nano_usd
+
+
+def test_a_checkout_session_is_created_for_the_callers_account(stripe_setup):
+    fleet, proxy, standin, token, _ = stripe_setup
+    first = _checkout(proxy, token, "25.00", key="click-1")
+    assert first.status_code == 201 and first.json()["url"].startswith("https://checkout.stripe.test/")
+    again = _checkout(proxy, token, "25.00", key="click-1")
+    assert again.json()["id"] == first.json()["id"], "a retried click gets the same session"
+    sent = standin.requests[0]
+    assert sent["headers"]["stripe-version"] == "2026-10-28.endive"
+    assert sent["headers"]["idempotency-key"].startswith("paralon-checkout-")
+    assert sent["form"]["client_reference_id"] == str(fleet.customer_id)
+    assert sent["form"]["metadata[paralon_account_id]"] == str(fleet.customer_id)
+    assert sent["form"]["line_items[0][price_data][unit_amount]"] == "2500"
+    assert _counts(fleet)[:1] == (1,)
+
+
+@pytest.mark.parametrize("amount", ["4.99", "10000.01", "25.001", "abc", "-5", "NaN"])
+def test_a_bad_amount_is_refused_and_nothing_is_created(stripe_setup, amount):
+    fleet, proxy, standin, token, _ = stripe_setup
+    response = _checkout(proxy, token, amount)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "amount_usd"
+    assert standin.requests == [] and _counts(fleet) == (0, 0, 0)
+
+
+def test_only_a_customer_token_starts_a_checkout(stripe_setup):
+    fleet, proxy, standin, _, accountant = stripe_setup
+    assert _checkout(proxy, accountant, "25.00").status_code == 403
+    assert _checkout(proxy, fleet.key, "25.00").status_code == 401, "an API key is not a management token"
+    assert standin.requests == []
+
+
+def test_a_paid_session_is_credited_exactly_once_whatever_the_copies(stripe_setup):
+    fleet, proxy, _, token, _ = stripe_setup
+    session = _checkout(proxy, token, "25.00").json()
+    stored = {"id": session["id"], "amount_total": 2500, "client_reference_id": str(fleet.customer_id)}
+    completed = session_event("checkout.session.completed", stored)
+    for _ in range(3):  # Stripe retries: the same event, more than once
+        assert _deliver(proxy, completed, signed(completed, SECRET)).status_code == 200
+    succeeded = session_event("checkout.session.async_payment_succeeded", stored)
+    assert _deliver(proxy, succeeded, signed(succeeded, SECRET)).status_code == 200
+    wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 25 * 10**9)
+    wait_for(lambda: _processed(fleet) == 2)
+    assert fleet.events("CreditsPurchased") == 1 and _counts(fleet)[1] == 2
+    with fleet.engine.connect() as conn:
+        from ledger.schema import ledger_events
+
+        payload = orjson.loads(conn.execute(select(ledger_events.c.payload).where(ledger_events.c.event_type == "CreditsPurchased")).scalar_one())
+    assert payload["payment_method"] == "card" and session["id"] in payload["external_reference"]
+
+
+def _processed(fleet) -> int:
+    with fleet.engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(stripe_events).where(stripe_events.c.processed_at.is_not(None))).scalar()
+
+
+def test_bad_webhooks_store_nothing_and_credit_nothing(stripe_setup):
+    fleet, proxy, _, token, _ = stripe_setup
+    session = _checkout(proxy, token, "25.00").json()
+    event = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 2500})
+    tampered = event.replace(b"2500", b"9900")
+    stale = signed(event, SECRET, timestamp=int(time.time()) - 3600)
+    for payload, signature in ((event, None), (event, "t=1,v1=00"), (tampered, signed(event, SECRET)), (event, stale),
+                               (event, signed(event, "whsec_other"))):
+        response = _deliver(proxy, payload, signature)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "bad_signature"
+    assert _counts(fleet) == (1, 0, 0)
+
+
+def test_events_this_service_cannot_credit(stripe_setup):
+    fleet, proxy, _, token, _ = stripe_setup
+    session = _checkout(proxy, token, "25.00").json()
+    foreign = session_event("checkout.session.completed", {"id": "cs_test_not_ours", "amount_total": 2500})
+    unpaid = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 2500}, paid=False)
+    other = session_event("customer.created", {"id": "cus_1"})
+    for payload in (foreign, unpaid, other):
+        assert _deliver(proxy, payload, signed(payload, SECRET)).status_code == 200
+    wait_for(lambda: _processed(fleet) == 3)
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == 0 and fleet.events("CreditsPurchased") == 0
+
+
+def test_an_event_stored_but_not_processed_is_picked_up_by_the_cli(stripe_setup):
+    """The process may stop between answering Stripe and processing: the stored
+    event is processed later, once."""
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from app.stripe_payments import receive_webhook
+
+    fleet, proxy, _, token, _ = stripe_setup
+    session = _checkout(proxy, token, "7.50").json()
+    event = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 750})
+    settings = type("S", (), {"webhook_secret": SECRET})()
+    assert receive_webhook(fleet.engine, settings, event, signed(event, SECRET))  # stored, not processed
+    runner = CliRunner()
+    for _ in range(2):
+        result = runner.invoke(main, ["stripe", "process-pending", "--json"], env={"PARALON_DATABASE_URL": fleet.database_url})
+        assert result.exit_code == 0, result.output
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == 750 * 10**7 and fleet.events("CreditsPurchased") == 1
