@@ -1,7 +1,7 @@
 """Tables of the edge: management tokens (who may do what through the API)."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, String, Table, Text
+from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, String, Table, Text, text
 
 from ledger.schema import BigId, UTCDateTime, metadata
 
@@ -25,6 +25,10 @@ stripe_checkout_sessions = Table(
     Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
     Column("amount_cents", BigInteger, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+    # Filled in when the payment is credited; refunds find the session by it.
+    Column("payment_intent", String(255), unique=True),
+    Column("credited_cents", BigInteger, nullable=False, server_default=text("0")),
+    Column("refunded_cents", BigInteger, nullable=False, server_default=text("0")),  # Stripe's cumulative amount_refunded
 )
 
 # Every webhook event, stored before it is answered, processed once afterwards.

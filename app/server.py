@@ -25,7 +25,8 @@ def run_server(settings: Settings, host: str, port: int) -> None:
                      health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
                      hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000, stripe_settings=settings.stripe())
     tune_garbage_collector()
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    for noisy in ("httpx", "stripe"):  # a line per request is noise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         uvicorn.run(app, host=host, port=port, http="httptools", loop=_loop(), log_level="warning", access_log=False)
     finally:

@@ -21,10 +21,10 @@ from sqlalchemy.exc import IntegrityError
 
 from app.schema import stripe_checkout_sessions, stripe_events
 from ledger import commands as cmd
-from ledger.errors import IdempotencyConflict, InvalidAmount, InvalidInput, LedgerError
+from ledger.errors import InvalidAmount, InvalidInput, LedgerError
 from ledger.money import NANO_USD_PER_CENT
 from ledger.schema import utc_now
-from ledger.service import append_now
+from ledger.store import append_batch
 
 STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
 SIGNATURE_TOLERANCE_S = 300
@@ -123,49 +123,107 @@ def receive_webhook(engine: Engine, settings: StripeSettings, payload: bytes, si
     return event_id
 
 
+WAITING = "waiting"
+
+
 def process_event(engine: Engine, event_id: str) -> str:
     """Act on a stored event once; returns what was done. Safe to run again:
-    every ledger effect carries an idempotency key derived from Stripe's ids."""
+    every ledger effect carries an idempotency key derived from Stripe's ids,
+    and is appended in the transaction that records it on the session row.
+    An event that needs something not yet seen (a refund before its payment)
+    stays pending, and is processed again after the next credit."""
     with engine.connect() as conn:
         row = conn.execute(select(stripe_events).where(stripe_events.c.event_id == event_id)).one()
     event = orjson.loads(row.payload)
     outcome = _apply(engine, event)
     with engine.begin() as conn:
-        conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id)
-                     .values(processed_at=utc_now(), outcome=outcome[:500]))
+        values = {"outcome": outcome[:500]}
+        if not outcome.startswith(WAITING):
+            values["processed_at"] = utc_now()
+        conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id).values(**values))
+    if outcome.startswith("credited"):
+        process_pending(engine, waiting_only=True)
     return outcome
 
 
 def _apply(engine: Engine, event: dict) -> str:
-    if event["type"] not in PAID_SESSION_EVENTS:
-        return f"ignored: {event['type']}"
-    session = event["data"]["object"]
-    if event["type"] == "checkout.session.completed" and session.get("payment_status") != "paid":
-        return "waiting: session completed, payment not yet paid"
-    with engine.connect() as conn:
-        ours = conn.execute(select(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == session["id"])).first()
-    if ours is None:
-        return f"ignored: session {session['id']} was not created by this service"
+    try:
+        return _dispatch(engine, event)
+    except LedgerError as exc:  # e.g. the account is not a customer: recorded, never retried into a loop
+        return f"refused: {exc}"
+
+
+def _dispatch(engine: Engine, event: dict) -> str:
+    obj = event["data"]["object"]
+    if event["type"] in PAID_SESSION_EVENTS:
+        if event["type"] == "checkout.session.completed" and obj.get("payment_status") != "paid":
+            return "ignored: session completed, payment not yet paid"
+        return _credit_session(engine, event["id"], obj)
+    if event["type"] == "charge.refunded":
+        return _refund_charge(engine, event["id"], obj)
+    return f"ignored: {event['type']}"
+
+
+def _locked_session(conn, *where):
+    return conn.execute(select(stripe_checkout_sessions).where(*where).with_for_update()).first()
+
+
+def _append(conn, command: cmd.Command):
+    result = append_batch(conn, [command])[0]
+    if isinstance(result, LedgerError):
+        raise result
+    return result
+
+
+def _credit_session(engine: Engine, event_id: str, session: dict) -> str:
     amount_total = session.get("amount_total")
     if type(amount_total) is not int or amount_total <= 0:
-        return f"refused: session {session['id']} has no positive amount_total"
-    try:
-        result = append_now(engine, cmd.PurchaseCredits(
-            ours.account_id, amount_total * NANO_USD_PER_CENT, "card", f"stripe:session:{session['id']}:event:{event['id']}",
-            STRIPE_COUNTER_ACCOUNT, f"stripe:checkout:{session['id']}",
+        return f"refused: session {session.get('id')} has no positive amount_total"
+    with engine.begin() as conn:
+        ours = _locked_session(conn, stripe_checkout_sessions.c.session_id == session.get("id"))
+        if ours is None:
+            return f"ignored: session {session.get('id')} was not created by this service"
+        if ours.credited_cents:
+            return f"already credited: session {ours.session_id}"
+        result = _append(conn, cmd.PurchaseCredits(
+            ours.account_id, amount_total * NANO_USD_PER_CENT, "card", f"stripe:session:{ours.session_id}:event:{event_id}",
+            STRIPE_COUNTER_ACCOUNT, f"stripe:checkout:{ours.session_id}",
         ))
-    except IdempotencyConflict:
-        return f"already credited by another event of session {session['id']}"
-    except LedgerError as exc:
-        return f"refused: {exc}"
-    return f"credited {amount_total} cents to account {ours.account_id} (event {result.seq}, {result.status})"
+        conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
+                     .values(credited_cents=amount_total, payment_intent=session.get("payment_intent")))
+    return f"credited {amount_total} cents to account {ours.account_id} (event {result.seq})"
 
 
-def process_pending(engine: Engine) -> list[tuple[str, str]]:
-    """Every stored event not processed yet (say, the process stopped between
-    answering and processing), oldest first; returns (event id, outcome)."""
+def _refund_charge(engine: Engine, event_id: str, charge: dict) -> str:
+    """Refund what is newly refunded: Stripe's `amount_refunded` is cumulative,
+    so copies and late arrivals of earlier refunds change nothing."""
+    refunded_total = charge.get("amount_refunded")
+    if type(refunded_total) is not int or refunded_total < 0:
+        return "refused: charge without amount_refunded"
+    with engine.begin() as conn:
+        ours = _locked_session(conn, stripe_checkout_sessions.c.payment_intent == charge.get("payment_intent"))
+        if ours is None or not ours.credited_cents:
+            return f"{WAITING}: no credited session for payment {charge.get('payment_intent')} yet"
+        refunded_total = min(refunded_total, ours.credited_cents)
+        newly_cents = refunded_total - ours.refunded_cents
+        if newly_cents <= 0:
+            return f"nothing new: {ours.refunded_cents} cents of charge {charge.get('id')} already refunded"
+        result = _append(conn, cmd.RefundCredits(
+            ours.account_id, newly_cents * NANO_USD_PER_CENT, "card", f"stripe:charge:{charge.get('id')}:event:{event_id}",
+            STRIPE_COUNTER_ACCOUNT, f"stripe:refund:{charge.get('id')}:{refunded_total}",
+        ))
+        conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
+                     .values(refunded_cents=refunded_total))
+    return f"refunded {newly_cents} cents from account {ours.account_id} (event {result.seq})"
+
+
+def process_pending(engine: Engine, *, waiting_only: bool = False) -> list[tuple[str, str]]:
+    """Every stored event not processed yet (the process stopped between
+    answering and processing, or the event waits for another), oldest first;
+    returns (event id, outcome)."""
+    query = select(stripe_events.c.event_id).where(stripe_events.c.processed_at.is_(None))
+    if waiting_only:
+        query = query.where(stripe_events.c.outcome.like(f"{WAITING}%"))
     with engine.connect() as conn:
-        pending = conn.execute(
-            select(stripe_events.c.event_id).where(stripe_events.c.processed_at.is_(None)).order_by(stripe_events.c.received_at)
-        ).scalars().all()
+        pending = conn.execute(query.order_by(stripe_events.c.received_at, stripe_events.c.event_id)).scalars().all()
     return [(event_id, process_event(engine, event_id)) for event_id in pending]

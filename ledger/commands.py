@@ -51,6 +51,18 @@ class PurchaseCredits:
 
 
 @dataclass(frozen=True, slots=True)
+class RefundCredits:
+    """Money that went back to the payer (a card refund): may leave a debt."""
+
+    account_id: int
+    amount_nano_usd: int
+    payment_method: str
+    external_reference: str
+    counter_account: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class AdjustBalance:
     account_id: int
     delta_nano_usd: int
@@ -88,7 +100,7 @@ class ReverseEvent:
     idempotency_key: str
 
 
-Command = GrantCredits | PurchaseCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
+Command = GrantCredits | PurchaseCredits | RefundCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
 
 
 class HoldView(NamedTuple):
@@ -143,7 +155,7 @@ def validate_shape(command: Command) -> None:
     match command:
         case GrantCredits():
             require_positive(command.amount_nano_usd)
-        case PurchaseCredits():
+        case PurchaseCredits() | RefundCredits():
             require_positive(command.amount_nano_usd)
             if command.payment_method not in PAYMENT_METHODS:
                 raise InvalidInput(f"payment method must be one of {', '.join(PAYMENT_METHODS)}")
@@ -199,6 +211,11 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             counter = book.system_account(command.counter_account)
             event = ev.CreditsPurchased(command.account_id, command.amount_nano_usd, command.payment_method, command.external_reference)
             postings = [ev.Posting(command.account_id, command.amount_nano_usd), ev.Posting(counter, -command.amount_nano_usd)]
+        case RefundCredits():
+            _require_kind(book, command.account_id, CUSTOMER)
+            counter = book.system_account(command.counter_account)
+            event = ev.CreditsRefunded(command.account_id, command.amount_nano_usd, command.payment_method, command.external_reference)
+            postings = [ev.Posting(command.account_id, -command.amount_nano_usd), ev.Posting(counter, command.amount_nano_usd)]
         case AdjustBalance():
             kind = book.kind(command.account_id)
             if kind not in (CUSTOMER, OWNER):
@@ -271,6 +288,8 @@ def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -
 
     A settlement's debit is covered by its own hold, so it is checked against
     credits alone; any other debit must also leave every active hold covered."""
+    if isinstance(event, ev.CreditsRefunded):
+        return  # the money has left already; a shortfall is the customer's debt
     settled_hold = getattr(event, "hold_id", None)
     for posting in postings:
         if posting.amount_nano_usd >= 0:

@@ -41,6 +41,18 @@ class CreditsPurchased:
 
 
 @dataclass(frozen=True, slots=True)
+class CreditsRefunded:
+    """Money paid for credits went back to the payer. Taken from unspent credits;
+    what was already spent leaves the balance below zero: a debt that blocks
+    new requests until a top-up repays it."""
+
+    account_id: int
+    amount_nano_usd: int
+    payment_method: str
+    external_reference: str
+
+
+@dataclass(frozen=True, slots=True)
 class BalanceAdjusted:
     """An operator corrected a balance up or down, with a mandatory reason."""
 

@@ -24,6 +24,8 @@ class VerifyReport:
     accounts_checked: int = 0
     problems: list[str] = field(default_factory=list)
     problems_total: int = 0
+    # Refunds may leave a customer in debt, never more than they refunded.
+    refunded_by_account: dict[int, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -48,6 +50,9 @@ def replay_balances(conn: Connection, report: VerifyReport | None = None, progre
         if report is not None:
             _check_event(event, expected_seq, prev_hash, report)
             report.events_checked += 1
+            if event.event_type == "CreditsRefunded" and event.postings:
+                account_id, amount = event.postings[0]
+                report.refunded_by_account[account_id] = report.refunded_by_account.get(account_id, 0) - amount
         for account_id, amount in event.postings:
             entry = balances[account_id]
             entry[0] += amount
@@ -99,7 +104,8 @@ def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
             report.add(f"account {account_id}: has no balance row")
         elif stored != expected:
             report.add(f"account {account_id} ({kind}): balance {stored} nano-USD but a replay gives {expected} (differs by {stored - expected})")
-        if kind in cmd.NON_NEGATIVE_KINDS and expected < 0:
+        debt_allowed = report.refunded_by_account.get(account_id, 0) if kind == cmd.CUSTOMER else 0
+        if kind in cmd.NON_NEGATIVE_KINDS and expected < -debt_allowed:
             report.add(f"account {account_id} ({kind}): replayed balance {expected} is below zero")
     for account_id in sorted(set(replayed) - known):
         report.add(f"postings name account {account_id}, which does not exist")

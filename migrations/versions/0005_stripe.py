@@ -33,6 +33,9 @@ def upgrade() -> None:
         sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), nullable=False),
         sa.Column("amount_cents", sa.BigInteger, nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("payment_intent", sa.String(255), unique=True),
+        sa.Column("credited_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("refunded_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     )
     op.create_table(
         "stripe_events",

@@ -67,3 +67,11 @@ def session_event(event_type: str, session: dict, *, paid: bool = True, amount_t
         obj["amount_total"] = amount_total
     return orjson.dumps({"id": "evt_" + uuid.uuid4().hex, "object": "event", "type": event_type,
                          "api_version": "2026-10-28.endive", "created": int(time.time()), "data": {"object": obj}})
+
+
+def refund_event(charge_id: str, payment_intent: str, amount: int, amount_refunded: int) -> bytes:
+    """charge.refunded: `amount_refunded` is cumulative, as Stripe sends it."""
+    charge = {"id": charge_id, "object": "charge", "amount": amount, "amount_refunded": amount_refunded,
+              "payment_intent": payment_intent, "refunded": amount_refunded == amount}
+    return orjson.dumps({"id": "evt_" + uuid.uuid4().hex, "object": "event", "type": "charge.refunded",
+                         "api_version": "2026-10-28.endive", "created": int(time.time()), "data": {"object": charge}})

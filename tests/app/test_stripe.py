@@ -151,3 +151,46 @@ def test_an_event_stored_but_not_processed_is_picked_up_by_the_cli(stripe_setup)
         result = runner.invoke(main, ["stripe", "process-pending", "--json"], env={"PARALON_DATABASE_URL": fleet.database_url})
         assert result.exit_code == 0, result.output
     assert fleet.balance(fleet.customer_id).balance_nano_usd == 750 * 10**7 and fleet.events("CreditsPurchased") == 1
+
+
+def _paid(fleet, proxy, token, dollars: str, payment_intent: str) -> dict:
+    session = _checkout(proxy, token, dollars).json()
+    return {"id": session["id"], "amount_total": int(float(dollars) * 100), "payment_intent": payment_intent}
+
+
+def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_become_a_debt(stripe_setup):
+    from ledger import commands as cmd
+    from ledger.errors import InsufficientFunds
+    from ledger.holds import PlaceHold
+    from ledger.service import Ledger, append_now
+    from tests.app.stripe_standin import refund_event
+
+    fleet, proxy, _, token, _ = stripe_setup
+    session = _paid(fleet, proxy, token, "25.00", "pi_1")
+    early = refund_event("ch_1", "pi_1", 2500, 500)  # arrives before the payment is even credited
+    assert _deliver(proxy, early, signed(early, SECRET)).status_code == 200
+    paid = session_event("checkout.session.completed", session)
+    _deliver(proxy, paid, signed(paid, SECRET))
+    wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 20 * 10**9)  # 25 credited, 5 refunded
+
+    append_now(fleet.engine, cmd.AdjustBalance(fleet.customer_id, -18 * 10**9, "spent on requests", "spend"))
+    later, late_copy = refund_event("ch_1", "pi_1", 2500, 2500), refund_event("ch_1", "pi_1", 2500, 1000)
+    for payload in (later, later, late_copy, early):
+        _deliver(proxy, payload, signed(payload, SECRET))
+    wait_for(lambda: _processed(fleet) == 4)  # copies of an event are stored once
+    view = fleet.balance(fleet.customer_id)
+    assert view.balance_nano_usd == 25 * 10**9 - 18 * 10**9 - 25 * 10**9, "refunded in full, once: 18 USD of debt"
+    assert fleet.events("CreditsRefunded") == 2
+
+    ledger = Ledger(fleet.engine)
+    with pytest.raises(InsufficientFunds):  # the debt blocks new requests
+        ledger.place_hold(PlaceHold(fleet.customer_id, 1, "after-debt"))
+    repay = session_event("checkout.session.completed", _paid(fleet, proxy, token, "20.00", "pi_2"))
+    _deliver(proxy, repay, signed(repay, SECRET))
+    wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 2 * 10**9)
+    assert ledger.place_hold(PlaceHold(fleet.customer_id, 10**9, "after-repay")).amount_nano_usd == 10**9
+    ledger.close()
+    from ledger.verify import verify
+
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok, "a debt from a refund passes verify"
