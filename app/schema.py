@@ -42,3 +42,13 @@ stripe_events = Table(
     Column("processed_at", UTCDateTime),
     Column("outcome", String(500)),
 )
+
+stripe_disputes = Table(
+    "stripe_disputes",
+    metadata,
+    Column("dispute_id", String(255), primary_key=True),
+    Column("session_id", String(255), ForeignKey("stripe_checkout_sessions.session_id"), nullable=False),
+    Column("amount_cents", BigInteger, nullable=False),
+    Column("freeze_seq", BigInteger, nullable=False),  # the CreditsFrozen event a win reverses
+    Column("status", String(16), nullable=False),  # frozen, won, lost
+)

@@ -19,7 +19,7 @@ import stripe
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
-from app.schema import stripe_checkout_sessions, stripe_events
+from app.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
 from ledger.money import NANO_USD_PER_CENT
@@ -29,6 +29,7 @@ from ledger.store import append_batch
 STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
 SIGNATURE_TOLERANCE_S = 300
 STRIPE_COUNTER_ACCOUNT = "external:stripe"
+DISPUTED_ACCOUNT = "external:stripe:disputed"
 PAID_SESSION_EVENTS = ("checkout.session.completed", "checkout.session.async_payment_succeeded")
 
 
@@ -161,6 +162,8 @@ def _dispatch(engine: Engine, event: dict) -> str:
         return _credit_session(engine, event["id"], obj)
     if event["type"] == "charge.refunded":
         return _refund_charge(engine, event["id"], obj)
+    if event["type"] in ("charge.dispute.created", "charge.dispute.closed"):
+        return _dispute(engine, obj, closed=event["type"] == "charge.dispute.closed")
     return f"ignored: {event['type']}"
 
 
@@ -215,6 +218,40 @@ def _refund_charge(engine: Engine, event_id: str, charge: dict) -> str:
         conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
                      .values(refunded_cents=refunded_total))
     return f"refunded {newly_cents} cents from account {ours.account_id} (event {result.seq})"
+
+
+def _dispute(engine: Engine, dispute: dict, *, closed: bool) -> str:
+    """Created: freeze the disputed amount. Closed as won: reverse the freeze;
+    lost: the frozen amount goes back to the payer. A close that arrives first
+    freezes and resolves in one go; whatever arrives later changes nothing."""
+    status, amount, dispute_id = dispute.get("status"), dispute.get("amount"), dispute.get("id")
+    if closed and status not in ("won", "lost"):
+        return f"ignored: dispute {dispute_id} closed as {status}"
+    if type(amount) is not int or amount <= 0 or not dispute_id:
+        return "refused: dispute without a positive amount"
+    with engine.begin() as conn:
+        ours = _locked_session(conn, stripe_checkout_sessions.c.payment_intent == dispute.get("payment_intent"))
+        if ours is None or not ours.credited_cents:
+            return f"{WAITING}: no credited session for payment {dispute.get('payment_intent')} yet"
+        row = conn.execute(select(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id).with_for_update()).first()
+        if row is None:
+            frozen_cents = min(amount, ours.credited_cents)
+            freeze = _append(conn, cmd.FreezeCredits(ours.account_id, frozen_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
+                                                     DISPUTED_ACCOUNT, f"stripe:dispute:{dispute_id}:freeze"))
+            conn.execute(stripe_disputes.insert().values(dispute_id=dispute_id, session_id=ours.session_id,
+                                                         amount_cents=frozen_cents, freeze_seq=freeze.seq, status="frozen"))
+            row = conn.execute(select(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id)).one()
+        if not closed:
+            return f"frozen {row.amount_cents} cents of account {ours.account_id} for dispute {dispute_id}"
+        if row.status != "frozen":
+            return f"nothing new: dispute {dispute_id} already closed as {row.status}"
+        if status == "won":
+            _append(conn, cmd.ReverseEvent(row.freeze_seq, f"dispute {dispute_id} won", f"stripe:dispute:{dispute_id}:won"))
+        else:
+            _append(conn, cmd.ForfeitFrozenCredits(ours.account_id, row.amount_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
+                                                   DISPUTED_ACCOUNT, STRIPE_COUNTER_ACCOUNT, f"stripe:dispute:{dispute_id}:lost"))
+        conn.execute(update(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id).values(status=status))
+    return f"dispute {dispute_id} {status}: {row.amount_cents} cents"
 
 
 def process_pending(engine: Engine, *, waiting_only: bool = False) -> list[tuple[str, str]]:

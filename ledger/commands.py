@@ -63,6 +63,25 @@ class RefundCredits:
 
 
 @dataclass(frozen=True, slots=True)
+class FreezeCredits:
+    account_id: int
+    amount_nano_usd: int
+    external_reference: str
+    frozen_account: str  # system code of where frozen amounts wait
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForfeitFrozenCredits:
+    account_id: int
+    amount_nano_usd: int
+    external_reference: str
+    frozen_account: str
+    counter_account: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class AdjustBalance:
     account_id: int
     delta_nano_usd: int
@@ -100,7 +119,7 @@ class ReverseEvent:
     idempotency_key: str
 
 
-Command = GrantCredits | PurchaseCredits | RefundCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
+Command = GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
 
 
 class HoldView(NamedTuple):
@@ -155,6 +174,9 @@ def validate_shape(command: Command) -> None:
     match command:
         case GrantCredits():
             require_positive(command.amount_nano_usd)
+        case FreezeCredits() | ForfeitFrozenCredits():
+            require_positive(command.amount_nano_usd)
+            require_text(command.external_reference, "an external reference", REASON_LENGTH_MAX)
         case PurchaseCredits() | RefundCredits():
             require_positive(command.amount_nano_usd)
             if command.payment_method not in PAYMENT_METHODS:
@@ -216,6 +238,15 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             counter = book.system_account(command.counter_account)
             event = ev.CreditsRefunded(command.account_id, command.amount_nano_usd, command.payment_method, command.external_reference)
             postings = [ev.Posting(command.account_id, -command.amount_nano_usd), ev.Posting(counter, command.amount_nano_usd)]
+        case FreezeCredits():
+            _require_kind(book, command.account_id, CUSTOMER)
+            frozen = book.system_account(command.frozen_account)
+            event = ev.CreditsFrozen(command.account_id, command.amount_nano_usd, command.external_reference)
+            postings = [ev.Posting(command.account_id, -command.amount_nano_usd), ev.Posting(frozen, command.amount_nano_usd)]
+        case ForfeitFrozenCredits():
+            frozen, counter = book.system_account(command.frozen_account), book.system_account(command.counter_account)
+            event = ev.FrozenCreditsForfeited(command.account_id, command.amount_nano_usd, command.external_reference)
+            postings = [ev.Posting(frozen, -command.amount_nano_usd), ev.Posting(counter, command.amount_nano_usd)]
         case AdjustBalance():
             kind = book.kind(command.account_id)
             if kind not in (CUSTOMER, OWNER):
@@ -288,8 +319,8 @@ def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -
 
     A settlement's debit is covered by its own hold, so it is checked against
     credits alone; any other debit must also leave every active hold covered."""
-    if isinstance(event, ev.CreditsRefunded):
-        return  # the money has left already; a shortfall is the customer's debt
+    if isinstance(event, (ev.CreditsRefunded, ev.CreditsFrozen)):
+        return  # the money has left (or is claimed) already; a shortfall is the customer's debt
     settled_hold = getattr(event, "hold_id", None)
     for posting in postings:
         if posting.amount_nano_usd >= 0:

@@ -53,6 +53,26 @@ class CreditsRefunded:
 
 
 @dataclass(frozen=True, slots=True)
+class CreditsFrozen:
+    """A payment is disputed: its amount is set aside until the dispute closes
+    (won: this event is reversed; lost: `FrozenCreditsForfeited`). Like a
+    refund, it may leave a debt where the credits were spent."""
+
+    account_id: int
+    amount_nano_usd: int
+    external_reference: str
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenCreditsForfeited:
+    """A dispute was lost: the frozen amount went back to the payer."""
+
+    account_id: int
+    amount_nano_usd: int
+    external_reference: str
+
+
+@dataclass(frozen=True, slots=True)
 class BalanceAdjusted:
     """An operator corrected a balance up or down, with a mandatory reason."""
 

@@ -255,7 +255,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     account_ids = set(book.system.values())
     for c in commands:
         match c:
-            case cmd.GrantCredits() | cmd.PurchaseCredits() | cmd.RefundCredits() | cmd.AdjustBalance():
+            case cmd.GrantCredits() | cmd.PurchaseCredits() | cmd.RefundCredits() | cmd.FreezeCredits() | cmd.AdjustBalance():
                 account_ids.add(c.account_id)
             case cmd.SettleRequest():
                 account_ids.add(c.owner_account_id)

@@ -24,7 +24,7 @@ class VerifyReport:
     accounts_checked: int = 0
     problems: list[str] = field(default_factory=list)
     problems_total: int = 0
-    # Refunds may leave a customer in debt, never more than they refunded.
+    # Refunds and disputes may leave a customer in debt, never by more than they took back.
     refunded_by_account: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -50,7 +50,7 @@ def replay_balances(conn: Connection, report: VerifyReport | None = None, progre
         if report is not None:
             _check_event(event, expected_seq, prev_hash, report)
             report.events_checked += 1
-            if event.event_type == "CreditsRefunded" and event.postings:
+            if event.event_type in ("CreditsRefunded", "CreditsFrozen") and event.postings:
                 account_id, amount = event.postings[0]
                 report.refunded_by_account[account_id] = report.refunded_by_account.get(account_id, 0) - amount
         for account_id, amount in event.postings:

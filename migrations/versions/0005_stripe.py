@@ -22,11 +22,11 @@ def upgrade() -> None:
     bind = op.get_bind()
     accounts = sa.table("accounts", sa.column("id"), sa.column("kind"), sa.column("name"), sa.column("system_code"),
                         sa.column("created_at", UTCDateTime))
-    account_id = bind.execute(
-        accounts.insert().values(kind="external", name="Stripe clearing", system_code="external:stripe",
-                                 created_at=datetime.now(UTC)).returning(accounts.c.id)
-    ).scalar_one()
-    bind.execute(sa.table("account_balances", sa.column("account_id")).insert().values(account_id=account_id))
+    for code, name in (("external:stripe", "Stripe clearing"), ("external:stripe:disputed", "Disputed card payments")):
+        account_id = bind.execute(
+            accounts.insert().values(kind="external", name=name, system_code=code, created_at=datetime.now(UTC)).returning(accounts.c.id)
+        ).scalar_one()
+        bind.execute(sa.table("account_balances", sa.column("account_id")).insert().values(account_id=account_id))
     op.create_table(
         "stripe_checkout_sessions",
         sa.Column("session_id", sa.String(255), primary_key=True),
@@ -36,6 +36,14 @@ def upgrade() -> None:
         sa.Column("payment_intent", sa.String(255), unique=True),
         sa.Column("credited_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("refunded_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    )
+    op.create_table(
+        "stripe_disputes",
+        sa.Column("dispute_id", sa.String(255), primary_key=True),
+        sa.Column("session_id", sa.String(255), sa.ForeignKey("stripe_checkout_sessions.session_id"), nullable=False),
+        sa.Column("amount_cents", sa.BigInteger, nullable=False),
+        sa.Column("freeze_seq", sa.BigInteger, nullable=False),
+        sa.Column("status", sa.String(16), nullable=False),  # frozen, won, lost
     )
     op.create_table(
         "stripe_events",
@@ -50,4 +58,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("stripe_events")
+    op.drop_table("stripe_disputes")
     op.drop_table("stripe_checkout_sessions")

@@ -75,3 +75,10 @@ def refund_event(charge_id: str, payment_intent: str, amount: int, amount_refund
               "payment_intent": payment_intent, "refunded": amount_refunded == amount}
     return orjson.dumps({"id": "evt_" + uuid.uuid4().hex, "object": "event", "type": "charge.refunded",
                          "api_version": "2026-10-28.endive", "created": int(time.time()), "data": {"object": charge}})
+
+
+def dispute_event(event_type: str, dispute_id: str, payment_intent: str, amount: int, status: str) -> bytes:
+    dispute = {"id": dispute_id, "object": "dispute", "amount": amount, "charge": "ch_" + payment_intent,
+               "payment_intent": payment_intent, "status": status}
+    return orjson.dumps({"id": "evt_" + uuid.uuid4().hex, "object": "event", "type": event_type,
+                         "api_version": "2026-10-28.endive", "created": int(time.time()), "data": {"object": dispute}})

@@ -194,3 +194,31 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
 
     with fleet.engine.connect() as conn:
         assert verify(conn).ok, "a debt from a refund passes verify"
+
+
+@pytest.mark.parametrize("outcome", ["won", "lost"])
+@pytest.mark.parametrize("close_first", [False, True])
+def test_a_dispute_freezes_then_releases_or_forfeits_in_any_order(stripe_setup, outcome, close_first):
+    from tests.app.stripe_standin import dispute_event
+
+    fleet, proxy, _, token, _ = stripe_setup
+    paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_d"))
+    _deliver(proxy, paid, signed(paid, SECRET))
+    wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 25 * 10**9)
+    created = dispute_event("charge.dispute.created", "dp_1", "pi_d", 1000, "needs_response")
+    closed = dispute_event("charge.dispute.closed", "dp_1", "pi_d", 1000, outcome)
+    events = [closed, created, closed] if close_first else [created, created, closed]
+    _deliver(proxy, events[0], signed(events[0], SECRET))
+    if not close_first:
+        wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 15 * 10**9)  # frozen meanwhile
+    for payload in events[1:]:
+        _deliver(proxy, payload, signed(payload, SECRET))
+    wait_for(lambda: _processed(fleet) == 3)
+    expected = 25 * 10**9 if outcome == "won" else 15 * 10**9
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == expected
+    assert fleet.events("CreditsFrozen") == 1
+    assert fleet.events("EventReversed" if outcome == "won" else "FrozenCreditsForfeited") == 1
+    from ledger.verify import verify
+
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok
