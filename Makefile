@@ -11,7 +11,12 @@ system-packages:
 	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake ninja-build build-essential)
 
-venv: $(STAMP)
+venv: $(STAMP) node_modules/.installed
+
+# The EVM node (anvil) the chain tests run, and the Solidity compiler, from npm.
+node_modules/.installed: package.json package-lock.json
+	npm ci --silent --no-audit --no-fund
+	touch node_modules/.installed
 
 # llama.cpp (for the real-engine test) is compiled from source: portable, no
 # tools or servers of its own; pip keeps the built wheel for the next venv.
@@ -44,4 +49,4 @@ lock: venv
 	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 -o requirements.lock
 
 clean:
-	rm -rf $(VENV) var test-output
+	rm -rf $(VENV) var test-output node_modules

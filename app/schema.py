@@ -1,7 +1,7 @@
 """Tables of the edge: management tokens (who may do what through the API)."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, String, Table, Text, text
+from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, Numeric, String, Table, Text, text
 
 from ledger.schema import BigId, UTCDateTime, metadata
 
@@ -51,4 +51,45 @@ stripe_disputes = Table(
     Column("amount_cents", BigInteger, nullable=False),
     Column("freeze_seq", BigInteger, nullable=False),  # the CreditsFrozen event a win reverses
     Column("status", String(16), nullable=False),  # frozen, won, lost
+)
+
+# Stablecoin deposits: one address per customer, derived from the seed.
+crypto_deposit_addresses = Table(
+    "crypto_deposit_addresses",
+    metadata,
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
+    Column("address", String(42), nullable=False, unique=True),  # checksummed
+    Column("derivation_index", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Where each chain's scan goes on from, and the hashes of recent blocks, to see a reorganisation.
+crypto_scan_positions = Table(
+    "crypto_scan_positions",
+    metadata,
+    Column("chain_id", BigInteger, primary_key=True),
+    Column("next_block", BigInteger, nullable=False),
+)
+crypto_blocks = Table(
+    "crypto_blocks",
+    metadata,
+    Column("chain_id", BigInteger, primary_key=True),
+    Column("number", BigInteger, primary_key=True),
+    Column("hash", String(66), nullable=False),
+)
+
+crypto_transfers = Table(
+    "crypto_transfers",
+    metadata,
+    Column("chain_id", BigInteger, primary_key=True),
+    Column("tx_hash", String(66), primary_key=True),
+    Column("log_index", BigInteger, primary_key=True),
+    Column("block_number", BigInteger, nullable=False),
+    Column("block_hash", String(66), nullable=False),
+    Column("token", String(42), nullable=False),
+    Column("to_address", String(42), nullable=False),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("raw_amount", Numeric(78, 0), nullable=False),  # exactly as on chain
+    Column("amount_nano_usd", BigInteger, nullable=False),
+    Column("credit_seq", BigInteger),  # the CreditsPurchased event, once confirmed
 )

@@ -47,6 +47,18 @@ def create_account(conn: Connection, kind: str, name: str, email: str | None = N
     return account_id
 
 
+def create_system_account(conn: Connection, code: str, name: str) -> int:
+    """An external counter-account named by code (e.g. one per chain), made once."""
+    found = conn.execute(select(accounts.c.id).where(accounts.c.system_code == code)).scalar()
+    if found is not None:
+        return found
+    account_id = conn.execute(
+        accounts.insert().values(kind="external", name=name, system_code=code, created_at=utc_now()).returning(accounts.c.id)
+    ).scalar_one()
+    conn.execute(account_balances.insert().values(account_id=account_id, balance_nano_usd=0, last_event_seq=0))
+    return account_id
+
+
 HELD_NANO_USD = func.coalesce(customer_holds.c.holds_placed_nano_usd, 0) - account_balances.c.holds_closed_nano_usd
 
 

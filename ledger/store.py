@@ -246,7 +246,8 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     in one statement (a release or expiry racing with it finds them gone)."""
     book = _BatchBook()
     facts = _facts_of(conn)
-    if not facts.system:
+    codes = {getattr(c, name) for c in commands for name in ("counter_account", "frozen_account") if hasattr(c, name)}
+    if not facts.system or not codes <= facts.system.keys():  # a counter-account made since (one per chain)
         facts.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
     book.system = facts.system
     reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})

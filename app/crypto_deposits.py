@@ -1,0 +1,230 @@
+"""Stablecoin top-ups: each customer's own deposit address, and a scanner that
+credits ERC-20 `Transfer`s to those addresses after N confirmations.
+
+Exactly once per (chain, transaction, log index): the credit is appended in
+the transaction that records it on the transfer row. The scanner keeps the
+hashes of recent blocks; when the chain reorganises, transfers in the blocks
+that vanished are forgotten (never credited), and one already credited is
+reversed. Scans are bounded in blocks and go on from where they stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eth_account import Account
+from sqlalchemy import Connection, Engine, delete, select, update
+from web3 import Web3
+
+from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
+from ledger import commands as cmd
+from ledger.accounts import create_system_account
+from ledger.errors import InvalidInput, LedgerError, UnknownAccount, WrongAccountKind
+from ledger.schema import accounts, utc_now
+from ledger.store import append_batch
+
+TRANSFER_TOPIC = "0x" + Web3.keccak(text="Transfer(address,address,uint256)").hex().removeprefix("0x")
+CONFIRMATIONS_DEFAULT = 12
+SCAN_BLOCKS_MAX = 2_000
+REORG_DEPTH_BLOCKS = 128  # recent block hashes kept to notice a reorganisation
+NANO_DECIMALS = 9
+Account.enable_unaudited_hdwallet_features()
+
+
+class CryptoNotConfigured(InvalidInput):
+    code = "crypto_not_configured"
+
+
+@dataclass(frozen=True)
+class Token:
+    address: str  # checksummed
+    decimals: int
+    symbol: str
+
+
+@dataclass(frozen=True)
+class CryptoSettings:
+    rpc_url: str | None
+    tokens: tuple[Token, ...]
+    confirmations: int
+    seed: str | None
+    start_block: int = 0
+
+
+def parse_tokens(text: str) -> tuple[Token, ...]:
+    """'0xabc…:6:USDC,0xdef…:6:USDT' -> tokens; a stablecoin of at most 9 decimals
+    converts to nano-USD exactly."""
+    tokens = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            address, decimals, symbol = item.split(":")
+            token = Token(Web3.to_checksum_address(address), int(decimals), symbol)
+        except ValueError:
+            raise InvalidInput(f"PARALON_CRYPTO_TOKENS wants address:decimals:symbol, got {item!r}") from None
+        if not 0 <= token.decimals <= NANO_DECIMALS:
+            raise InvalidInput(f"{token.symbol}: at most {NANO_DECIMALS} decimals convert to nano-USD exactly")
+        tokens.append(token)
+    return tuple(tokens)
+
+
+def read_seed(value: str | None) -> str | None:
+    """A BIP-39 mnemonic, or the path of a file holding one."""
+    if value and Path(value).is_file():
+        return Path(value).read_text().strip()
+    return value.strip() if value else None
+
+
+def derive_address(seed: str, index: int) -> str:
+    return Account.from_mnemonic(seed, account_path=f"m/44'/60'/0'/0/{index}").address
+
+
+def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -> str:
+    """The customer's own address (derived once by HD path from the seed, then kept)."""
+    if not settings.seed:
+        raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_SEED")
+    with engine.begin() as conn:
+        kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
+        if kind is None:
+            raise UnknownAccount(f"account {account_id} does not exist")
+        if kind != cmd.CUSTOMER:
+            raise WrongAccountKind(f"deposit addresses are for customer accounts; {account_id} is a {kind} account")
+        known = conn.execute(select(crypto_deposit_addresses.c.address).where(crypto_deposit_addresses.c.account_id == account_id)).scalar()
+        if known:
+            return known
+        address = derive_address(settings.seed, account_id)
+        conn.execute(crypto_deposit_addresses.insert().values(account_id=account_id, address=address,
+                                                              derivation_index=account_id, created_at=utc_now()))
+        return address
+
+
+@dataclass
+class ScanReport:
+    chain_id: int
+    from_block: int
+    to_block: int
+    transfers_seen: int = 0
+    credited: int = 0
+    forgotten: int = 0  # seen in blocks that vanished, never credited
+    reversed: int = 0  # credited, then their block vanished
+
+
+def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
+    if not settings.tokens:
+        raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_TOKENS")
+    chain_id, head = w3.eth.chain_id, w3.eth.block_number
+    counter = f"external:chain:{chain_id}"
+    with engine.begin() as conn:
+        create_system_account(conn, counter, f"Stablecoin deposits on chain {chain_id}")
+        next_block = conn.execute(select(crypto_scan_positions.c.next_block).where(crypto_scan_positions.c.chain_id == chain_id)).scalar()
+    if next_block is None:
+        next_block = settings.start_block
+    report = ScanReport(chain_id, next_block, next_block - 1)
+    next_block = _undo_reorganisation(engine, w3, chain_id, next_block, report)
+    to_block = min(head, next_block + SCAN_BLOCKS_MAX - 1)
+    report.from_block, report.to_block = next_block, to_block
+    with engine.begin() as conn:
+        if to_block >= next_block:
+            _record_transfers(conn, w3, settings, chain_id, next_block, to_block, report)
+            _remember_blocks(conn, w3, chain_id, max(next_block, head - REORG_DEPTH_BLOCKS + 1), to_block)
+        _set_position(conn, chain_id, to_block + 1)
+        _credit_confirmed(conn, chain_id, head - settings.confirmations + 1, counter, report)
+    return report
+
+
+def _undo_reorganisation(engine: Engine, w3: Web3, chain_id: int, next_block: int, report: ScanReport) -> int:
+    """Find the newest remembered block the chain still has; everything after it vanished."""
+    with engine.begin() as conn:
+        remembered = conn.execute(
+            select(crypto_blocks.c.number, crypto_blocks.c.hash).where(crypto_blocks.c.chain_id == chain_id)
+            .order_by(crypto_blocks.c.number.desc())
+        ).all()
+        fork = None
+        for number, block_hash in remembered:
+            if _hash_of(w3, number) == block_hash:
+                fork = number
+                break
+        if not remembered or fork == remembered[0][0]:
+            return next_block
+        first_gone = (fork + 1) if fork is not None else remembered[-1][0]
+        for transfer in conn.execute(select(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id,
+                                                                      crypto_transfers.c.block_number >= first_gone)).all():
+            if transfer.credit_seq is not None:
+                _append(conn, cmd.ReverseEvent(transfer.credit_seq, f"chain {chain_id} reorganised: transfer {transfer.tx_hash}:{transfer.log_index} vanished",
+                                               f"crypto:reverse:{chain_id}:{transfer.tx_hash}:{transfer.log_index}:{transfer.block_hash}"))
+                report.reversed += 1
+            else:
+                report.forgotten += 1
+        conn.execute(delete(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.block_number >= first_gone))
+        conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number >= first_gone))
+        _set_position(conn, chain_id, first_gone)
+    return first_gone
+
+
+def _hash_of(w3: Web3, number: int) -> str | None:
+    block = w3.eth.get_block(number)
+    return _hex(block["hash"]) if block else None
+
+
+def _hex(value) -> str:
+    text = value.hex() if hasattr(value, "hex") else str(value)
+    return text if text.startswith("0x") else "0x" + text
+
+
+def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chain_id: int, from_block: int, to_block: int,
+                      report: ScanReport) -> None:
+    owners = dict(conn.execute(select(crypto_deposit_addresses.c.address, crypto_deposit_addresses.c.account_id)).all())
+    if not owners:
+        return
+    decimals = {t.address: t.decimals for t in settings.tokens}
+    topics_to = ["0x" + "00" * 12 + a.lower().removeprefix("0x") for a in owners]
+    logs = w3.eth.get_logs({"fromBlock": from_block, "toBlock": to_block, "address": list(decimals),
+                            "topics": [TRANSFER_TOPIC, None, topics_to]})
+    for log in logs:
+        token = Web3.to_checksum_address(log["address"])
+        to_address = Web3.to_checksum_address("0x" + _hex(log["topics"][2])[-40:])
+        raw = int.from_bytes(bytes(log["data"]), "big") if not isinstance(log["data"], str) else int(log["data"], 16)
+        if token not in decimals or to_address not in owners or raw <= 0:
+            continue
+        key = {"chain_id": chain_id, "tx_hash": _hex(log["transactionHash"]), "log_index": log["logIndex"]}
+        exists = conn.execute(select(crypto_transfers.c.tx_hash).where(*(crypto_transfers.c[k] == v for k, v in key.items()))).first()
+        if exists:
+            continue
+        conn.execute(crypto_transfers.insert().values(
+            **key, block_number=log["blockNumber"], block_hash=_hex(log["blockHash"]), token=token, to_address=to_address,
+            account_id=owners[to_address], raw_amount=raw, amount_nano_usd=raw * 10 ** (NANO_DECIMALS - decimals[token]),
+        ))
+        report.transfers_seen += 1
+
+
+def _remember_blocks(conn: Connection, w3: Web3, chain_id: int, from_block: int, to_block: int) -> None:
+    for number in range(max(from_block, 0), to_block + 1):
+        conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number == number))
+        conn.execute(crypto_blocks.insert().values(chain_id=chain_id, number=number, hash=_hash_of(w3, number)))
+    conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number < to_block - REORG_DEPTH_BLOCKS))
+
+
+def _set_position(conn: Connection, chain_id: int, next_block: int) -> None:
+    if not conn.execute(update(crypto_scan_positions).where(crypto_scan_positions.c.chain_id == chain_id).values(next_block=next_block)).rowcount:
+        conn.execute(crypto_scan_positions.insert().values(chain_id=chain_id, next_block=next_block))
+
+
+def _credit_confirmed(conn: Connection, chain_id: int, confirmed_up_to: int, counter: str, report: ScanReport) -> None:
+    due = conn.execute(select(crypto_transfers).where(
+        crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.credit_seq.is_(None),
+        crypto_transfers.c.block_number <= confirmed_up_to,
+    ).order_by(crypto_transfers.c.block_number, crypto_transfers.c.log_index)).all()
+    for t in due:
+        reference = f"chain:{chain_id}:tx:{t.tx_hash}:log:{t.log_index}:token:{t.token}:raw:{t.raw_amount}"
+        result = _append(conn, cmd.PurchaseCredits(t.account_id, t.amount_nano_usd, "crypto", reference, counter,
+                                                   f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
+        conn.execute(update(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.tx_hash == t.tx_hash,
+                                                    crypto_transfers.c.log_index == t.log_index).values(credit_seq=result.seq))
+        report.credited += 1
+
+
+def _append(conn: Connection, command: cmd.Command):
+    result = append_batch(conn, [command])[0]
+    if isinstance(result, LedgerError):
+        raise result
+    return result
+

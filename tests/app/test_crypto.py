@@ -1,0 +1,100 @@
+"""Stablecoin deposits against a real EVM node (anvil): no credit before N
+confirmations, one after, none again on rescans, none for a transfer that a
+reorganisation removed, a reversal for one that vanished after its credit,
+and none for other tokens or other addresses."""
+from __future__ import annotations
+
+import pytest
+
+from app.crypto_deposits import CryptoSettings, Token, deposit_address, derive_address, scan_once
+from ledger import accounts as acc
+from ledger.errors import UnknownAccount, WrongAccountKind
+from ledger.verify import verify
+from tests.app.anvil import deploy_stablecoin, mine, revert, running_anvil, send, snapshot
+from tests.proxy.harness import make_fleet
+
+SEED = "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about"
+CONFIRMATIONS = 3
+USD = 10**9
+
+
+@pytest.fixture
+def chain(database_url):
+    fleet = make_fleet(database_url, [], credits_usd="0")
+    with running_anvil() as w3:
+        token, other_token = deploy_stablecoin(w3), deploy_stablecoin(w3, "OTHER")
+        settings = CryptoSettings(None, (Token(token.address, 6, "TUSD"),), CONFIRMATIONS, SEED)
+        yield fleet, w3, token, other_token, settings
+    fleet.engine.dispose()
+
+
+def _balance(fleet) -> int:
+    return fleet.balance(fleet.customer_id).balance_nano_usd
+
+
+def test_each_customer_has_its_own_deposit_address_derived_from_the_seed(chain):
+    fleet, _, _, _, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    assert address == deposit_address(fleet.engine, settings, fleet.customer_id) == derive_address(SEED, fleet.customer_id)
+    with fleet.engine.begin() as conn:
+        other = acc.create_account(conn, "customer", "another customer")
+    assert deposit_address(fleet.engine, settings, other) != address
+    with fleet.engine.begin() as conn:
+        owner = acc.create_account(conn, "owner", "a GPU farm")
+    for bad, error in ((999_999, UnknownAccount), (owner, WrongAccountKind)):
+        with pytest.raises(error):
+            deposit_address(fleet.engine, settings, bad)
+
+
+def test_a_deposit_is_credited_once_after_n_confirmations(chain):
+    fleet, w3, token, other_token, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    send(w3, other_token, address, 99_000000)  # a token nobody configured
+    send(w3, token, w3.eth.accounts[3], 7_000000)  # someone else's address
+    send(w3, token, address, 25_000000)  # 25.000000 TUSD, in the newest block: one confirmation
+    assert scan_once(fleet.engine, w3, settings).credited == 0 and _balance(fleet) == 0
+    mine(w3, CONFIRMATIONS - 2)
+    assert scan_once(fleet.engine, w3, settings).credited == 0, "N - 1 confirmations"
+    mine(w3, 1)
+    report = scan_once(fleet.engine, w3, settings)
+    assert report.credited == 1 and _balance(fleet) == 25 * USD
+    for _ in range(2):  # rescans and more blocks change nothing
+        mine(w3, 2)
+        assert scan_once(fleet.engine, w3, settings).credited == 0
+    assert _balance(fleet) == 25 * USD and fleet.events("CreditsPurchased") == 1
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok
+
+
+def test_a_transfer_removed_by_a_reorganisation_is_never_credited(chain):
+    fleet, w3, token, _, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    mine(w3, 1)
+    scan_once(fleet.engine, w3, settings)
+    before = snapshot(w3)
+    send(w3, token, address, 10_000000)
+    assert scan_once(fleet.engine, w3, settings).transfers_seen == 1
+    revert(w3, before)  # the block with the transfer is gone
+    mine(w3, CONFIRMATIONS + 2)  # a longer chain without it
+    report = scan_once(fleet.engine, w3, settings)
+    assert report.forgotten == 1 and report.credited == 0
+    mine(w3, CONFIRMATIONS)
+    assert scan_once(fleet.engine, w3, settings).credited == 0 and _balance(fleet) == 0
+
+
+def test_a_credited_transfer_that_vanishes_is_reversed(chain):
+    fleet, w3, token, _, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    mine(w3, 1)
+    scan_once(fleet.engine, w3, settings)
+    before = snapshot(w3)
+    send(w3, token, address, 10_000000)
+    mine(w3, CONFIRMATIONS)
+    assert scan_once(fleet.engine, w3, settings).credited == 1 and _balance(fleet) == 10 * USD
+    revert(w3, before)
+    mine(w3, CONFIRMATIONS + 3)
+    report = scan_once(fleet.engine, w3, settings)
+    assert report.reversed == 1 and _balance(fleet) == 0
+    assert fleet.events("EventReversed") == 1
+    with fleet.engine.connect() as conn:
+        assert verify(conn).ok
