@@ -135,7 +135,7 @@ async def health() -> Response:
 
 def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0,
                hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
-               stripe_settings=None) -> Litestar:
+               stripe_settings=None, crypto_settings=None) -> Litestar:
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -147,7 +147,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
-        app.state.stripe = stripe_settings
+        app.state.stripe, app.state.crypto = stripe_settings, crypto_settings
         app.state.background = set()
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)

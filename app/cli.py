@@ -161,6 +161,46 @@ def stripe_process_pending(as_json: bool) -> None:
 
 
 @main.group()
+def crypto() -> None:
+    """Stablecoin top-ups: deposit addresses and the chain scanner."""
+
+
+@crypto.command("deposit-address")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def crypto_deposit_address(account_id: int, as_json: bool) -> None:
+    from app.crypto_deposits import connect, deposit_address
+
+    settings = Settings.from_env().crypto()
+    address = deposit_address(_engine(), settings, account_id)
+    chain_id = connect(settings).eth.chain_id if settings.rpc_url else None
+    _emit(as_json, {"account_id": account_id, "address": address, "chain_id": chain_id}, f"{address} (chain {chain_id})")
+
+
+@crypto.command("scan")
+@click.option("--once", is_flag=True, help="One bounded scan, then exit (otherwise scan every --interval-s).")
+@click.option("--interval-s", default=15.0, show_default=True, type=click.FloatRange(0.1, 3600))
+@json_option
+@handles_errors
+def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
+    """Credit confirmed deposits; notice reorganisations; resume where the last scan stopped."""
+    import dataclasses
+    import time
+
+    from app.crypto_deposits import connect, scan_once
+
+    settings = Settings.from_env().crypto()
+    engine, w3 = _engine(), connect(settings)
+    while True:
+        report = dataclasses.asdict(scan_once(engine, w3, settings))
+        _emit(as_json, report, " ".join(f"{k}={v}" for k, v in report.items()))
+        if once:
+            return
+        time.sleep(interval_s)
+
+
+@main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""
 

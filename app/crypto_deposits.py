@@ -97,6 +97,12 @@ def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -
         return address
 
 
+def connect(settings: CryptoSettings) -> Web3:
+    if not settings.rpc_url:
+        raise CryptoNotConfigured("crypto deposits need PARALON_CHAIN_RPC_URL")
+    return Web3(Web3.HTTPProvider(settings.rpc_url, request_kwargs={"timeout": 30}))
+
+
 @dataclass
 class ScanReport:
     chain_id: int

@@ -167,3 +167,23 @@ async def create_checkout(request: Request) -> Response:
 
 
 MANAGEMENT_HANDLERS.append(create_checkout)
+
+
+@get("/v1/credits/crypto/address", summary="The caller's own stablecoin deposit address")
+async def crypto_address(request: Request) -> Response:
+    from app.crypto_deposits import connect, deposit_address
+
+    who = await principal(request, ("customer",))
+    settings = request.app.state.crypto
+
+    def work():
+        address = deposit_address(request.app.state.ledger.engine, settings, who.account_id)
+        return {"address": address, "chain_id": connect(settings).eth.chain_id if settings.rpc_url else None}
+
+    try:
+        return _json(await asyncio.to_thread(work))
+    except LedgerError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+MANAGEMENT_HANDLERS.append(crypto_address)

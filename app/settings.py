@@ -25,6 +25,11 @@ class Settings:
     checkout_min_usd: int = 5
     checkout_max_usd: int = 10_000
     public_url: str = "http://127.0.0.1:8000"
+    chain_rpc_url: str | None = None
+    crypto_tokens: str = ""
+    crypto_confirmations: int = 12
+    crypto_seed: str | None = None
+    crypto_start_block: int = 0
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -44,6 +49,11 @@ class Settings:
             checkout_min_usd=_int("PARALON_CHECKOUT_MIN_USD", 5, 1, 1_000_000),
             checkout_max_usd=_int("PARALON_CHECKOUT_MAX_USD", 10_000, 1, 1_000_000),
             public_url=(os.environ.get("PARALON_PUBLIC_URL") or "http://127.0.0.1:8000").rstrip("/"),
+            chain_rpc_url=os.environ.get("PARALON_CHAIN_RPC_URL") or None,
+            crypto_tokens=os.environ.get("PARALON_CRYPTO_TOKENS", ""),
+            crypto_confirmations=_int("PARALON_CRYPTO_CONFIRMATIONS", 12, 1, 10_000),
+            crypto_seed=os.environ.get("PARALON_CRYPTO_SEED") or None,
+            crypto_start_block=_int("PARALON_CRYPTO_START_BLOCK", 0, 0, 10**12),
         )
 
     def stripe(self):
@@ -52,6 +62,12 @@ class Settings:
         return StripeSettings(self.stripe_secret_key, self.stripe_webhook_secret, self.stripe_api_base,
                               self.checkout_min_usd * 100, self.checkout_max_usd * 100,
                               f"{self.public_url}/checkout/done?session_id={{CHECKOUT_SESSION_ID}}", f"{self.public_url}/checkout/cancelled")
+
+    def crypto(self):
+        from app.crypto_deposits import CryptoSettings, parse_tokens, read_seed
+
+        return CryptoSettings(self.chain_rpc_url, parse_tokens(self.crypto_tokens), self.crypto_confirmations,
+                              read_seed(self.crypto_seed), self.crypto_start_block)
 
     def open_ledger(self, engine):
         """The ledger with this process's group-commit limits."""

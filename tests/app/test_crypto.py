@@ -98,3 +98,40 @@ def test_a_credited_transfer_that_vanishes_is_reversed(chain):
     assert fleet.events("EventReversed") == 1
     with fleet.engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
+    """`paralon crypto deposit-address`, `GET /v1/credits/crypto/address` and `paralon crypto scan --once`."""
+    import json
+
+    import httpx
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from app.tokens import create_token
+    from tests.proxy.harness import serving
+
+    fleet, w3, token, _, _ = chain
+    env = {"PARALON_DATABASE_URL": fleet.database_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
+           "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
+           "PARALON_CRYPTO_SEED": SEED}
+    runner = CliRunner()
+
+    def run(*args, expect=0):
+        result = runner.invoke(main, list(args), env=env, catch_exceptions=False)
+        assert result.exit_code == expect, result.output
+        return json.loads(result.stdout if expect == 0 else result.stderr)
+
+    cli = run("crypto", "deposit-address", str(fleet.customer_id), "--json")
+    assert cli["chain_id"] == 31337 and cli["address"] == derive_address(SEED, fleet.customer_id)
+    with fleet.engine.begin() as conn:
+        customer_token = create_token(conn, fleet.customer_id, "customer")[1]
+    with serving(fleet.database_url, **env) as proxy:
+        api = httpx.get(proxy.url + "/v1/credits/crypto/address", headers={"authorization": f"Bearer {customer_token}"}).json()
+    assert api == {"address": cli["address"], "chain_id": 31337}
+    send(w3, token, cli["address"], 3_500000)
+    mine(w3, CONFIRMATIONS)
+    assert run("crypto", "scan", "--once", "--json")["credited"] == 1
+    assert run("crypto", "scan", "--once", "--json")["credited"] == 0
+    assert _balance(fleet) == 3_500_000_000
+    assert run("crypto", "deposit-address", "999999", "--json", expect=2)["error"]["code"] == "unknown_account"
