@@ -200,6 +200,24 @@ def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
         time.sleep(interval_s)
 
 
+@main.command("worker", context_settings={"ignore_unknown_options": True})
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def worker_cmd(celery_args) -> None:
+    """A Celery worker (PARALON_CELERY_BROKER_URL); extra arguments go to Celery."""
+    from app.celery_app import celery
+
+    celery.worker_main(["worker", "--loglevel=INFO", *celery_args])
+
+
+@main.command("beat", context_settings={"ignore_unknown_options": True})
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def beat_cmd(celery_args) -> None:
+    """The scheduler (exactly one per deployment): the deposit scan, and later the monthly statements."""
+    from app.celery_app import celery
+
+    celery.start(["beat", "--loglevel=INFO", *celery_args])
+
+
 @main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""

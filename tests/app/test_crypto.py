@@ -135,3 +135,46 @@ def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
     assert run("crypto", "scan", "--once", "--json")["credited"] == 0
     assert _balance(fleet) == 3_500_000_000
     assert run("crypto", "deposit-address", "999999", "--json", expect=2)["error"]["code"] == "unknown_account"
+
+
+def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
+    """The watcher as a task: a `paralon worker` process on the local Redis
+    takes `paralon.crypto_scan` and credits the confirmed deposit."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from celery import Celery
+
+    from tests.conftest import REQUIRE_SERVICES
+
+    redis_url = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/13"
+    try:
+        import redis
+
+        redis.Redis.from_url(redis_url).ping()
+    except Exception:
+        if REQUIRE_SERVICES:
+            raise
+        pytest.skip("Redis is not reachable")
+    fleet, w3, token, _, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    send(w3, token, address, 2_000000)
+    mine(w3, CONFIRMATIONS)
+    queue = f"paralon-test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,
+           "PARALON_CELERY_RESULT_URL": redis_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
+           "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
+           "PARALON_CRYPTO_SEED": SEED}
+    worker = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "worker", "-Q", queue,
+                               "--concurrency", "1", "--pool", "solo"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = Celery(broker=redis_url, backend=redis_url)
+        result = client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)
+        assert result["credited"] == 1
+        assert client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)["credited"] == 0, "safe to run twice"
+    finally:
+        worker.terminate()
+        worker.wait(20)
+    assert _balance(fleet) == 2 * USD
