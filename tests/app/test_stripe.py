@@ -222,3 +222,15 @@ def test_a_dispute_freezes_then_releases_or_forfeits_in_any_order(stripe_setup, 
 
     with fleet.engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_malformed_bodies_are_refused_and_store_nothing(stripe_setup):
+    fleet, proxy, standin, token, _ = stripe_setup
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    for body in (b"{not json", b"[1, 2]", b"{}"):
+        response = httpx.post(proxy.url + "/v1/credits/checkout", content=body, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["message"]
+    not_an_event = b'{"hello": "world"}'
+    response = _deliver(proxy, not_an_event, signed(not_an_event, SECRET))
+    assert response.status_code == 400
+    assert standin.requests == [] and _counts(fleet) == (0, 0, 0)
