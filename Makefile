@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv system-packages run test bench lock clean
 
-# Debian packages the build needs, installed only when missing.
+# Debian packages the build and WeasyPrint need, installed only when missing.
 system-packages:
-	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null || \
-		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake ninja-build build-essential)
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null \
+		&& ldconfig -p | grep -q libpangoft2-1.0 && ldconfig -p | grep -q libharfbuzz-subset || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake ninja-build build-essential \
+			libpango-1.0-0 libpangoft2-1.0-0 libharfbuzz-subset0)
 
 venv: $(STAMP) node_modules/.installed
 

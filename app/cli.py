@@ -219,6 +219,43 @@ def beat_cmd(celery_args) -> None:
 
 
 @main.group()
+def invoices() -> None:
+    """Invoices for credited top-ups (PDF/A-3b, numbered per series and year)."""
+
+
+def _invoice_settings():
+    import os
+    from pathlib import Path
+
+    from invoices.service import InvoiceSettings
+
+    return InvoiceSettings(Path(os.environ.get("PARALON_INVOICE_DIR") or "./var/invoices"))
+
+
+@invoices.command("issue")
+@click.argument("event_seq", type=int)
+@json_option
+@handles_errors
+def invoices_issue(event_seq: int, as_json: bool) -> None:
+    """Issue (or show) the invoice of the top-up recorded as ledger event EVENT_SEQ."""
+    from invoices.service import issue_for_top_up
+
+    invoice = issue_for_top_up(_engine(), _invoice_settings(), event_seq)
+    _emit(as_json, invoice, f"{invoice['number']}: {invoice['pdf_path']}")
+
+
+@invoices.command("list")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def invoices_list(account_id: int, as_json: bool) -> None:
+    from invoices.service import list_invoices
+
+    listed = list_invoices(_engine(), account_id)
+    _emit(as_json, {"invoices": listed}, "\n".join(f"{i['number']}\t{i['amount_nano_usd']}\t{i['pdf_path']}" for i in listed))
+
+
+@main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""
 

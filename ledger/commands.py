@@ -113,13 +113,24 @@ class RecordUsageDiscrepancy:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordInvoice:
+    number: str
+    kind: str
+    source_seq: int
+    account_id: int
+    amount_nano_usd: int
+    pdf_sha256: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReverseEvent:
     seq: int
     reason: str
     idempotency_key: str
 
 
-Command = GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | ReverseEvent
+Command = GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | RecordInvoice | ReverseEvent
 
 
 class HoldView(NamedTuple):
@@ -195,6 +206,10 @@ def validate_shape(command: Command) -> None:
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")
+        case RecordInvoice():
+            require_text(command.number, "an invoice number", KEY_LENGTH_MAX)
+            if command.kind not in ("invoice", "credit_note") or len(command.pdf_sha256) != 64:
+                raise InvalidInput("an invoice is of kind invoice or credit_note, with a hex SHA-256")
         case RecordUsageDiscrepancy():
             require_text(command.request_id, "request id", KEY_LENGTH_MAX)
             for name in ("worker_id", "reported_prompt_tokens", "reported_completion_tokens",
@@ -261,6 +276,9 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
         case RecordUsageDiscrepancy():
             fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
             event, postings = ev.UsageDiscrepancyRecorded(**fields), []
+        case RecordInvoice():
+            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
+            event, postings = ev.InvoiceIssued(**fields), []
         case _:
             raise InvalidInput(f"unknown command {type(command).__name__}")
     if sum(p.amount_nano_usd for p in postings) != 0:

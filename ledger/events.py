@@ -110,6 +110,19 @@ class UsageDiscrepancyRecorded:
 
 
 @dataclass(frozen=True, slots=True)
+class InvoiceIssued:
+    """An invoice or credit note was issued for a ledger event; the hash of its
+    PDF is kept on the chain, so the document can be proven unaltered. Moves no money."""
+
+    number: str
+    kind: str
+    source_seq: int
+    account_id: int
+    amount_nano_usd: int
+    pdf_sha256: str  # hex
+
+
+@dataclass(frozen=True, slots=True)
 class EventReversed:
     """A former event's postings, negated. The only way a mistake is undone."""
 

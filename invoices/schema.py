@@ -1,0 +1,35 @@
+"""Invoices and credit notes: gapless numbers per series and year."""
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, ForeignKey, Integer, LargeBinary, String, Table
+
+from ledger.schema import UTCDateTime, metadata
+
+invoice_counters = Table(
+    "invoice_counters",
+    metadata,
+    Column("series", String(16), primary_key=True),
+    Column("year", Integer, primary_key=True),
+    Column("last_number", BigInteger, nullable=False),
+)
+
+invoices = Table(
+    "invoices",
+    metadata,
+    Column("number", String(32), primary_key=True),  # PAR-2026-000001
+    Column("series", String(16), nullable=False),
+    Column("year", Integer, nullable=False),
+    Column("sequence", BigInteger, nullable=False),
+    Column("kind", String(16), nullable=False),  # invoice, credit_note
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("source_seq", BigInteger, nullable=False, unique=True),  # the ledger event invoiced: one document each
+    Column("corrects_number", String(32)),
+    Column("amount_nano_usd", BigInteger, nullable=False),
+    Column("payment_method", String(16), nullable=False),
+    Column("external_reference", String(500), nullable=False),
+    Column("issued_at", UTCDateTime, nullable=False),
+    Column("pdf_path", String(1000)),
+    Column("pdf_sha256", LargeBinary(32)),
+    Column("issued_event_seq", BigInteger),  # the InvoiceIssued event
+    Column("emailed_at", UTCDateTime),
+)

@@ -1,0 +1,103 @@
+"""Issuing an invoice for a credited top-up: number, PDF, file, ledger record.
+
+Each step can be run again after a crash and picks up where it stopped: the
+number is assigned once per top-up (unique on its ledger event), the PDF file
+is written once (a retry reuses it, so its SHA-256 never changes), and the
+`InvoiceIssued` event carries an idempotency key per number.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from sqlalchemy import Engine, select, update
+from sqlalchemy.exc import IntegrityError
+
+from invoices import numbering
+from invoices.render import render_pdf
+from invoices.schema import invoices
+from ledger import commands as cmd
+from ledger.errors import InvalidInput
+from ledger.schema import accounts, ledger_events, utc_now
+from ledger.service import append_now
+
+ASSIGN_ATTEMPTS_MAX = 5
+
+
+@dataclass(frozen=True)
+class InvoiceSettings:
+    storage_dir: Path
+    seller_name: str = "Paralon"
+    seller_address: str = "ParalonCloud, online"
+    seller_email: str = "billing@paralon.example"
+
+
+def issue_for_top_up(engine: Engine, settings: InvoiceSettings, source_seq: int) -> dict:
+    """The invoice of the `CreditsPurchased` event `source_seq` (issued now, or as it was)."""
+    with engine.connect() as conn:
+        event = conn.execute(select(ledger_events.c.event_type, ledger_events.c.payload).where(ledger_events.c.seq == source_seq)).first()
+    if event is None or event.event_type != "CreditsPurchased":
+        raise InvalidInput(f"event {source_seq} is not a credited top-up")
+    payload = orjson.loads(event.payload)
+    row = {"kind": "invoice", "account_id": payload["account_id"], "amount_nano_usd": payload["amount_nano_usd"],
+           "payment_method": payload["payment_method"], "external_reference": payload["external_reference"][:500],
+           "issued_at": utc_now()}
+    number = _assign(engine, numbering.SERIES_INVOICE, row["issued_at"].year, source_seq, row)
+    return _finish(engine, settings, number)
+
+
+def _assign(engine: Engine, series: str, year: int, source_seq: int, row: dict) -> str:
+    for attempt in range(1, ASSIGN_ATTEMPTS_MAX + 1):
+        try:
+            with engine.begin() as conn:
+                return numbering.assign(conn, series, year, source_seq, row).number
+        except IntegrityError:  # a concurrent first number of the year, or of this very top-up: look again
+            if attempt == ASSIGN_ATTEMPTS_MAX:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _finish(engine: Engine, settings: InvoiceSettings, number: str) -> dict:
+    with engine.connect() as conn:
+        invoice = conn.execute(select(invoices).where(invoices.c.number == number)).one()
+        buyer = conn.execute(select(accounts.c.name, accounts.c.email).where(accounts.c.id == invoice.account_id)).one()
+    if invoice.issued_event_seq is not None:
+        return _view(invoice)
+    path = settings.storage_dir / str(invoice.year) / f"{number}.pdf"
+    if not path.exists():
+        pdf = render_pdf({
+            "number": number, "kind": invoice.kind, "issued_on": invoice.issued_at.date().isoformat(),
+            "issued_at": invoice.issued_at.isoformat(), "source_seq": invoice.source_seq, "corrects": invoice.corrects_number,
+            "seller": {"name": settings.seller_name, "address": settings.seller_address, "email": settings.seller_email},
+            "buyer": {"name": buyer.name, "email": buyer.email, "account_id": invoice.account_id},
+            "line": "Inference credits, prepaid", "amount_nano_usd": invoice.amount_nano_usd,
+            "payment_method": invoice.payment_method, "reference": invoice.external_reference,
+        })
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".pdf.partial")
+        partial.write_bytes(pdf)
+        os.replace(partial, path)  # whole or not at all
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    recorded = append_now(engine, cmd.RecordInvoice(number, invoice.kind, invoice.source_seq, invoice.account_id,
+                                                    invoice.amount_nano_usd, digest.hex(), f"invoice:{number}"))
+    with engine.begin() as conn:
+        conn.execute(update(invoices).where(invoices.c.number == number)
+                     .values(pdf_path=str(path), pdf_sha256=digest, issued_event_seq=recorded.seq))
+        invoice = conn.execute(select(invoices).where(invoices.c.number == number)).one()
+    return _view(invoice)
+
+
+def _view(invoice) -> dict:
+    return {"number": invoice.number, "kind": invoice.kind, "account_id": invoice.account_id,
+            "amount_nano_usd": invoice.amount_nano_usd, "source_seq": invoice.source_seq,
+            "issued_at": invoice.issued_at.isoformat(), "pdf_path": invoice.pdf_path,
+            "pdf_sha256": invoice.pdf_sha256.hex() if invoice.pdf_sha256 else None}
+
+
+def list_invoices(engine: Engine, account_id: int) -> list[dict]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(invoices).where(invoices.c.account_id == account_id).order_by(invoices.c.issued_at, invoices.c.number)).all()
+    return [_view(r) for r in rows]
