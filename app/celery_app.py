@@ -12,6 +12,9 @@ import os
 from celery import Celery
 
 CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
+OUTBOX_INTERVAL_S = 5.0
+MAIL_RETRY_WAIT_S = 5
+MAIL_RETRIES_MAX = 10_000  # keep trying while the mail server is down
 
 broker_url = os.environ.get("PARALON_CELERY_BROKER_URL") or None
 celery = Celery("paralon", broker=broker_url or "memory://", backend=os.environ.get("PARALON_CELERY_RESULT_URL") or None)
@@ -26,6 +29,7 @@ celery.conf.update(
             "task": "paralon.crypto_scan",
             "schedule": float(os.environ.get("PARALON_CRYPTO_SCAN_INTERVAL_S") or CRYPTO_SCAN_INTERVAL_S_DEFAULT),
         },
+        "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
     },
 )
 
@@ -48,3 +52,56 @@ def crypto_scan() -> dict:
         return dataclasses.asdict(scan_once(engine, connect(crypto), crypto))
     finally:
         engine.dispose()
+
+
+def _engine_and_settings():
+    from app.settings import Settings
+    from ledger.db import make_engine
+
+    settings = Settings.from_env()
+    return make_engine(settings.database_url), settings
+
+
+@celery.task(name="paralon.dispatch_outbox")
+def dispatch_outbox() -> int:
+    from app import outbox
+
+    engine, _ = _engine_and_settings()
+    try:
+        return outbox.dispatch(engine)
+    finally:
+        engine.dispose()
+
+
+@celery.task(name="paralon.issue_invoice")
+def issue_invoice(source_seq: int) -> str:
+    """Invoice a credited top-up, then queue its email."""
+    from invoices.service import issue_for_top_up
+
+    engine, settings = _engine_and_settings()
+    try:
+        number = issue_for_top_up(engine, settings.invoices(), source_seq)["number"]
+    finally:
+        engine.dispose()
+    email_invoice.delay(number)
+    return number
+
+
+@celery.task(name="paralon.email_invoice", bind=True, max_retries=MAIL_RETRIES_MAX)
+def email_invoice(self, number: str) -> str:
+    import smtplib
+
+    from invoices.mail import send_invoice
+
+    engine, settings = _engine_and_settings()
+    try:
+        outcome = send_invoice(engine, settings.mail(), number)
+    except (OSError, smtplib.SMTPException) as exc:  # the mail server is down: again, later
+        if celery.conf.task_always_eager:  # in-process there is no later: `paralon invoices email-pending`
+            return f"failed: {exc}"
+        raise self.retry(exc=exc, countdown=MAIL_RETRY_WAIT_S) from None
+    finally:
+        engine.dispose()
+    if outcome == "busy" and not celery.conf.task_always_eager:
+        raise self.retry(countdown=MAIL_RETRY_WAIT_S)
+    return outcome

@@ -224,12 +224,7 @@ def invoices() -> None:
 
 
 def _invoice_settings():
-    import os
-    from pathlib import Path
-
-    from invoices.service import InvoiceSettings
-
-    return InvoiceSettings(Path(os.environ.get("PARALON_INVOICE_DIR") or "./var/invoices"))
+    return Settings.from_env().invoices()
 
 
 @invoices.command("issue")
@@ -242,6 +237,24 @@ def invoices_issue(event_seq: int, as_json: bool) -> None:
 
     invoice = issue_for_top_up(_engine(), _invoice_settings(), event_seq)
     _emit(as_json, invoice, f"{invoice['number']}: {invoice['pdf_path']}")
+
+
+@invoices.command("email-pending")
+@json_option
+@handles_errors
+def invoices_email_pending(as_json: bool) -> None:
+    """Email every issued invoice not emailed yet (PARALON_SMTP_HOST)."""
+    from sqlalchemy import select
+
+    from invoices.mail import send_invoice
+    from invoices.schema import invoices as invoices_table
+
+    engine = _engine()
+    with engine.connect() as conn:
+        numbers = conn.execute(select(invoices_table.c.number).where(invoices_table.c.emailed_at.is_(None),
+                                                                     invoices_table.c.pdf_path.is_not(None))).scalars().all()
+    outcomes = {number: send_invoice(engine, Settings.from_env().mail(), number) for number in numbers}
+    _emit(as_json, {"outcomes": outcomes}, "\n".join(f"{n}: {o}" for n, o in outcomes.items()) or "nothing to send")
 
 
 @invoices.command("list")

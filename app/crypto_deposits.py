@@ -16,6 +16,7 @@ from eth_account import Account
 from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
 
+from app import outbox
 from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
 from ledger.accounts import create_system_account
@@ -134,6 +135,8 @@ def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
             _remember_blocks(conn, w3, chain_id, max(next_block, head - REORG_DEPTH_BLOCKS + 1), to_block)
         _set_position(conn, chain_id, to_block + 1)
         _credit_confirmed(conn, chain_id, head - settings.confirmations + 1, counter, report)
+    if report.credited:
+        outbox.dispatch(engine)  # the invoices, now that the credits are committed
     return report
 
 
@@ -225,6 +228,7 @@ def _credit_confirmed(conn: Connection, chain_id: int, confirmed_up_to: int, cou
                                                    f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
         conn.execute(update(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.tx_hash == t.tx_hash,
                                                     crypto_transfers.c.log_index == t.log_index).values(credit_seq=result.seq))
+        outbox.add(conn, "paralon.issue_invoice", result.seq)
         report.credited += 1
 
 

@@ -93,3 +93,14 @@ crypto_transfers = Table(
     Column("amount_nano_usd", BigInteger, nullable=False),
     Column("credit_seq", BigInteger),  # the CreditsPurchased event, once confirmed
 )
+
+# Tasks written in the transaction that made them necessary, sent after it commits.
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("task", String(100), nullable=False),
+    Column("args", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("dispatched_at", UTCDateTime),
+)

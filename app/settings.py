@@ -30,6 +30,12 @@ class Settings:
     crypto_confirmations: int = 12
     crypto_seed: str | None = None
     crypto_start_block: int = 0
+    invoice_dir: str = "./var/invoices"
+    smtp_host: str | None = None
+    smtp_port: int = 25
+    smtp_user: str | None = None
+    smtp_password: str | None = None
+    mail_from: str = "billing@paralon.example"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -54,6 +60,12 @@ class Settings:
             crypto_confirmations=_int("PARALON_CRYPTO_CONFIRMATIONS", 12, 1, 10_000),
             crypto_seed=os.environ.get("PARALON_CRYPTO_SEED") or None,
             crypto_start_block=_int("PARALON_CRYPTO_START_BLOCK", 0, 0, 10**12),
+            invoice_dir=os.environ.get("PARALON_INVOICE_DIR") or "./var/invoices",
+            smtp_host=os.environ.get("PARALON_SMTP_HOST") or None,
+            smtp_port=_int("PARALON_SMTP_PORT", 25, 1, 65535),
+            smtp_user=os.environ.get("PARALON_SMTP_USER") or None,
+            smtp_password=os.environ.get("PARALON_SMTP_PASSWORD") or None,
+            mail_from=os.environ.get("PARALON_MAIL_FROM") or "billing@paralon.example",
         )
 
     def stripe(self):
@@ -68,6 +80,18 @@ class Settings:
 
         return CryptoSettings(self.chain_rpc_url, parse_tokens(self.crypto_tokens), self.crypto_confirmations,
                               read_seed(self.crypto_seed), self.crypto_start_block)
+
+    def invoices(self):
+        from pathlib import Path
+
+        from invoices.service import InvoiceSettings
+
+        return InvoiceSettings(Path(self.invoice_dir))
+
+    def mail(self):
+        from invoices.mail import MailSettings
+
+        return MailSettings(self.smtp_host, self.smtp_port, self.smtp_user, self.smtp_password, self.mail_from)
 
     def open_ledger(self, engine):
         """The ledger with this process's group-commit limits."""

@@ -19,6 +19,7 @@ import stripe
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
+from app import outbox
 from app.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
@@ -143,6 +144,7 @@ def process_event(engine: Engine, event_id: str) -> str:
             values["processed_at"] = utc_now()
         conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id).values(**values))
     if outcome.startswith("credited"):
+        outbox.dispatch(engine)  # the invoice, now that the credit is committed
         process_pending(engine, waiting_only=True)
     return outcome
 
@@ -194,6 +196,7 @@ def _credit_session(engine: Engine, event_id: str, session: dict) -> str:
         ))
         conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
                      .values(credited_cents=amount_total, payment_intent=session.get("payment_intent")))
+        outbox.add(conn, "paralon.issue_invoice", result.seq)
     return f"credited {amount_total} cents to account {ours.account_id} (event {result.seq})"
 
 

@@ -32,4 +32,5 @@ invoices = Table(
     Column("pdf_sha256", LargeBinary(32)),
     Column("issued_event_seq", BigInteger),  # the InvoiceIssued event
     Column("emailed_at", UTCDateTime),
+    Column("email_claimed_at", UTCDateTime),  # a sender is at work; another waits for it or its timeout
 )

@@ -6,6 +6,7 @@ missing server is a failure, never a skip."""
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 
 import pytest
@@ -15,6 +16,9 @@ from sqlalchemy.engine import make_url
 from app.migrate import migrate
 from ledger.db import make_engine
 from ledger.service import Ledger
+
+# Invoices issued by tests (in-process or by a `serve` they start) go to a scratch directory.
+os.environ.setdefault("PARALON_INVOICE_DIR", tempfile.mkdtemp(prefix="paralon-invoices-"))
 
 POSTGRES_ADMIN_URL = os.environ.get("PARALON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REQUIRE_SERVICES = os.environ.get("PARALON_REQUIRE_SERVICES") == "1"

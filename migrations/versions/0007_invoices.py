@@ -40,12 +40,23 @@ def upgrade() -> None:
         sa.Column("pdf_sha256", sa.LargeBinary(32)),
         sa.Column("issued_event_seq", sa.BigInteger),
         sa.Column("emailed_at", UTCDateTime),
+        sa.Column("email_claimed_at", UTCDateTime),
         sa.UniqueConstraint("series", "year", "sequence", name="uq_invoices_series_year_sequence"),
         sa.CheckConstraint("kind IN ('invoice', 'credit_note')", name="ck_invoices_kind"),
     )
     op.create_index("ix_invoices_account", "invoices", ["account_id", "issued_at"])
+    # Tasks to enqueue once the transaction that made them necessary commits.
+    op.create_table(
+        "outbox",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("task", sa.String(100), nullable=False),
+        sa.Column("args", sa.Text, nullable=False),  # JSON list
+        sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("dispatched_at", UTCDateTime),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("outbox")
     op.drop_table("invoices")
     op.drop_table("invoice_counters")

@@ -1,0 +1,83 @@
+"""Sending an invoice by email, with its PDF attached, once.
+
+A sender first claims the invoice (so two workers never send it together),
+sends, then records `emailed_at`; a failed send releases nothing and raises,
+and the task is retried while the mail server is down. The Message-ID is
+derived from the invoice number, so even a send repeated after a crash
+between sending and recording is one message to a mail client."""
+from __future__ import annotations
+
+import smtplib
+from dataclasses import dataclass
+from datetime import timedelta
+from email.message import EmailMessage
+from pathlib import Path
+
+from sqlalchemy import Engine, or_, select, update
+
+from invoices.render import cents_text
+from invoices.schema import invoices
+from ledger.schema import accounts, utc_now
+
+CLAIM_TIMEOUT_S = 300
+SMTP_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class MailSettings:
+    host: str | None
+    port: int = 25
+    user: str | None = None
+    password: str | None = None
+    sender: str = "billing@paralon.example"
+
+
+def send_invoice(engine: Engine, settings: MailSettings, number: str) -> str:
+    """'sent', 'already sent', 'no address', 'busy' (another sender holds it), or 'not configured'."""
+    if not settings.host:
+        return "not configured"
+    now = utc_now()
+    with engine.begin() as conn:
+        claimed = conn.execute(
+            update(invoices).where(invoices.c.number == number, invoices.c.emailed_at.is_(None), invoices.c.pdf_path.is_not(None),
+                                   or_(invoices.c.email_claimed_at.is_(None),
+                                       invoices.c.email_claimed_at < now - timedelta(seconds=CLAIM_TIMEOUT_S)))
+            .values(email_claimed_at=now)
+        ).rowcount
+        invoice = conn.execute(select(invoices).where(invoices.c.number == number)).one()
+        to = conn.execute(select(accounts.c.email).where(accounts.c.id == invoice.account_id)).scalar()
+    if invoice.emailed_at is not None:
+        return "already sent"
+    if not claimed:
+        return "busy"
+    if not to:
+        return "no address"
+    try:
+        _send(settings, _message(settings, invoice, to))
+    except BaseException:
+        with engine.begin() as conn:  # let the retry claim it again at once
+            conn.execute(update(invoices).where(invoices.c.number == number).values(email_claimed_at=None))
+        raise
+    with engine.begin() as conn:
+        conn.execute(update(invoices).where(invoices.c.number == number).values(emailed_at=utc_now()))
+    return "sent"
+
+
+def _message(settings: MailSettings, invoice, to: str) -> EmailMessage:
+    title = "Credit note" if invoice.kind == "credit_note" else "Invoice"
+    message = EmailMessage()
+    message["From"], message["To"] = settings.sender, to
+    message["Subject"] = f"Paralon {title.lower()} {invoice.number}: {cents_text(invoice.amount_nano_usd)} USD"
+    message["Message-ID"] = f"<{invoice.number}@{settings.sender.split('@')[-1]}>"
+    message.set_content(f"{title} {invoice.number} for {cents_text(invoice.amount_nano_usd)} USD is attached.\n\nThank you.\n")
+    message.add_attachment(Path(invoice.pdf_path).read_bytes(), maintype="application", subtype="pdf",
+                           filename=f"{invoice.number}.pdf")
+    return message
+
+
+def _send(settings: MailSettings, message: EmailMessage) -> None:
+    with smtplib.SMTP(settings.host, settings.port, timeout=SMTP_TIMEOUT_S) as smtp:
+        if settings.user:
+            smtp.starttls()
+            smtp.login(settings.user, settings.password or "")
+        smtp.send_message(message)
