@@ -87,6 +87,20 @@ def issue_invoice(source_seq: int) -> str:
     return number
 
 
+@celery.task(name="paralon.issue_credit_note")
+def issue_credit_note(source_seq: int, corrected_seq: int) -> str:
+    """A credit note for a refund or a lost dispute, then its email."""
+    from invoices.service import issue_credit_note as issue
+
+    engine, settings = _engine_and_settings()
+    try:
+        number = issue(engine, settings.invoices(), source_seq, corrected_seq)["number"]
+    finally:
+        engine.dispose()
+    email_invoice.delay(number)
+    return number
+
+
 @celery.task(name="paralon.email_invoice", bind=True, max_retries=MAIL_RETRIES_MAX)
 def email_invoice(self, number: str) -> str:
     import smtplib

@@ -28,6 +28,7 @@ stripe_checkout_sessions = Table(
     # Filled in when the payment is credited; refunds find the session by it.
     Column("payment_intent", String(255), unique=True),
     Column("credited_cents", BigInteger, nullable=False, server_default=text("0")),
+    Column("credit_seq", BigInteger),  # the CreditsPurchased event, which the invoice is for
     Column("refunded_cents", BigInteger, nullable=False, server_default=text("0")),  # Stripe's cumulative amount_refunded
 )
 

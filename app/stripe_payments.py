@@ -143,8 +143,8 @@ def process_event(engine: Engine, event_id: str) -> str:
         if not outcome.startswith(WAITING):
             values["processed_at"] = utc_now()
         conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id).values(**values))
+    outbox.dispatch(engine)  # invoices and credit notes, now that what they document is committed
     if outcome.startswith("credited"):
-        outbox.dispatch(engine)  # the invoice, now that the credit is committed
         process_pending(engine, waiting_only=True)
     return outcome
 
@@ -195,7 +195,7 @@ def _credit_session(engine: Engine, event_id: str, session: dict) -> str:
             STRIPE_COUNTER_ACCOUNT, f"stripe:checkout:{ours.session_id}",
         ))
         conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
-                     .values(credited_cents=amount_total, payment_intent=session.get("payment_intent")))
+                     .values(credited_cents=amount_total, payment_intent=session.get("payment_intent"), credit_seq=result.seq))
         outbox.add(conn, "paralon.issue_invoice", result.seq)
     return f"credited {amount_total} cents to account {ours.account_id} (event {result.seq})"
 
@@ -220,6 +220,7 @@ def _refund_charge(engine: Engine, event_id: str, charge: dict) -> str:
         ))
         conn.execute(update(stripe_checkout_sessions).where(stripe_checkout_sessions.c.session_id == ours.session_id)
                      .values(refunded_cents=refunded_total))
+        outbox.add(conn, "paralon.issue_credit_note", result.seq, ours.credit_seq)
     return f"refunded {newly_cents} cents from account {ours.account_id} (event {result.seq})"
 
 
@@ -251,8 +252,10 @@ def _dispute(engine: Engine, dispute: dict, *, closed: bool) -> str:
         if status == "won":
             _append(conn, cmd.ReverseEvent(row.freeze_seq, f"dispute {dispute_id} won", f"stripe:dispute:{dispute_id}:won"))
         else:
-            _append(conn, cmd.ForfeitFrozenCredits(ours.account_id, row.amount_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
-                                                   DISPUTED_ACCOUNT, STRIPE_COUNTER_ACCOUNT, f"stripe:dispute:{dispute_id}:lost"))
+            forfeited = _append(conn, cmd.ForfeitFrozenCredits(
+                ours.account_id, row.amount_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
+                DISPUTED_ACCOUNT, STRIPE_COUNTER_ACCOUNT, f"stripe:dispute:{dispute_id}:lost"))
+            outbox.add(conn, "paralon.issue_credit_note", forfeited.seq, ours.credit_seq)
         conn.execute(update(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id).values(status=status))
     return f"dispute {dispute_id} {status}: {row.amount_cents} cents"
 

@@ -49,6 +49,25 @@ def issue_for_top_up(engine: Engine, settings: InvoiceSettings, source_seq: int)
     return _finish(engine, settings, number)
 
 
+CREDIT_NOTE_EVENTS = ("CreditsRefunded", "FrozenCreditsForfeited")
+
+
+def issue_credit_note(engine: Engine, settings: InvoiceSettings, source_seq: int, corrected_seq: int) -> dict:
+    """The credit note for a refund or a lost dispute (`source_seq`), in its own
+    series, referring to the invoice of the top-up it corrects (`corrected_seq`)."""
+    with engine.connect() as conn:
+        event = conn.execute(select(ledger_events.c.event_type, ledger_events.c.payload).where(ledger_events.c.seq == source_seq)).first()
+    if event is None or event.event_type not in CREDIT_NOTE_EVENTS:
+        raise InvalidInput(f"event {source_seq} is not a refund or a lost dispute")
+    corrected = issue_for_top_up(engine, settings, corrected_seq)
+    payload = orjson.loads(event.payload)
+    row = {"kind": "credit_note", "account_id": payload["account_id"], "amount_nano_usd": payload["amount_nano_usd"],
+           "payment_method": payload.get("payment_method", "card"), "external_reference": payload["external_reference"][:500],
+           "issued_at": utc_now(), "corrects_number": corrected["number"]}
+    number = _assign(engine, numbering.SERIES_CREDIT_NOTE, row["issued_at"].year, source_seq, row)
+    return _finish(engine, settings, number)
+
+
 def _assign(engine: Engine, series: str, year: int, source_seq: int, row: dict) -> str:
     for attempt in range(1, ASSIGN_ATTEMPTS_MAX + 1):
         try:
@@ -73,7 +92,8 @@ def _finish(engine: Engine, settings: InvoiceSettings, number: str) -> dict:
             "issued_at": invoice.issued_at.isoformat(), "source_seq": invoice.source_seq, "corrects": invoice.corrects_number,
             "seller": {"name": settings.seller_name, "address": settings.seller_address, "email": settings.seller_email},
             "buyer": {"name": buyer.name, "email": buyer.email, "account_id": invoice.account_id},
-            "line": "Inference credits, prepaid", "amount_nano_usd": invoice.amount_nano_usd,
+            "line": "Inference credits, prepaid" if invoice.kind == "invoice" else "Prepaid credits returned to the payer",
+            "amount_nano_usd": invoice.amount_nano_usd,
             "payment_method": invoice.payment_method, "reference": invoice.external_reference,
         })
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +111,7 @@ def _finish(engine: Engine, settings: InvoiceSettings, number: str) -> dict:
 
 
 def _view(invoice) -> dict:
-    return {"number": invoice.number, "kind": invoice.kind, "account_id": invoice.account_id,
+    return {"number": invoice.number, "kind": invoice.kind, "account_id": invoice.account_id, "corrects": invoice.corrects_number,
             "amount_nano_usd": invoice.amount_nano_usd, "source_seq": invoice.source_seq,
             "issued_at": invoice.issued_at.isoformat(), "pdf_path": invoice.pdf_path,
             "pdf_sha256": invoice.pdf_sha256.hex() if invoice.pdf_sha256 else None}

@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("payment_intent", sa.String(255), unique=True),
         sa.Column("credited_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("credit_seq", sa.BigInteger),
         sa.Column("refunded_cents", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     )
     op.create_table(

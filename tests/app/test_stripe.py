@@ -234,3 +234,24 @@ def test_malformed_bodies_are_refused_and_store_nothing(stripe_setup):
     response = _deliver(proxy, not_an_event, signed(not_an_event, SECRET))
     assert response.status_code == 400
     assert standin.requests == [] and _counts(fleet) == (0, 0, 0)
+
+
+def test_every_credit_gets_an_invoice_and_every_refund_a_credit_note(stripe_setup):
+    """The outbox issues them after the commits: invoice PAR-…, credit note PARCN-… correcting it."""
+    from invoices.service import list_invoices
+    from tests.app.stripe_standin import refund_event
+
+    fleet, proxy, _, token, _ = stripe_setup
+    paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_cn"))
+    _deliver(proxy, paid, signed(paid, SECRET))
+    refund = refund_event("ch_cn", "pi_cn", 2500, 1000)
+    _deliver(proxy, refund, signed(refund, SECRET))
+    def issued():
+        documents = list_invoices(fleet.engine, fleet.customer_id)
+        return len(documents) == 2 and all(d["pdf_sha256"] for d in documents) and documents
+
+    documents = wait_for(issued)
+    invoice, credit_note = sorted(documents, key=lambda d: d["kind"] != "invoice")
+    assert invoice["number"].startswith("PAR-") and invoice["amount_nano_usd"] == 25 * 10**9
+    assert credit_note["number"].startswith("PARCN-") and credit_note["corrects"] == invoice["number"]
+    assert credit_note["amount_nano_usd"] == 10 * 10**9 and fleet.events("InvoiceIssued") == 2
