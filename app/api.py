@@ -128,6 +128,17 @@ async def get_generation(request: Request, request_id: str) -> Response:
     return _json(found)
 
 
+@get("/metrics", summary="Prometheus metrics: read-model lag", include_in_schema=True)
+async def metrics(request: Request) -> Response:
+    from invoices import read_models
+
+    lag = await asyncio.to_thread(read_models.lag_events, request.app.state.ledger.engine)
+    text = ("# HELP paralon_projection_lag_events Events the read models have not applied yet.\n"
+            "# TYPE paralon_projection_lag_events gauge\n"
+            f'paralon_projection_lag_events{{consumer="{read_models.CONSUMER}"}} {lag}\n')
+    return Response(text, media_type="text/plain; version=0.0.4")
+
+
 @get("/health", summary="Liveness")
 async def health() -> Response:
     return _json({"status": "ok"})
@@ -162,7 +173,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
             await client.aclose()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, get_generation, health, stripe_webhook, *MANAGEMENT_HANDLERS,
+        route_handlers=[chat_completions, completions, list_models, get_generation, health, metrics, stripe_webhook, *MANAGEMENT_HANDLERS,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},

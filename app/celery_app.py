@@ -13,6 +13,7 @@ from celery import Celery
 
 CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
 OUTBOX_INTERVAL_S = 5.0
+READ_MODELS_INTERVAL_S = 5.0
 MAIL_RETRY_WAIT_S = 5
 MAIL_RETRIES_MAX = 10_000  # keep trying while the mail server is down
 
@@ -30,6 +31,7 @@ celery.conf.update(
             "schedule": float(os.environ.get("PARALON_CRYPTO_SCAN_INTERVAL_S") or CRYPTO_SCAN_INTERVAL_S_DEFAULT),
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
+        "read-models": {"task": "paralon.project_read_models", "schedule": READ_MODELS_INTERVAL_S},
     },
 )
 
@@ -119,3 +121,15 @@ def email_invoice(self, number: str) -> str:
     if outcome == "busy" and not celery.conf.task_always_eager:
         raise self.retry(countdown=MAIL_RETRY_WAIT_S)
     return outcome
+
+
+@celery.task(name="paralon.project_read_models")
+def project_read_models() -> int:
+    """Apply new events to the usage and earnings read models (exactly once)."""
+    from invoices import read_models
+
+    engine, _ = _engine_and_settings()
+    try:
+        return read_models.catch_up(engine)
+    finally:
+        engine.dispose()

@@ -269,6 +269,37 @@ def invoices_list(account_id: int, as_json: bool) -> None:
 
 
 @main.group()
+def projections() -> None:
+    """Read models of the log: usage and earnings per day."""
+
+
+@projections.command("rebuild")
+@json_option
+@handles_errors
+def projections_rebuild(as_json: bool) -> None:
+    """Rebuild the read models from the first event, with a progress bar."""
+    from invoices import read_models
+
+    engine = _engine()
+    with engine.connect() as conn:
+        total = count_events(conn)
+    with _progress(total, "rebuilding") as bar:
+        applied = read_models.rebuild(engine, progress=bar.update)
+    _emit(as_json, {"events_applied": applied, "lag_events": read_models.lag_events(engine)}, f"applied {applied} events")
+
+
+@projections.command("lag")
+@json_option
+@handles_errors
+def projections_lag(as_json: bool) -> None:
+    """Events the read models have not applied yet."""
+    from invoices import read_models
+
+    lag = read_models.lag_events(_engine())
+    _emit(as_json, {"consumer": read_models.CONSUMER, "lag_events": lag}, f"{read_models.CONSUMER}: {lag} events behind")
+
+
+@main.group()
 def credits() -> None:
     """Operator grants and adjustments (each with a reason)."""
 

@@ -34,3 +34,29 @@ invoices = Table(
     Column("emailed_at", UTCDateTime),
     Column("email_claimed_at", UTCDateTime),  # a sender is at work; another waits for it or its timeout
 )
+
+# Read models of the log, kept by consumers whose position moves in the same
+# transaction as their writes (exactly once). Days are UTC.
+usage_daily = Table(
+    "usage_daily",
+    metadata,
+    Column("account_id", BigInteger, primary_key=True),
+    Column("api_key_id", BigInteger, primary_key=True),  # 0 when the request had none
+    Column("model", String(200), primary_key=True),
+    Column("day", String(10), primary_key=True),  # YYYY-MM-DD
+    Column("requests", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
+    Column("cost_nano_usd", BigInteger, nullable=False),
+)
+
+earnings_daily = Table(
+    "earnings_daily",
+    metadata,
+    Column("owner_account_id", BigInteger, primary_key=True),
+    Column("worker_id", BigInteger, primary_key=True),
+    Column("model", String(200), primary_key=True),
+    Column("day", String(10), primary_key=True),
+    Column("requests", BigInteger, nullable=False),
+    Column("earnings_nano_usd", BigInteger, nullable=False),
+)

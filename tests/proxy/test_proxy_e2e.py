@@ -164,6 +164,14 @@ def test_the_api_docs_are_served_without_the_internet(one_worker):
     assert "/v1/chat/completions" in httpx.get(proxy.url + "/docs/openapi.json").json()["paths"]
 
 
+def test_the_read_model_lag_is_exported_as_a_metric(one_worker):
+    fleet, proxy = one_worker
+    _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    text = httpx.get(proxy.url + "/metrics").text
+    lag = int(next(line for line in text.splitlines() if line.startswith("paralon_projection_lag_events")).rsplit(" ", 1)[1])
+    assert lag == 2, "the grant and the settlement, not applied: no worker runs the consumer here"
+
+
 def test_no_healthy_worker_is_503_and_moves_no_money(database_url):
     """Given a model whose only worker does not answer its health check, a
     request gets OpenAI's error JSON with 503 and nothing is held or charged."""
