@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 import orjson
 from litestar import Request, Response, delete, get, post
+from sqlalchemy import func, select
 
 from app.tokens import Principal, find_token
+from invoices.schema import earnings_daily, usage_daily
+from invoices.schema import invoices as invoices_table
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.errors import LedgerError
@@ -187,3 +192,100 @@ async def crypto_address(request: Request) -> Response:
 
 
 MANAGEMENT_HANDLERS.append(crypto_address)
+
+
+INVOICE_ROLES = ("customer", "accountant", "admin")
+
+
+def _period(value: str | None, name: str):
+    """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
+    if not value:
+        return None
+    for pattern in ("%Y-%m-%d", "%Y-%m"):
+        try:
+            return datetime.strptime(value, pattern).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    raise InvalidRequest(f"{name} must be YYYY-MM or YYYY-MM-DD", param=name)
+
+
+@get("/v1/invoices", summary="Invoices and credit notes of the account (filter by period and kind)")
+async def list_invoice_documents(request: Request, account_id: int | None = None, kind: str | None = None,
+                                 to: str | None = None) -> Response:
+    """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
+    who = await principal(request, INVOICE_ROLES)
+    account = _scoped_account(who, account_id)
+    if kind not in (None, "invoice", "credit_note"):
+        raise InvalidRequest("kind is invoice or credit_note", param="kind")
+    start, end = _period(request.query_params.get("from"), "from"), _period(to, "to")
+
+    def work(conn):
+        query = select(invoices_table).where(invoices_table.c.account_id == account).order_by(invoices_table.c.issued_at)
+        if kind:
+            query = query.where(invoices_table.c.kind == kind)
+        if start:
+            query = query.where(invoices_table.c.issued_at >= start)
+        if end:
+            query = query.where(invoices_table.c.issued_at < end)
+        return [{"number": r.number, "kind": r.kind, "amount_nano_usd": r.amount_nano_usd, "issued_at": r.issued_at.isoformat(),
+                 "corrects": r.corrects_number, "payment_method": r.payment_method,
+                 "pdf_sha256": r.pdf_sha256.hex() if r.pdf_sha256 else None} for r in conn.execute(query)]
+
+    return _json({"data": await _db(request, work)})
+
+
+@get("/v1/invoices/{name:str}", summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
+async def invoice_pdf(request: Request, name: str) -> Response:
+    who = await principal(request, INVOICE_ROLES)
+    number = name.removesuffix(".pdf")
+
+    def work(conn):
+        return conn.execute(select(invoices_table.c.account_id, invoices_table.c.pdf_path).where(invoices_table.c.number == number)).first()
+
+    row = await _db(request, work)
+    if row is None or row.pdf_path is None or (row.account_id != who.account_id and not who.is_admin):
+        raise NotFound(f"no invoice {number}")
+    content = await asyncio.to_thread(Path(row.pdf_path).read_bytes)
+    return Response(content, media_type="application/pdf", headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
+
+
+USAGE_GROUPS = {"day": "day", "model": "model", "key": "api_key_id"}
+EARNINGS_GROUPS = {"day": "day", "worker": "worker_id", "model": "model"}
+
+
+@get("/v1/usage", summary="Usage of the account from the read models, grouped by day, model or key")
+async def usage(request: Request, group_by: str = "day", account_id: int | None = None) -> Response:
+    who = await principal(request, INVOICE_ROLES)
+    account = _scoped_account(who, account_id)
+    if group_by not in USAGE_GROUPS:
+        raise InvalidRequest(f"group_by is one of {', '.join(USAGE_GROUPS)}", param="group_by")
+    column = usage_daily.c[USAGE_GROUPS[group_by]]
+
+    def work(conn):
+        sums = [func.sum(usage_daily.c[name]).label(name) for name in ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")]
+        rows = conn.execute(select(column.label("group"), *sums).where(usage_daily.c.account_id == account)
+                            .group_by(column).order_by(column))
+        return [{group_by: r.group, **{k: int(getattr(r, k)) for k in ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")}}
+                for r in rows]
+
+    return _json({"data": await _db(request, work)})
+
+
+@get("/v1/earnings", summary="Earnings of the owner from the read models, grouped by day, worker or model")
+async def earnings(request: Request, group_by: str = "day", account_id: int | None = None) -> Response:
+    who = await principal(request, ("owner", "admin"))
+    owner = _scoped_account(who, account_id)
+    if group_by not in EARNINGS_GROUPS:
+        raise InvalidRequest(f"group_by is one of {', '.join(EARNINGS_GROUPS)}", param="group_by")
+    column = earnings_daily.c[EARNINGS_GROUPS[group_by]]
+
+    def work(conn):
+        rows = conn.execute(select(column.label("group"), func.sum(earnings_daily.c.requests).label("requests"),
+                                   func.sum(earnings_daily.c.earnings_nano_usd).label("earnings_nano_usd"))
+                            .where(earnings_daily.c.owner_account_id == owner).group_by(column).order_by(column))
+        return [{group_by: r.group, "requests": int(r.requests), "earnings_nano_usd": int(r.earnings_nano_usd)} for r in rows]
+
+    return _json({"data": await _db(request, work)})
+
+
+MANAGEMENT_HANDLERS.extend([list_invoice_documents, invoice_pdf, usage, earnings])

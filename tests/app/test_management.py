@@ -4,8 +4,11 @@ tokens are not interchangeable."""
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
@@ -123,3 +126,36 @@ def test_tokens_from_the_cli_are_shown_once_and_revocable(database_url):
     assert json.loads(run("tokens", "create", str(platform), "--role", "admin", "--json").stdout)["token"]
     run("tokens", "revoke", str(created["id"]), "--json")
     run("tokens", "revoke", "999999", "--json", expect=2)
+
+
+def test_invoices_usage_and_earnings_are_scoped_to_the_token(served):
+    from invoices import read_models
+    from invoices.service import InvoiceSettings, issue_for_top_up
+    from ledger import commands as cmd
+    from ledger.service import append_now
+
+    fleet, proxy, tokens, _ = served
+    openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    read_models.catch_up(fleet.engine)
+    top_up = append_now(fleet.engine, cmd.PurchaseCredits(fleet.customer_id, 5 * 10**9, "card", "stripe:x", "external:stripe", "x")).seq
+    invoice = issue_for_top_up(fleet.engine, InvoiceSettings(Path(tempfile.mkdtemp())), top_up)
+
+    listed = _call(proxy, "GET", "/v1/invoices", tokens["accountant"]).json()["data"]
+    assert [i["number"] for i in listed] == [invoice["number"]]
+    assert _call(proxy, "GET", "/v1/invoices?kind=credit_note", tokens["customer"]).json()["data"] == []
+    assert _call(proxy, "GET", "/v1/invoices?from=2000-01", tokens["customer"]).json()["data"] == listed
+    assert _call(proxy, "GET", "/v1/invoices?from=nope", tokens["customer"]).status_code == 400
+    pdf = _call(proxy, "GET", f"/v1/invoices/{invoice['number']}.pdf", tokens["accountant"])
+    assert pdf.status_code == 200 and pdf.content.startswith(b"%PDF")
+    assert _call(proxy, "GET", f"/v1/invoices/{invoice['number']}.pdf", tokens["other_customer"]).status_code == 404
+    assert _call(proxy, "GET", "/v1/invoices", tokens["other_customer"]).json()["data"] == []
+
+    by_model = _call(proxy, "GET", "/v1/usage?group_by=model", tokens["customer"]).json()["data"]
+    assert by_model[0]["model"] == MODEL and by_model[0]["requests"] == 1 and by_model[0]["completion_tokens"] == 4
+    assert _call(proxy, "GET", "/v1/usage?group_by=worker", tokens["customer"]).status_code == 400
+    assert _call(proxy, "GET", "/v1/usage", tokens["other_customer"]).json()["data"] == []
+    earned = _call(proxy, "GET", "/v1/earnings?group_by=worker", tokens["owner"]).json()["data"]
+    assert earned[0]["worker"] == fleet.worker_ids[0]
+    assert earned[0]["earnings_nano_usd"] == fleet.balance(fleet.owner_ids[0]).balance_nano_usd
+    assert _call(proxy, "GET", "/v1/earnings", tokens["customer"]).status_code == 403
