@@ -7,19 +7,17 @@ admin       the platform: every account
 """
 from __future__ import annotations
 
-import hashlib
-import secrets
 from typing import NamedTuple
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, select
 
 from app.schema import management_tokens
 from ledger import commands as cmd
 from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
 from ledger.schema import accounts, utc_now
+from proxy.keys import key_sha256, new_secret, revoke_secret
 
 TOKEN_PREFIX = "pt-par-"
-TOKEN_RANDOM_BYTES = 32
 TOKEN_PREFIX_SHOWN_CHARS = 12
 ROLES = ("customer", "accountant", "owner", "admin")
 # The kind of account each role acts for.
@@ -36,10 +34,6 @@ class Principal(NamedTuple):
         return self.role == "admin"
 
 
-def token_sha256(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
 def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str]:
     """Returns (id, token); the token itself is never stored and cannot be shown again."""
     if role not in ROLES:
@@ -49,10 +43,10 @@ def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str
         raise UnknownAccount(f"account {account_id} does not exist")
     if kind != ACCOUNT_KIND_OF_ROLE[role]:
         raise WrongAccountKind(f"a {role} token acts for a {ACCOUNT_KIND_OF_ROLE[role]} account; {account_id} is a {kind} account")
-    token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_RANDOM_BYTES)
+    token = new_secret(TOKEN_PREFIX)
     token_id = conn.execute(
         management_tokens.insert()
-        .values(account_id=account_id, role=role, token_sha256=token_sha256(token),
+        .values(account_id=account_id, role=role, token_sha256=key_sha256(token),
                 token_prefix=token[:TOKEN_PREFIX_SHOWN_CHARS], created_at=utc_now())
         .returning(management_tokens.c.id)
     ).scalar_one()
@@ -60,12 +54,7 @@ def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str
 
 
 def revoke_token(conn: Connection, token_id: int) -> None:
-    revoked = conn.execute(
-        update(management_tokens).where(management_tokens.c.id == token_id, management_tokens.c.revoked_at.is_(None))
-        .values(revoked_at=utc_now())
-    ).rowcount
-    if not revoked and conn.execute(select(management_tokens.c.id).where(management_tokens.c.id == token_id)).first() is None:
-        raise InvalidInput(f"management token {token_id} does not exist")
+    revoke_secret(conn, management_tokens, token_id, "management token")
 
 
 def find_token(conn: Connection, token: str) -> Principal | None:
@@ -74,6 +63,6 @@ def find_token(conn: Connection, token: str) -> Principal | None:
         return None
     row = conn.execute(
         select(management_tokens.c.id, management_tokens.c.account_id, management_tokens.c.role)
-        .where(management_tokens.c.token_sha256 == token_sha256(token), management_tokens.c.revoked_at.is_(None))
+        .where(management_tokens.c.token_sha256 == key_sha256(token), management_tokens.c.revoked_at.is_(None))
     ).first()
     return Principal(*row) if row else None

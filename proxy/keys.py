@@ -24,8 +24,20 @@ class KeyGrant(NamedTuple):
     spend_limit_nano_usd: int | None
 
 
-def key_sha256(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+def key_sha256(secret: str) -> bytes:
+    """How API keys and management tokens are stored: 256 random bits need no slow hash."""
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def new_secret(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(KEY_RANDOM_BYTES)
+
+
+def revoke_secret(conn: Connection, table, row_id: int, what: str) -> None:
+    """Revoke a stored key or token (idempotent); an unknown id is an error."""
+    revoked = conn.execute(update(table).where(table.c.id == row_id, table.c.revoked_at.is_(None)).values(revoked_at=utc_now())).rowcount
+    if not revoked and conn.execute(select(table.c.id).where(table.c.id == row_id)).first() is None:
+        raise InvalidInput(f"{what} {row_id} does not exist")
 
 
 def create_key(conn: Connection, account_id: int, *, name: str | None = None,
@@ -40,7 +52,7 @@ def create_key(conn: Connection, account_id: int, *, name: str | None = None,
         require_positive(spend_limit_nano_usd, "spend limit")
     if name is not None:
         cmd.require_text(name, "a key name", 200)
-    key = KEY_PREFIX + secrets.token_urlsafe(KEY_RANDOM_BYTES)
+    key = new_secret(KEY_PREFIX)
     key_id = conn.execute(
         api_keys.insert()
         .values(account_id=account_id, key_sha256=key_sha256(key), key_prefix=key[:KEY_PREFIX_SHOWN_CHARS],
@@ -51,13 +63,7 @@ def create_key(conn: Connection, account_id: int, *, name: str | None = None,
 
 
 def revoke_key(conn: Connection, key_id: int) -> None:
-    revoked = conn.execute(
-        update(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)).values(revoked_at=utc_now())
-    ).rowcount
-    if revoked == 0:
-        exists = conn.execute(select(api_keys.c.id).where(api_keys.c.id == key_id)).first()
-        if exists is None:
-            raise InvalidInput(f"API key {key_id} does not exist")
+    revoke_secret(conn, api_keys, key_id, "API key")
 
 
 def find_key(conn: Connection, key: str) -> KeyGrant | None:

@@ -15,7 +15,8 @@ from sqlalchemy import select
 
 from app.cli import main
 from app.schema import management_tokens
-from app.tokens import create_token, token_sha256
+from app.tokens import create_token
+from proxy.keys import key_sha256
 from ledger import accounts as acc
 from ledger.db import make_engine
 from ledger.schema import accounts
@@ -119,7 +120,7 @@ def test_tokens_from_the_cli_are_shown_once_and_revocable(database_url):
     with engine.connect() as conn:
         stored = conn.execute(select(management_tokens)).one()
     engine.dispose()
-    assert stored.token_sha256 == token_sha256(created["token"]) and created["token"] not in str(tuple(stored))
+    assert stored.token_sha256 == key_sha256(created["token"]) and created["token"] not in str(tuple(stored))
     refused = json.loads(run("tokens", "create", str(customer), "--role", "admin", "--json", expect=2).stderr)["error"]
     assert refused["code"] == "wrong_account_kind"
     platform = json.loads(run("accounts", "platform", "--json").stdout)["id"]
