@@ -12,7 +12,8 @@ import orjson
 from sqlalchemy import Connection, Engine, delete, func, select, update
 
 from invoices.schema import earnings_daily, usage_daily
-from ledger.log import StoredEvent, consume_once, consumer_position
+from ledger import log
+from ledger.log import StoredEvent, consumer_position
 from ledger.schema import consumer_positions, ledger_events
 
 CONSUMER = "read_models.usage_earnings"
@@ -68,15 +69,7 @@ def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: di
 
 def catch_up(engine: Engine, progress: Callable[[int], None] | None = None) -> int:
     """Apply what the log holds beyond the position (bounded per run); returns events read."""
-    total = 0
-    for _ in range(PAGES_PER_RUN_MAX):
-        read = consume_once(engine, CONSUMER, apply_page, with_postings=False)
-        if not read:
-            break
-        total += read
-        if progress is not None:
-            progress(read)
-    return total
+    return log.catch_up(engine, CONSUMER, apply_page, pages_max=PAGES_PER_RUN_MAX, with_postings=False, progress=progress)
 
 
 def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> int:

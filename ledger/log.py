@@ -92,5 +92,20 @@ def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int
         return len(page)
 
 
+def catch_up(engine: Engine, consumer: str, handler: Handler, *, pages_max: int, with_postings: bool = True,
+             progress: Callable[[int], None] | None = None) -> int:
+    """`consume_once` until the consumer is at the end of the log, or `pages_max`
+    pages; returns the events read."""
+    total = 0
+    for _ in range(pages_max):
+        read = consume_once(engine, consumer, handler, with_postings=with_postings)
+        if not read:
+            break
+        total += read
+        if progress is not None:
+            progress(read)
+    return total
+
+
 def consumer_position(conn: Connection, consumer: str) -> int:
     return conn.execute(select(consumer_positions.c.last_seq).where(consumer_positions.c.consumer == consumer)).scalar_one_or_none() or 0

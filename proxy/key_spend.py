@@ -13,7 +13,8 @@ from collections import defaultdict
 import orjson
 from sqlalchemy import Connection, Engine, select, update
 
-from ledger.log import StoredEvent, consume_once, consumer_position
+from ledger import log
+from ledger.log import StoredEvent, consumer_position
 from proxy.schema import api_key_spend, api_keys
 
 CONSUMER = "proxy.api_key_spend"
@@ -39,13 +40,7 @@ def apply_settlements(conn: Connection, events: list[StoredEvent]) -> None:
 
 def catch_up(engine: Engine) -> int:
     """Apply what the log has beyond the consumer's position; returns events read."""
-    total = 0
-    for _ in range(PAGES_PER_CATCH_UP_MAX):
-        read = consume_once(engine, CONSUMER, apply_settlements, with_postings=False)
-        if not read:
-            break
-        total += read
-    return total
+    return log.catch_up(engine, CONSUMER, apply_settlements, pages_max=PAGES_PER_CATCH_UP_MAX, with_postings=False)
 
 
 def load_spent(conn: Connection) -> tuple[int, dict[int, int]]:

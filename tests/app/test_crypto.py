@@ -147,17 +147,9 @@ def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
 
     from celery import Celery
 
-    from tests.conftest import REQUIRE_SERVICES
+    from tests.proxy.harness import celery_redis_url
 
-    redis_url = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/13"
-    try:
-        import redis
-
-        redis.Redis.from_url(redis_url).ping()
-    except Exception:
-        if REQUIRE_SERVICES:
-            raise
-        pytest.skip("Redis is not reachable")
+    redis_url = celery_redis_url(13)
     fleet, w3, token, _, settings = chain
     address = deposit_address(fleet.engine, settings, fleet.customer_id)
     send(w3, token, address, 2_000000)

@@ -17,8 +17,7 @@ from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings, issue_for_top_up
 from ledger import commands as cmd
 from ledger.service import append_now
-from tests.conftest import REQUIRE_SERVICES
-from tests.proxy.harness import free_port, make_fleet, wait_for
+from tests.proxy.harness import celery_redis_url, free_port, make_fleet, wait_for
 
 
 class Inbox:
@@ -67,15 +66,7 @@ def test_the_invoice_arrives_by_smtp_with_its_pdf_once(fleet, tmp_path):
 
 
 def test_smtp_down_then_up_sends_each_invoice_exactly_once(fleet, tmp_path):
-    redis_url = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/14"
-    try:
-        import redis
-
-        redis.Redis.from_url(redis_url).ping()
-    except Exception:
-        if REQUIRE_SERVICES:
-            raise
-        pytest.skip("Redis is not reachable")
+    redis_url = celery_redis_url(14)
     numbers = [issue_for_top_up(fleet.engine, InvoiceSettings(tmp_path), _top_up(fleet, f"t{i}"))["number"] for i in range(3)]
     port, queue = free_port(), f"paralon-test-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,

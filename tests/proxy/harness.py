@@ -134,6 +134,15 @@ class Fleet:
         with self.engine.connect() as conn:
             return len(conn.execute(select(ledger_events.c.seq).where(ledger_events.c.event_type == event_type)).all())
 
+    def assert_books_close(self) -> None:
+        """Owner earnings are the sum of charge*80//100; the chain and balances verify."""
+        from ledger.verify import verify
+
+        owners_total = sum(self.balance(o).balance_nano_usd for o in self.owner_ids)
+        assert owners_total == sum(s["charge_nano_usd"] * 80 // 100 for s in self.settlements())
+        with self.engine.connect() as conn:
+            assert verify(conn).ok
+
     def worker(self, worker_id: int) -> registry.WorkerView:
         with self.engine.connect() as conn:
             return registry.get_worker(conn, worker_id)
@@ -167,6 +176,24 @@ def serving(database_url: str, **env: str):
         yield proc
     finally:
         proc.stop()
+
+
+def celery_redis_url(db: int) -> str:
+    """A Redis database of the tests' own for a Celery broker; skips without Redis (fails in CI)."""
+    import redis
+
+    from tests.conftest import REQUIRE_SERVICES
+
+    url = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + f"/{db}"
+    try:
+        redis.Redis.from_url(url).ping()
+    except Exception:
+        if REQUIRE_SERVICES:
+            raise
+        import pytest
+
+        pytest.skip("Redis is not reachable")
+    return url
 
 
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):

@@ -10,7 +10,6 @@ import openai
 import orjson
 import pytest
 
-from ledger.verify import verify
 from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -18,14 +17,6 @@ MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 def _headers(fleet) -> dict:
     return {"authorization": f"Bearer {fleet.key}", "content-type": "application/json"}
-
-
-def _assert_books_close(fleet) -> None:
-    settled = fleet.settlements()
-    owners_total = sum(fleet.balance(o).balance_nano_usd for o in fleet.owner_ids)
-    assert owners_total == sum(s["charge_nano_usd"] * 80 // 100 for s in settled)
-    with fleet.engine.connect() as conn:
-        assert verify(conn).ok
 
 
 def test_200_concurrent_streams_against_credits_for_about_20(database_url):
@@ -81,7 +72,7 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
     customer = fleet.balance(fleet.customer_id)
     assert customer.held_nano_usd == 0 and customer.available_nano_usd >= 0
     assert customer.balance_nano_usd == 600_000 - sum(s["charge_nano_usd"] for s in settled.values())
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 def test_a_caller_that_disconnects_is_billed_for_what_was_produced(database_url):
@@ -104,7 +95,7 @@ def test_a_caller_that_disconnects_is_billed_for_what_was_produced(database_url)
     produced = settled[0]["meta"]["completion_tokens"]
     assert 5 <= produced < 400, "billed what was produced, not max_tokens"
     assert fleet.balance(fleet.customer_id).held_nano_usd == 0
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 def test_a_worker_killed_mid_stream_costs_nothing(database_url):
@@ -142,7 +133,7 @@ def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_
     settled = fleet.settlements()
     assert len(settled) == 6 and {s["owner_account_id"] for s in settled} == {fleet.owner_ids[1]}
     assert fleet.balance(fleet.owner_ids[0]).balance_nano_usd == 0
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 def test_a_worker_inflating_its_usage_is_billed_the_count_and_then_suspended(database_url):
@@ -163,7 +154,7 @@ def test_a_worker_inflating_its_usage_is_billed_the_count_and_then_suspended(dat
     assert by_inflater and all(s["meta"]["completion_tokens"] == 10 for s in by_inflater), "billed what was counted"
     assert fleet.events("UsageDiscrepancyRecorded") == len(by_inflater) >= 3
     assert all(s["owner_account_id"] == fleet.owner_ids[0] for s in settled[served_after:]), "no traffic once suspended"
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 def test_a_key_with_a_spend_limit_gets_429_once_it_is_spent(database_url):
@@ -187,7 +178,7 @@ def test_a_key_with_a_spend_limit_gets_429_once_it_is_spent(database_url):
     assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
     spent = sum(s["charge_nano_usd"] for s in fleet.settlements())
     assert spent <= 20_000, "the limit held"
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 @pytest.mark.parametrize("credits_usd", ["0"])
@@ -235,7 +226,7 @@ def test_tokens_past_max_tokens_are_never_relayed_nor_billed(database_url):
     relayed = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
     assert len(relayed) == 5 and events[-1]["usage"]["completion_tokens"] == 5
     assert [s["meta"]["completion_tokens"] for s in fleet.settlements()] == [5]
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
 
 
 def test_a_caller_leaving_after_the_last_token_is_still_billed_once(database_url):
@@ -253,4 +244,4 @@ def test_a_caller_leaving_after_the_last_token_is_still_billed_once(database_url
     worker.stop()
     assert all(s["meta"]["completion_tokens"] == 3 for s in settled)
     wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0)
-    _assert_books_close(fleet)
+    fleet.assert_books_close()
