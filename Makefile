@@ -44,6 +44,7 @@ test: venv
 bench: venv
 	$(BIN)/python benchmarks/ledger_throughput.py --json
 	$(BIN)/python benchmarks/proxy_overhead.py --json
+	$(BIN)/python benchmarks/invoices.py --json
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: venv

@@ -44,7 +44,8 @@ def _json(data: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 
 def _proxy_error(_: Request, exc: ProxyError) -> Response:
-    return _json(error_body(exc), exc.status)
+    headers = {"retry-after": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return _json(error_body(exc), exc.status, headers)
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:
@@ -146,7 +147,7 @@ async def health() -> Response:
 
 def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0,
                hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
-               stripe_settings=None, crypto_settings=None) -> Litestar:
+               stripe_settings=None, crypto_settings=None, invoice_settings=None) -> Litestar:
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -158,7 +159,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory, app.state.ledger = directory, ledger
-        app.state.stripe, app.state.crypto = stripe_settings, crypto_settings
+        app.state.stripe, app.state.crypto, app.state.invoices = stripe_settings, crypto_settings, invoice_settings
         app.state.background = set()
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from celery.schedules import crontab
 
 CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
 OUTBOX_INTERVAL_S = 5.0
@@ -32,6 +33,8 @@ celery.conf.update(
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "read-models": {"task": "paralon.project_read_models", "schedule": READ_MODELS_INTERVAL_S},
+        # After the month's close grace (invoices.statements.CLOSE_GRACE_S), on the 1st.
+        "monthly-statements": {"task": "paralon.issue_statements", "schedule": crontab(minute=30, hour=0, day_of_month=1)},
     },
 )
 
@@ -131,5 +134,37 @@ def project_read_models() -> int:
     engine, _ = _engine_and_settings()
     try:
         return read_models.catch_up(engine)
+    finally:
+        engine.dispose()
+
+
+@celery.task(name="paralon.issue_statements", bind=True)
+def issue_statements(self, month: str | None = None) -> dict:
+    """The statements of a closed month (by default the one before this):
+    the read models are checked against the ledger first, then one task per account."""
+    from invoices import statements
+    from ledger.schema import utc_now
+
+    engine, _ = _engine_and_settings()
+    try:
+        closed = statements.parse_month(month) if month else statements.previous_month(utc_now())
+        account_ids = statements.prepare_month(engine, closed)
+    finally:
+        engine.dispose()
+    queue = (self.request.delivery_info or {}).get("routing_key")  # the children run where their parent ran
+    for account_id in account_ids:
+        issue_statement.apply_async((account_id, closed.text), queue=queue)
+    return {"month": closed.text, "accounts": len(account_ids)}
+
+
+@celery.task(name="paralon.issue_statement")
+def issue_statement(account_id: int, month: str) -> str:
+    from app.statement_labels import statement_labels
+    from invoices import statements
+
+    engine, settings = _engine_and_settings()
+    try:
+        return statements.issue(engine, settings.invoices(), account_id, statements.parse_month(month), statement_labels,
+                                month_reconciled=True)["pdf_path"]
     finally:
         engine.dispose()

@@ -16,7 +16,8 @@ from ledger import commands as cmd
 from ledger import holds as hl
 from ledger.db import make_engine
 from ledger.errors import LedgerError
-from ledger.money import usd_to_nano_usd
+from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
+from ledger.schema import utc_now
 from ledger.service import append_now
 from ledger.verify import count_events, rebuild_balances, verify
 
@@ -266,6 +267,67 @@ def invoices_list(account_id: int, as_json: bool) -> None:
 
     listed = list_invoices(_engine(), account_id)
     _emit(as_json, {"invoices": listed}, "\n".join(f"{i['number']}\t{i['amount_nano_usd']}\t{i['pdf_path']}" for i in listed))
+
+
+@main.group()
+def statements() -> None:
+    """Monthly statements (UTC months): customers' balances and usage, owners' earnings."""
+
+
+def _month(text: str | None):
+    from invoices.statements import parse_month, previous_month
+
+    return parse_month(text) if text else previous_month(utc_now())
+
+
+@statements.command("issue")
+@click.option("--month", "month_text", default=None, help="YYYY-MM; default: the month before this one")
+@click.option("--account", "account_id", type=int, default=None, help="One account; default: every customer and owner with activity")
+@json_option
+@handles_errors
+def statements_issue(month_text: str | None, account_id: int | None, as_json: bool) -> None:
+    """Issue the statements of a closed month, after checking the read models against the ledger."""
+    from app.statement_labels import statement_labels
+    from invoices import statements as st
+
+    engine, month = _engine(), _month(month_text)
+    account_ids = [account_id] if account_id is not None else st.prepare_month(engine, month)
+    issued = []
+    with _progress(len(account_ids), f"statements {month.text}") as bar:
+        for one in account_ids:
+            issued.append(st.issue(engine, _invoice_settings(), one, month, statement_labels, month_reconciled=account_id is None))
+            bar.update(1)
+    _emit(as_json, {"month": month.text, "statements": issued}, "\n".join(f"{s['account_id']}\t{s['pdf_path']}" for s in issued) or "no accounts")
+
+
+@statements.command("show")
+@click.argument("account_id", type=int)
+@click.option("--month", "month_text", default=None, help="YYYY-MM; default: the month before this one")
+@json_option
+@handles_errors
+def statements_show(account_id: int, month_text: str | None, as_json: bool) -> None:
+    """The figures of a month's statement (provisional while the month is open)."""
+    from app.statement_labels import statement_labels
+    from invoices import statements as st
+
+    figures = st.figures(_engine(), account_id, _month(month_text), statement_labels)
+    lines = [f"{figures['month']} account {account_id}{' (provisional)' if figures['provisional'] else ''}",
+             f"opening {nano_usd_to_usd_text(figures['opening_balance_nano_usd'])} USD",
+             *(f"{s['title']}: {nano_usd_to_usd_text(s['amount_nano_usd'])} USD ({s['postings']} postings)" for s in figures["sections"]),
+             f"closing {nano_usd_to_usd_text(figures['closing_balance_nano_usd'])} USD"]
+    _emit(as_json, figures, "\n".join(lines))
+
+
+@statements.command("list")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def statements_list(account_id: int, as_json: bool) -> None:
+    from invoices.statements import list_statements
+
+    with _engine().connect() as conn:
+        listed = list_statements(conn, account_id)
+    _emit(as_json, {"statements": listed}, "\n".join(f"{s['month']}\t{s['closing_balance_nano_usd']}\t{s['pdf_path']}" for s in listed))
 
 
 @main.group()

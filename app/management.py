@@ -13,9 +13,11 @@ from pathlib import Path
 
 import orjson
 from litestar import Request, Response, delete, get, post
+from litestar.response import Stream
 from sqlalchemy import func, select
 
 from app.tokens import Principal, find_token
+from invoices import exports, statements
 from invoices.schema import earnings_daily, usage_daily
 from invoices.schema import invoices as invoices_table
 from ledger import accounts as acc
@@ -24,7 +26,7 @@ from ledger.errors import LedgerError
 from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import workers as registry
-from proxy.errors import AuthenticationFailed, InvalidRequest, NotFound, PermissionDenied
+from proxy.errors import AuthenticationFailed, InvalidRequest, NotFound, NotReady, PermissionDenied
 
 KEY_ROLES_READ = ("customer", "accountant", "admin")
 WORKER_ROLES = ("owner", "admin")
@@ -289,3 +291,89 @@ async def earnings(request: Request, group_by: str = "day", account_id: int | No
 
 
 MANAGEMENT_HANDLERS.extend([list_invoice_documents, invoice_pdf, usage, earnings])
+
+
+DOCUMENT_ROLES = ("customer", "accountant", "owner", "admin")
+STATEMENT_FORMATS = ("pdf", "json")
+
+
+def _invoice_settings(request: Request):
+    from app.settings import Settings
+
+    return request.app.state.invoices or Settings.from_env().invoices()
+
+
+@get("/v1/statements", summary="Stored monthly statements of the account (closed months)")
+async def list_statement_documents(request: Request, account_id: int | None = None) -> Response:
+    who = await principal(request, DOCUMENT_ROLES)
+    account = _scoped_account(who, account_id)
+    return _json({"data": await _db(request, lambda conn: statements.list_statements(conn, account))})
+
+
+@get("/v1/statements/{name:str}", summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
+async def statement(request: Request, name: str, account_id: int | None = None) -> Response:
+    from app.statement_labels import statement_labels
+
+    who = await principal(request, DOCUMENT_ROLES)
+    account = _scoped_account(who, account_id)
+    month_text, _, fmt = name.rpartition(".")
+    if fmt not in STATEMENT_FORMATS:
+        raise NotFound(f"no statement {name}: ask for YYYY-MM.pdf or YYYY-MM.json")
+    engine, settings = request.app.state.ledger.engine, _invoice_settings(request)
+
+    def work():
+        month = statements.parse_month(month_text)
+        if fmt == "json":
+            return statements.figures(engine, account, month, statement_labels, rounds_max=1), None
+        return statements.document(engine, settings, account, month, statement_labels, rounds_max=1)
+
+    try:
+        content, provisional = await asyncio.to_thread(work)
+    except statements.StatementNotReady as exc:
+        raise NotReady(str(exc)) from None
+    except LedgerError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if fmt == "json":
+        return _json(content)
+    filename = f"statement-{account}-{month_text}{'-provisional' if provisional else ''}.pdf"
+    return Response(content, media_type="application/pdf", headers={"content-disposition": f'attachment; filename="{filename}"'})
+
+
+@get("/v1/exports/ledger.csv", summary="Every posting of the account in [from, to), with the running balance, as CSV")
+async def ledger_export(request: Request, to: str | None = None, account_id: int | None = None) -> Response:
+    """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
+    the opening and closing balances and the row count come in `x-paralon-*` headers."""
+    who = await principal(request, DOCUMENT_ROLES)
+    account = _scoped_account(who, account_id)
+    now = datetime.now(UTC)
+    start = _period(request.query_params.get("from"), "from") or now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = _period(to, "to")
+    if end is not None and end <= start:
+        raise InvalidRequest("to must be after from", param="to")
+    engine = request.app.state.ledger.engine
+
+    def prepare():
+        statements.ensure_applied(engine, min(end or now, now), rounds_max=1)
+        return exports.totals(engine, account, start, end)
+
+    try:
+        totals = await asyncio.to_thread(prepare)
+    except statements.StatementNotReady as exc:
+        raise NotReady(str(exc)) from None
+    chunks = exports.csv_chunks(engine, account, start, end, totals.opening_balance_nano_usd)
+    name = f"ledger-{account}-{start.date()}-{(end or now).date()}.csv"
+    return Stream(iterate_in_threads(chunks), media_type="text/csv; charset=utf-8", headers={
+        "content-disposition": f'attachment; filename="{name}"',
+        "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
+        "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
+        "x-paralon-postings": str(totals.postings)})
+
+
+async def iterate_in_threads(chunks):
+    """An iterator whose every step reads the database, stepped off the event loop."""
+    done = object()
+    while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+        yield chunk
+
+
+MANAGEMENT_HANDLERS.extend([list_statement_documents, statement, ledger_export])

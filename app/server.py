@@ -24,7 +24,7 @@ def run_server(settings: Settings, host: str, port: int) -> None:
     app = create_app(ledger, key_cache_ttl_s=settings.key_cache_ttl_ms / 1000,
                      health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
                      hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000, stripe_settings=settings.stripe(),
-                     crypto_settings=settings.crypto())
+                     crypto_settings=settings.crypto(), invoice_settings=settings.invoices())
     tune_garbage_collector()
     for noisy in ("httpx", "stripe"):  # a line per request is noise
         logging.getLogger(noisy).setLevel(logging.WARNING)

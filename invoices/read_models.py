@@ -1,4 +1,4 @@
-"""Usage and earnings per day, as consumers of the ledger log.
+"""Usage and earnings per day, and postings by account, as one consumer of the ledger log.
 
 Each page of events and the consumer's position are written in one
 transaction (`ledger.log.consume_once`), so every settlement counts exactly
@@ -11,13 +11,14 @@ from collections.abc import Callable
 import orjson
 from sqlalchemy import Connection, Engine, delete, func, select, update
 
-from invoices.schema import earnings_daily, usage_daily
+from invoices.schema import account_postings, earnings_daily, usage_daily
 from ledger import log
 from ledger.log import StoredEvent, consumer_position
 from ledger.schema import consumer_positions, ledger_events
 
 CONSUMER = "read_models.usage_earnings"
 PAGES_PER_RUN_MAX = 100
+REFERENCE_LENGTH_MAX = 500
 
 USAGE_KEY = ("account_id", "api_key_id", "model", "day")
 USAGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")
@@ -25,37 +26,57 @@ EARNINGS_KEY = ("owner_account_id", "worker_id", "model", "day")
 EARNINGS_SUMS = ("requests", "earnings_nano_usd")
 
 
-def _settlement(conn: Connection, event: StoredEvent) -> tuple[dict, int] | None:
-    """(RequestSettled payload, +1 or -1) for a settlement or the reversal of one."""
-    if event.event_type == "RequestSettled":
-        return orjson.loads(event.payload_json), 1
-    if event.event_type == "EventReversed":
-        reversed_seq = orjson.loads(event.payload_json)["reversed_seq"]
-        row = conn.execute(select(ledger_events.c.event_type, ledger_events.c.payload, ledger_events.c.recorded_at)
-                           .where(ledger_events.c.seq == reversed_seq)).one()
-        if row.event_type == "RequestSettled":
-            return orjson.loads(row.payload), -1
-    return None
+def _reversed_events(conn: Connection, events: list[StoredEvent]) -> dict[int, tuple[str, dict]]:
+    """The events this page reverses: seq -> (type, payload), in one query."""
+    seqs = [orjson.loads(e.payload_json)["reversed_seq"] for e in events if e.event_type == "EventReversed"]
+    if not seqs:
+        return {}
+    rows = conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type, ledger_events.c.payload)
+                        .where(ledger_events.c.seq.in_(seqs)))
+    return {r.seq: (r.event_type, orjson.loads(r.payload)) for r in rows}
+
+
+def _reference(source_type: str, source: dict) -> str:
+    if source_type == "RequestSettled":
+        return source["request_id"]
+    if "external_reference" in source:
+        method = source.get("payment_method")
+        return f"{method}: {source['external_reference']}" if method else source["external_reference"]
+    return str(source.get("reason", ""))
 
 
 def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
     usage: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(USAGE_SUMS))
     earnings: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(EARNINGS_SUMS))
+    postings: list[dict] = []
+    reversed_events = _reversed_events(conn, events)
     for event in events:
-        found = _settlement(conn, event)
-        if found is None:
-            continue
-        payload, sign = found
-        meta, day = payload["meta"], event.recorded_at.date().isoformat()
-        model = str(meta.get("model", ""))
-        u = usage[(payload["customer_account_id"], int(meta.get("api_key_id") or 0), model, day)]
-        for i, value in enumerate((1, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), payload["charge_nano_usd"])):
-            u[i] += sign * int(value)
-        e = earnings[(payload["owner_account_id"], int(meta.get("worker_id") or 0), model, day)]
-        e[0] += sign
-        e[1] += sign * payload["owner_nano_usd"]
+        payload = orjson.loads(event.payload_json)
+        source_type, source, sign = event.event_type, payload, 1
+        if event.event_type == "EventReversed":  # counts against what it reverses
+            source_type, source = reversed_events[payload["reversed_seq"]]
+            sign = -1
+        meta = source.get("meta", {}) if source_type == "RequestSettled" else {}
+        model, key_id, worker_id = str(meta.get("model", "")), int(meta.get("api_key_id") or 0), int(meta.get("worker_id") or 0)
+        if source_type == "RequestSettled":
+            day = event.recorded_at.date().isoformat()
+            u = usage[(source["customer_account_id"], key_id, model, day)]
+            for i, value in enumerate((1, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), source["charge_nano_usd"])):
+                u[i] += sign * int(value)
+            e = earnings[(source["owner_account_id"], worker_id, model, day)]
+            e[0] += sign
+            e[1] += sign * source["owner_nano_usd"]
+        reference = _reference(source_type, source)
+        if sign < 0:
+            reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
+        for leg, (account_id, amount) in enumerate(event.postings):
+            postings.append({"account_id": account_id, "event_seq": event.seq, "leg": leg, "recorded_at": event.recorded_at,
+                             "event_type": event.event_type, "source_type": source_type, "amount_nano_usd": amount,
+                             "model": model, "api_key_id": key_id, "worker_id": worker_id, "reference": reference[:REFERENCE_LENGTH_MAX]})
     _add(conn, usage_daily, USAGE_KEY, USAGE_SUMS, usage)
     _add(conn, earnings_daily, EARNINGS_KEY, EARNINGS_SUMS, earnings)
+    if postings:
+        conn.execute(account_postings.insert(), postings)
 
 
 def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: dict) -> None:
@@ -69,7 +90,7 @@ def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: di
 
 def catch_up(engine: Engine, progress: Callable[[int], None] | None = None) -> int:
     """Apply what the log holds beyond the position (bounded per run); returns events read."""
-    return log.catch_up(engine, CONSUMER, apply_page, pages_max=PAGES_PER_RUN_MAX, with_postings=False, progress=progress)
+    return log.catch_up(engine, CONSUMER, apply_page, pages_max=PAGES_PER_RUN_MAX, progress=progress)
 
 
 def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> int:
@@ -77,6 +98,7 @@ def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> in
     with engine.begin() as conn:
         conn.execute(delete(usage_daily))
         conn.execute(delete(earnings_daily))
+        conn.execute(delete(account_postings))
         conn.execute(delete(consumer_positions).where(consumer_positions.c.consumer == CONSUMER))
     total = 0
     while read := catch_up(engine, progress):

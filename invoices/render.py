@@ -1,4 +1,4 @@
-"""Invoices and credit notes as PDF/A-3b: a Jinja2 template rendered by
+"""Invoices, credit notes and statements as PDF/A-3b: a Jinja2 template rendered by
 WeasyPrint, with the fonts shipped beside it (the output must not depend on
 what fonts a machine has)."""
 from __future__ import annotations
@@ -19,16 +19,25 @@ PDF_VARIANT = "pdf/a-3b"
 def cents_text(amount_nano_usd: int) -> str:
     """Shown to the cent, half away from zero (the rule printed on every invoice)."""
     usd = (Decimal(abs(amount_nano_usd)) / NANO_USD_PER_USD).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
-    return f"{'-' if amount_nano_usd < 0 else ''}{usd:,.2f}"
+    return f"{'-' if amount_nano_usd < 0 and usd else ''}{usd:,.2f}"  # never "-0.00"
+
+
+_templates.filters.update(usd=cents_text, exact_usd=nano_usd_to_usd_text)
 
 
 def render_pdf(document: dict) -> bytes:
     """document: number, kind, issued_on, seller, buyer, line, amount_nano_usd,
     payment_method, reference, source_seq, corrects (credit notes)."""
-    html = _templates.get_template("invoice.html").render(
-        title="Credit note" if document["kind"] == "credit_note" else "Invoice",
-        fonts=(HERE / "fonts").as_uri(), currency="USD",
-        amount=cents_text(document["amount_nano_usd"]), exact_nano_usd=document["amount_nano_usd"],
-        exact_usd=nano_usd_to_usd_text(document["amount_nano_usd"]), **document,
-    )
+    return _pdf("invoice.html", title="Credit note" if document["kind"] == "credit_note" else "Invoice",
+                amount=cents_text(document["amount_nano_usd"]), exact_nano_usd=document["amount_nano_usd"],
+                exact_usd=nano_usd_to_usd_text(document["amount_nano_usd"]), **document)
+
+
+def render_statement_pdf(statement: dict) -> bytes:
+    """statement: the figures of `invoices.statements.build`."""
+    return _pdf("statement.html", title="Statement", **statement)
+
+
+def _pdf(template: str, **context) -> bytes:
+    html = _templates.get_template(template).render(fonts=(HERE / "fonts").as_uri(), currency="USD", **context)
     return HTML(string=html, base_url=str(HERE)).write_pdf(pdf_variant=PDF_VARIANT)

@@ -1,7 +1,7 @@
 """Invoices and credit notes: gapless numbers per series and year."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, Integer, LargeBinary, String, Table
+from sqlalchemy import BigInteger, Column, ForeignKey, Index, Integer, LargeBinary, String, Table
 
 from ledger.schema import UTCDateTime, metadata
 
@@ -59,4 +59,40 @@ earnings_daily = Table(
     Column("day", String(10), primary_key=True),
     Column("requests", BigInteger, nullable=False),
     Column("earnings_nano_usd", BigInteger, nullable=False),
+)
+
+# Every posting, by account and time, with what it was for: the per-account
+# view the hot append tables deliberately do not index. Kept by the same
+# consumer as the tables above, in the same transactions, so statements and
+# exports built from them always agree with each other.
+account_postings = Table(
+    "account_postings",
+    metadata,
+    Column("account_id", BigInteger, primary_key=True),
+    Column("event_seq", BigInteger, primary_key=True),
+    Column("leg", Integer, primary_key=True, autoincrement=False),
+    Column("recorded_at", UTCDateTime, nullable=False),
+    Column("event_type", String(64), nullable=False),
+    Column("source_type", String(64), nullable=False),  # the reversed event's type for a reversal, else event_type
+    Column("amount_nano_usd", BigInteger, nullable=False),
+    Column("model", String(200), nullable=False),  # settlements; '' otherwise
+    Column("api_key_id", BigInteger, nullable=False),  # 0 when none
+    Column("worker_id", BigInteger, nullable=False),
+    Column("reference", String(500), nullable=False),  # request id, payment reference or reason
+    Index("ix_account_postings_time", "account_id", "recorded_at"),
+)
+
+# Monthly statements of closed months, one per account and month.
+statements = Table(
+    "statements",
+    metadata,
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
+    Column("month", String(7), primary_key=True),  # YYYY-MM, UTC
+    Column("kind", String(16), nullable=False),  # customer, owner
+    Column("opening_balance_nano_usd", BigInteger, nullable=False),
+    Column("closing_balance_nano_usd", BigInteger, nullable=False),
+    Column("through_seq", BigInteger, nullable=False),  # the last ledger event of the month
+    Column("issued_at", UTCDateTime, nullable=False),
+    Column("pdf_path", String(1000), nullable=False),
+    Column("pdf_sha256", LargeBinary(32), nullable=False),
 )

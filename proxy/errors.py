@@ -8,6 +8,7 @@ class ProxyError(Exception):
     error_type = "api_error"
     code = "internal_error"
     param: str | None = None
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -65,3 +66,10 @@ class NotFound(ProxyError):
     """Does not exist, or belongs to an account the token may not know about."""
 
     status, error_type, code = 404, "invalid_request_error", "not_found"
+
+
+class NotReady(ProxyError):
+    """What was asked for is being prepared (a read model is catching up): ask again shortly."""
+
+    status, error_type, code = 503, "service_unavailable", "not_ready"
+    retry_after_s = 5

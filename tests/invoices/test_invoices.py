@@ -90,3 +90,12 @@ def test_only_credited_top_ups_are_invoiced(fleet, tmp_path):
         with pytest.raises(InvalidInput):
             issue_for_top_up(fleet.engine, InvoiceSettings(tmp_path / "invoices"), seq)
     assert list_invoices(fleet.engine, fleet.customer_id) == []
+
+
+def test_amounts_are_shown_to_the_cent_half_away_from_zero():
+    from invoices.render import cents_text
+
+    shown = {amount: cents_text(amount) for amount in (0, 4_999_999, 5_000_000, -5_000_000, -4_999_999, -2_000_001,
+                                                       1_234_567_890_123, 10**9)}
+    assert shown == {0: "0.00", 4_999_999: "0.00", 5_000_000: "0.01", -5_000_000: "-0.01", -4_999_999: "0.00",
+                     -2_000_001: "0.00", 1_234_567_890_123: "1,234.57", 10**9: "1.00"}, "and never -0.00"
