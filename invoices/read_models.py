@@ -9,16 +9,20 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import orjson
-from sqlalchemy import Connection, Engine, delete, func, select, update
+from sqlalchemy import Connection, Engine, Integer, delete, func, select
+from sqlalchemy.dialects import sqlite
 
 from invoices.schema import account_postings, earnings_daily, usage_daily
-from ledger import log
+from ledger import bulk, log
+from ledger.db import is_postgres
 from ledger.log import StoredEvent, consumer_position
-from ledger.schema import consumer_positions, ledger_events
+from ledger.schema import UTCDateTime, consumer_positions, ledger_events
 
 CONSUMER = "read_models.usage_earnings"
 PAGES_PER_RUN_MAX = 100
 REFERENCE_LENGTH_MAX = 500
+POSTING_COLUMNS = ("account_id", "event_seq", "leg", "recorded_at", "event_type", "source_type", "amount_nano_usd",
+                   "model", "api_key_id", "worker_id", "reference")
 
 USAGE_KEY = ("account_id", "api_key_id", "model", "day")
 USAGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")
@@ -48,7 +52,7 @@ def _reference(source_type: str, source: dict) -> str:
 def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
     usage: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(USAGE_SUMS))
     earnings: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(EARNINGS_SUMS))
-    postings: list[dict] = []
+    postings: list[tuple] = []
     reversed_events = _reversed_events(conn, events)
     for event in events:
         payload = orjson.loads(event.payload_json)
@@ -70,22 +74,55 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
         if sign < 0:
             reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
         for leg, (account_id, amount) in enumerate(event.postings):
-            postings.append({"account_id": account_id, "event_seq": event.seq, "leg": leg, "recorded_at": event.recorded_at,
-                             "event_type": event.event_type, "source_type": source_type, "amount_nano_usd": amount,
-                             "model": model, "api_key_id": key_id, "worker_id": worker_id, "reference": reference[:REFERENCE_LENGTH_MAX]})
+            postings.append((account_id, event.seq, leg, event.recorded_at, event.event_type, source_type, amount,
+                             model, key_id, worker_id, reference[:REFERENCE_LENGTH_MAX]))
     _add(conn, usage_daily, USAGE_KEY, USAGE_SUMS, usage)
     _add(conn, earnings_daily, EARNINGS_KEY, EARNINGS_SUMS, earnings)
-    if postings:
-        conn.execute(account_postings.insert(), postings)
+    _insert(conn, account_postings, POSTING_COLUMNS, postings)
 
 
 def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: dict) -> None:
-    for key, values in sorted(deltas.items()):
-        where = [table.c[name] == value for name, value in zip(key_names, key)]
-        changed = conn.execute(update(table).where(*where).values(
-            {name: table.c[name] + value for name, value in zip(sum_names, values)})).rowcount
-        if not changed:
-            conn.execute(table.insert().values(**dict(zip(key_names, key)), **dict(zip(sum_names, values))))
+    """Add each key's sums to its row, creating it the first time: one upsert for the page."""
+    if not deltas:
+        return
+    rows = [(*key, *values) for key, values in sorted(deltas.items())]
+    if is_postgres(conn):
+        updates = ", ".join(f"{name} = {table.name}.{name} + EXCLUDED.{name}" for name in sum_names)
+        sql, params = _pg_unnest_insert(table, key_names + sum_names, rows)
+        conn.exec_driver_sql(f"{sql} ON CONFLICT ({', '.join(key_names)}) DO UPDATE SET {updates}", params)
+        return
+    statement = sqlite.insert(table)
+    conn.execute(statement.on_conflict_do_update(index_elements=list(key_names),
+                                                 set_={name: table.c[name] + statement.excluded[name] for name in sum_names}),
+                 [dict(zip(key_names + sum_names, row)) for row in rows])
+
+
+def _insert(conn: Connection, table, names: tuple, rows: list[tuple]) -> None:
+    if not rows:
+        return
+    if is_postgres(conn):
+        conn.exec_driver_sql(*_pg_unnest_insert(table, names, rows))
+    else:
+        conn.execute(table.insert(), [dict(zip(names, row)) for row in rows])
+
+
+def _pg_array(column_type) -> tuple[str, Callable]:
+    """The array type a column travels as, and how its values are written (ledger.bulk's literals)."""
+    if isinstance(column_type, UTCDateTime):
+        return "timestamptz", lambda values: bulk.texts([v.isoformat() for v in values])
+    if isinstance(column_type, Integer):
+        return "bigint", bulk.ints
+    return "text", bulk.texts
+
+
+def _pg_unnest_insert(table, names: tuple, rows: list[tuple]) -> tuple[str, dict]:
+    """One INSERT for all rows on PostgreSQL: each column travels as one array literal."""
+    arrays, params = [], {}
+    for name, column in zip(names, zip(*rows)):
+        pg_type, encode = _pg_array(table.c[name].type)
+        arrays.append(f"%({name})s::{pg_type}[]")
+        params[name] = encode(column)
+    return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({', '.join(arrays)})", params
 
 
 def catch_up(engine: Engine, progress: Callable[[int], None] | None = None) -> int:

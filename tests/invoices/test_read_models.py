@@ -50,3 +50,56 @@ def test_read_models_count_each_settlement_once_and_rebuild_identically(database
     assert read_models.lag_events(fleet.engine) == 0
     ledger.close()
     fleet.engine.dispose()
+
+
+def test_postings_by_account_keep_every_posting_and_its_text_exactly(database_url):
+    from invoices.schema import account_postings
+    from ledger.schema import ledger_postings
+
+    fleet = make_fleet(database_url, ["http://127.0.0.1:1"], credits_usd="0")
+    awkward = 'goodwill "quoted", {braced}, back\\slash, NULL, ünïcode ✓'
+    ledger = Ledger(fleet.engine)
+    ledger.append(cmd.GrantCredits(fleet.customer_id, 10**9, awkward, "g-1"))
+    _settle(ledger, fleet, 1, 'model "x"', 1234)
+    read_models.catch_up(fleet.engine)
+    with fleet.engine.connect() as conn:
+        copied = sorted((r.event_seq, r.leg, r.account_id, r.amount_nano_usd) for r in conn.execute(select(account_postings)))
+        original = sorted((r.event_seq, r.leg, r.account_id, r.amount_nano_usd) for r in conn.execute(select(ledger_postings)))
+        grant = conn.execute(select(account_postings).where(account_postings.c.account_id == fleet.customer_id)
+                             .order_by(account_postings.c.event_seq)).first()
+        settled = conn.execute(select(account_postings.c.model, account_postings.c.reference)
+                               .where(account_postings.c.source_type == "RequestSettled")).first()
+    assert copied == original, "one row per posting, none lost, none added"
+    assert (grant.reference, grant.source_type, grant.recorded_at.tzinfo is not None) == (awkward, "CreditsGranted", True)
+    assert tuple(settled) == ('model "x"', "r1")
+    ledger.close()
+    fleet.engine.dispose()
+
+
+def test_upgrading_to_postings_by_account_rebuilds_the_read_models_from_the_first_event(database_url):
+    from alembic import command
+
+    from app.migrate import alembic_config, migrate
+    from invoices.schema import account_postings
+    from ledger.accounts import create_account
+    from ledger.db import make_engine
+    from ledger.service import append_now
+
+    engine = make_engine(database_url)
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0008")  # a deployment from before statements, its read models caught up
+    with engine.begin() as conn:
+        customer = create_account(conn, cmd.CUSTOMER, "early customer")
+    append_now(engine, cmd.GrantCredits(customer, 10**9, "before the upgrade", "g-early"))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO consumer_positions (consumer, last_seq, updated_at) VALUES "
+                             "('read_models.usage_earnings', 1, CURRENT_TIMESTAMP)")
+    migrate(engine)
+    assert read_models.lag_events(engine) == 1, "the consumer starts again"
+    read_models.catch_up(engine)
+    with engine.connect() as conn:
+        assert [(r.account_id, r.amount_nano_usd) for r in conn.execute(
+            select(account_postings).where(account_postings.c.account_id == customer))] == [(customer, 10**9)]
+    engine.dispose()
