@@ -147,7 +147,7 @@ async def health() -> Response:
 
 def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_s: float = 2.0,
                hold_ttl_s: int = HOLD_TTL_S, hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
-               stripe_settings=None, crypto_settings=None, invoice_settings=None) -> Litestar:
+               stripe_settings=None, crypto_settings=None, invoice_settings=None, embedded_beat: bool = False) -> Litestar:
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -164,6 +164,10 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
         tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), _follow_key_spend(ledger))]
+        if embedded_beat:
+            from app.embedded_beat import run_embedded_beat
+
+            tasks.append(asyncio.create_task(run_embedded_beat()))
         try:
             yield
         finally:

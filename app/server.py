@@ -19,12 +19,12 @@ def _loop() -> str:
     return "uvloop"
 
 
-def run_server(settings: Settings, host: str, port: int) -> None:
+def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False) -> None:
     ledger = settings.open_ledger(make_engine(settings.database_url))
     app = create_app(ledger, key_cache_ttl_s=settings.key_cache_ttl_ms / 1000,
                      health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
                      hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000, stripe_settings=settings.stripe(),
-                     crypto_settings=settings.crypto(), invoice_settings=settings.invoices())
+                     crypto_settings=settings.crypto(), invoice_settings=settings.invoices(), embedded_beat=embedded_beat)
     tune_garbage_collector()
     for noisy in ("httpx", "stripe"):  # a line per request is noise
         logging.getLogger(noisy).setLevel(logging.WARNING)

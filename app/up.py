@@ -15,6 +15,7 @@ import httpx
 from sqlalchemy import Engine, select
 
 from app.migrate import migrate
+from app.celery_app import celery
 from app.server import run_server
 from app.settings import Settings
 from ledger import commands as cmd
@@ -115,7 +116,7 @@ def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
     processes = start_sim_workers(fleet)
     try:
         print_welcome(demo, f"http://{host}:{port}", fleet)
-        run_server(settings, host, port)
+        run_server(settings, host, port, embedded_beat=celery.conf.task_always_eager)  # no broker: no `paralon beat` either
     finally:
         for process in processes:
             process.terminate()
