@@ -323,3 +323,40 @@ def test_a_celery_worker_issues_the_month_once_per_account(history):
         rows = conn.execute(select(statements.c.account_id, statements.c.closing_balance_nano_usd).order_by(statements.c.account_id)).all()
     assert [tuple(r) for r in rows] == [(fleet.customer_id, OCTOBER_CLOSING), (fleet.owner_ids[0], C2 * 80 // 100 + C1 * 80 // 100)]
     assert len(list((settings.storage_dir / "statements" / "2026-10").glob("*.pdf"))) == 2
+
+
+def test_the_export_pages_through_postings_that_share_one_instant(history, monkeypatch):
+    from invoices import exports, read_models
+
+    fleet, _ = history
+    same_instant = at("2026-10-25T12:00:00")
+    monkeypatch.setattr("ledger.store.utc_now", lambda: same_instant)  # as a group-commit batch stamps its events
+    for i in range(5):
+        append_now(fleet.engine, cmd.GrantCredits(fleet.customer_id, GB + i, "batch", f"same-{i}"))
+    read_models.catch_up(fleet.engine)
+    october = st.parse_month("2026-10")
+    totals = exports.totals(fleet.engine, fleet.customer_id, october.start, october.end)
+
+    def export() -> list[list[str]]:
+        text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, october.start, october.end,
+                                           totals.opening_balance_nano_usd)).decode()
+        return [line.split(",") for line in text.splitlines()]
+
+    whole = export()
+    monkeypatch.setattr(exports, "EXPORT_PAGE_ROWS", 2)
+    assert export() == whole, "pages of two rows give the same rows, none twice, none lost"
+    assert len(whole) - 1 == totals.postings == 12
+    assert int(whole[-1][whole[0].index("balance_after_nano_usd")]) == totals.closing_balance_nano_usd == OCTOBER_CLOSING + 5 * GB + 10
+
+
+def test_export_text_cells_never_run_as_spreadsheet_formulas(history):
+    import csv
+
+    from invoices import exports, read_models
+
+    fleet, _ = history
+    append_now(fleet.engine, cmd.AdjustBalance(fleet.customer_id, GB, "=HYPERLINK(\"http://evil\")", "adj-formula"))
+    read_models.catch_up(fleet.engine)
+    text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, None, None, 0)).decode()
+    references = [row["reference"] for row in csv.DictReader(io.StringIO(text))]
+    assert "'=HYPERLINK(\"http://evil\")" in references and not any(r.startswith("=") for r in references)
