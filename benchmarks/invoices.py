@@ -23,24 +23,23 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
 from weasyprint import HTML  # noqa: E402
 
-from app.migrate import migrate  # noqa: E402
 from app.runtime import tune_garbage_collector  # noqa: E402
 from invoices import read_models  # noqa: E402
 from invoices.schema import earnings_daily  # noqa: E402
 from invoices.service import InvoiceSettings, issue_for_top_up  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.accounts import create_account, read_balance  # noqa: E402
-from ledger.db import make_engine, normalise_url  # noqa: E402
+from ledger.db import normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
 from ledger.log import read_events  # noqa: E402
+from scratch import ScratchDatabase, log  # noqa: E402
 from ledger.service import Ledger, append_now  # noqa: E402
 
 WARM_UP = 2
@@ -50,38 +49,6 @@ OWNERS, WORKERS, API_KEYS = 4, 8, 8
 HOLD_NANO_USD = 5_000_000
 SETTLE_BATCH = 1000
 LOG_PAGE_SIZE = 2000
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class ScratchDatabase:
-    def __init__(self, server_url: str, prefix: str) -> None:
-        self.admin_url = normalise_url(server_url)
-        self.name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-        self.sqlite = self.admin_url.get_backend_name() == "sqlite"
-        database = str(Path(self.admin_url.database).with_name(f"{self.name}.db")) if self.sqlite else self.name
-        self.url = self.admin_url.set(database=database)
-
-    def __enter__(self) -> "ScratchDatabase":
-        if not self.sqlite:
-            with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
-                conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.sqlite:
-            for suffix in ("", "-wal", "-shm", "-journal"):
-                Path(self.url.database + suffix).unlink(missing_ok=True)
-            return
-        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-
-    def engine(self):
-        engine = make_engine(self.url.render_as_string(hide_password=False), pool_size=4)
-        migrate(engine)
-        return engine
 
 
 def timed_ms(work, count: int) -> list[float]:

@@ -23,50 +23,23 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import create_engine, text  # noqa: E402
 
 from app.migrate import migrate  # noqa: E402
 from app.runtime import tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import make_engine, normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
+from scratch import ScratchDatabase, log  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.verify import verify  # noqa: E402
 
 CUSTOMERS = 64
 OWNERS = 8
 HOLD_NANO_USD = 5_000_000
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class ScratchDatabase:
-    def __init__(self, server_url: str, prefix: str) -> None:
-        self.admin_url = normalise_url(server_url)
-        self.name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-        self.url = self.admin_url.set(database=self.name)
-
-    def __enter__(self) -> "ScratchDatabase":
-        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-
-    def libpq_args(self) -> tuple[list[str], dict]:
-        url = self.url
-        args = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432), "-U", url.username or "postgres"]
-        env = dict(os.environ, PGPASSWORD=url.password or "")
-        return args, env
 
 
 def idle_cpu_s() -> float:

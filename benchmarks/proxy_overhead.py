@@ -31,7 +31,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ledger_throughput import ScratchDatabase, log  # noqa: E402
+from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
 from tests.proxy.harness import MODEL, ServeProcess, free_port, make_fleet  # noqa: E402
 

@@ -1,0 +1,56 @@
+"""What every benchmark shares: a scratch database of its own (created, then
+dropped), and progress lines on stderr (stdout is the JSON)."""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sqlalchemy import create_engine, text  # noqa: E402
+
+from app.migrate import migrate  # noqa: E402
+from ledger.db import make_engine, normalise_url  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ScratchDatabase:
+    """A PostgreSQL database on the server of `server_url`, or a SQLite file beside its path."""
+
+    def __init__(self, server_url: str, prefix: str) -> None:
+        self.admin_url = normalise_url(server_url)
+        self.name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+        self.sqlite = self.admin_url.get_backend_name() == "sqlite"
+        database = str(Path(self.admin_url.database).with_name(f"{self.name}.db")) if self.sqlite else self.name
+        self.url = self.admin_url.set(database=database)
+
+    def __enter__(self) -> "ScratchDatabase":
+        if not self.sqlite:
+            with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{self.name}"'))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.sqlite:
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(self.url.database + suffix).unlink(missing_ok=True)
+            return
+        with create_engine(self.admin_url, isolation_level="AUTOCOMMIT").connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
+
+    def engine(self):
+        """A migrated engine on the scratch database."""
+        engine = make_engine(self.url.render_as_string(hide_password=False), pool_size=4)
+        migrate(engine)
+        return engine
+
+    def libpq_args(self) -> tuple[list[str], dict]:
+        """Connection arguments for PostgreSQL's own tools (pgbench)."""
+        url = self.url
+        args = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432), "-U", url.username or "postgres"]
+        return args, dict(os.environ, PGPASSWORD=url.password or "")
