@@ -95,8 +95,15 @@ def ensure_applied(engine: Engine, end: datetime, rounds_max: int = CATCH_UP_ROU
     raise StatementNotReady("the read models are still catching up with the ledger; try again in a few seconds")
 
 
-def _sum(conn: Connection, *where) -> int:
-    return int(conn.execute(select(func.coalesce(func.sum(account_postings.c.amount_nano_usd), 0)).where(*where)).scalar_one())
+def _movements(conn: Connection, account_id: int, month: Month) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The opening balance, and the month's postings per kind: {source type: (count, amount)}."""
+    ap = account_postings.c
+    opening = conn.execute(select(func.coalesce(func.sum(ap.amount_nano_usd), 0))
+                           .where(ap.account_id == account_id, ap.recorded_at < month.start)).scalar_one()
+    sections = {r.source_type: (int(r.count), int(r.total)) for r in conn.execute(
+        select(ap.source_type, func.count().label("count"), func.sum(ap.amount_nano_usd).label("total"))
+        .where(ap.account_id == account_id, ap.recorded_at >= month.start, ap.recorded_at < month.end).group_by(ap.source_type))}
+    return int(opening), sections
 
 
 def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: datetime) -> dict:
@@ -110,10 +117,7 @@ def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: 
         raise InvalidInput(f"{month.text} has not begun")
     ap = account_postings.c
     in_month = (ap.account_id == account_id, ap.recorded_at >= month.start, ap.recorded_at < month.end)
-    opening = _sum(conn, ap.account_id == account_id, ap.recorded_at < month.start)
-    sections = {r.source_type: (int(r.count), int(r.total)) for r in conn.execute(
-        select(ap.source_type, func.count().label("count"), func.sum(ap.amount_nano_usd).label("total"))
-        .where(*in_month).group_by(ap.source_type))}
+    opening, sections = _movements(conn, account_id, month)
     closing = opening + sum(total for _, total in sections.values())
     settled_nano_usd = sections.get(SETTLED, (0, 0))[1]
     lines = _usage_lines(conn, account_id, month, labels) if account.kind == CUSTOMER else _earnings_lines(conn, account_id, month, labels)
@@ -233,10 +237,9 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
     now = now or utc_now()
     if not is_closed(month, now):
         raise InvalidInput(f"{month.text} has not closed yet: its statement is provisional and is not stored")
-    with engine.connect() as conn:
-        existing = conn.execute(select(statements).where(statements.c.account_id == account_id, statements.c.month == month.text)).first()
+    existing = _stored(engine, account_id, month)
     if existing is not None:
-        return _view(existing._mapping)
+        return existing
     ensure_applied(engine, month.end)
     if not month_reconciled:
         _require_reconciled(engine, month.end, account_id)
@@ -255,9 +258,14 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
         with engine.begin() as conn:
             conn.execute(statements.insert().values(**row))
     except IntegrityError:  # issued meanwhile by another worker: theirs stands
-        with engine.connect() as conn:
-            return _view(conn.execute(select(statements).where(statements.c.account_id == account_id, statements.c.month == month.text)).one()._mapping)
+        return _stored(engine, account_id, month)
     return _view(row)
+
+
+def _stored(engine: Engine, account_id: int, month: Month) -> dict | None:
+    with engine.connect() as conn:
+        row = conn.execute(select(statements).where(statements.c.account_id == account_id, statements.c.month == month.text)).first()
+    return None if row is None else _view(row._mapping)
 
 
 def _view(row: Mapping) -> dict:
