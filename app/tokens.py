@@ -13,8 +13,9 @@ from sqlalchemy import Connection, select
 
 from app.schema import management_tokens
 from ledger import commands as cmd
-from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
-from ledger.schema import accounts, utc_now
+from ledger.accounts import require_kind
+from ledger.errors import InvalidInput
+from ledger.schema import utc_now
 from proxy.keys import key_sha256, new_secret, revoke_secret
 
 TOKEN_PREFIX = "pt-par-"
@@ -38,11 +39,7 @@ def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str
     """Returns (id, token); the token itself is never stored and cannot be shown again."""
     if role not in ROLES:
         raise InvalidInput(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
-    if kind is None:
-        raise UnknownAccount(f"account {account_id} does not exist")
-    if kind != ACCOUNT_KIND_OF_ROLE[role]:
-        raise WrongAccountKind(f"a {role} token acts for a {ACCOUNT_KIND_OF_ROLE[role]} account; {account_id} is a {kind} account")
+    require_kind(conn, account_id, (ACCOUNT_KIND_OF_ROLE[role],), f"a {role} token acts for a {ACCOUNT_KIND_OF_ROLE[role]} account")
     token = new_secret(TOKEN_PREFIX)
     token_id = conn.execute(
         management_tokens.insert()

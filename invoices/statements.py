@@ -25,8 +25,9 @@ from invoices import read_models
 from invoices.render import render_statement_pdf
 from invoices.schema import account_postings, earnings_daily, statements, usage_daily
 from invoices.service import InvoiceSettings
+from ledger.accounts import require_kind
 from ledger.commands import CUSTOMER, OWNER
-from ledger.errors import InvalidInput, InvariantBroken, LedgerError, UnknownAccount, WrongAccountKind
+from ledger.errors import InvalidInput, InvariantBroken, LedgerError
 from ledger.log import consumer_position
 from ledger.schema import accounts, ledger_events, ledger_postings, utc_now
 
@@ -108,11 +109,8 @@ def _movements(conn: Connection, account_id: int, month: Month) -> tuple[int, di
 
 def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: datetime) -> dict:
     """The statement's figures; raises if they do not reconcile."""
-    account = conn.execute(select(accounts.c.kind, accounts.c.name, accounts.c.email).where(accounts.c.id == account_id)).first()
-    if account is None:
-        raise UnknownAccount(f"no account {account_id}")
-    if account.kind not in (CUSTOMER, OWNER):
-        raise WrongAccountKind(f"account {account_id} is a {account.kind} account; statements are for customers and owners")
+    require_kind(conn, account_id, (CUSTOMER, OWNER), "statements are for customers and owners")
+    account = conn.execute(select(accounts.c.kind, accounts.c.name, accounts.c.email).where(accounts.c.id == account_id)).one()
     if month.start > now:
         raise InvalidInput(f"{month.text} has not begun")
     ap = account_postings.c

@@ -8,7 +8,7 @@ from sqlalchemy import Connection, func, select
 
 from ledger import bulk
 from ledger import commands as cmd
-from ledger.errors import InvalidInput, UnknownAccount
+from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
 from ledger.schema import account_balances, accounts, customer_holds, utc_now
 
 NAME_LENGTH_MAX = 200
@@ -98,3 +98,13 @@ def read_balance(conn: Connection, account_id: int) -> BalanceView:
     if view is None:
         raise UnknownAccount(f"account {account_id} does not exist")
     return view
+
+
+def require_kind(conn: Connection, account_id: int, kinds: tuple[str, ...], rule: str) -> str:
+    """The account's kind when it is one of `kinds`; otherwise a typed error that states `rule`."""
+    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
+    if kind is None:
+        raise UnknownAccount(f"account {account_id} does not exist")
+    if kind not in kinds:
+        raise WrongAccountKind(f"{rule}; {account_id} is a {kind} account")
+    return kind

@@ -8,9 +8,10 @@ from typing import NamedTuple
 from sqlalchemy import Connection, select, update
 
 from ledger import commands as cmd
-from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
+from ledger.accounts import require_kind
+from ledger.errors import InvalidInput
 from ledger.money import require_positive
-from ledger.schema import accounts, utc_now
+from ledger.schema import utc_now
 from proxy.schema import api_keys
 
 KEY_PREFIX = "sk-par-"
@@ -43,11 +44,7 @@ def revoke_secret(conn: Connection, table, row_id: int, what: str) -> None:
 def create_key(conn: Connection, account_id: int, *, name: str | None = None,
                spend_limit_nano_usd: int | None = None) -> tuple[int, str]:
     """Returns (id, key); the key itself is never stored and cannot be shown again."""
-    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
-    if kind is None:
-        raise UnknownAccount(f"account {account_id} does not exist")
-    if kind != cmd.CUSTOMER:
-        raise WrongAccountKind(f"API keys belong to customer accounts; {account_id} is a {kind} account")
+    require_kind(conn, account_id, (cmd.CUSTOMER,), "API keys belong to customer accounts")
     if spend_limit_nano_usd is not None:
         require_positive(spend_limit_nano_usd, "spend limit")
     if name is not None:

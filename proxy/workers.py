@@ -12,8 +12,9 @@ from urllib.parse import urlsplit
 from sqlalchemy import Connection, select, update
 
 from ledger import commands as cmd
-from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
-from ledger.schema import accounts, utc_now
+from ledger.accounts import require_kind
+from ledger.errors import InvalidInput
+from ledger.schema import utc_now
 from proxy.schema import workers
 
 ENGINES = ("vllm", "llamacpp")
@@ -64,11 +65,7 @@ def require_url(url: str) -> str:
 
 def add_worker(conn: Connection, owner_account_id: int, url: str, model: str, engine: str = "vllm",
                context_length: int | None = None) -> int:
-    kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == owner_account_id)).scalar()
-    if kind is None:
-        raise UnknownAccount(f"account {owner_account_id} does not exist")
-    if kind != cmd.OWNER:
-        raise WrongAccountKind(f"workers belong to owner accounts; {owner_account_id} is a {kind} account")
+    require_kind(conn, owner_account_id, (cmd.OWNER,), "workers belong to owner accounts")
     if engine not in ENGINES:
         raise InvalidInput(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     cmd.require_text(model, "a model name", 200)
