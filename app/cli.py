@@ -15,7 +15,7 @@ from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import holds as hl
 from ledger.db import make_engine
-from ledger.errors import LedgerError
+from ledger.errors import InvalidInput, LedgerError
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now
@@ -458,6 +458,32 @@ def ledger_replay(as_json: bool) -> None:
         accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
     _emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
           f"replayed {total} events into {accounts_rebuilt} account balances")
+
+
+@ledger.command("export")
+@click.argument("account_id", type=int)
+@click.option("--from", "start_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), inclusive")
+@click.option("--to", "end_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), exclusive")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default="-", show_default=True)
+@handles_errors
+def ledger_export(account_id: int, start_text: str, end_text: str, output: str) -> None:
+    """Every posting of ACCOUNT_ID in [from, to) as CSV, with the running balance (what GET /v1/exports/ledger.csv sends)."""
+    from invoices import exports, statements
+
+    start, end = exports.parse_period_bound(start_text, "--from"), exports.parse_period_bound(end_text, "--to")
+    if end <= start:
+        raise InvalidInput("--to must be after --from")
+    engine = _engine()
+    with engine.connect() as conn:
+        acc.require_kind(conn, account_id, (cmd.CUSTOMER, cmd.OWNER, cmd.PLATFORM, cmd.EXTERNAL), "")  # exists
+    statements.ensure_applied(engine, min(end, utc_now()))
+    totals = exports.totals(engine, account_id, start, end)
+    with click.open_file(output, "wb") as out, _progress(totals.postings, "exporting") as bar:
+        for chunk in exports.csv_chunks(engine, account_id, start, end, totals.opening_balance_nano_usd):
+            out.write(chunk)
+            bar.update(chunk.count(b"\n"))
+    click.echo(f"{totals.postings} postings; opening {nano_usd_to_usd_text(totals.opening_balance_nano_usd)} USD, "
+               f"closing {nano_usd_to_usd_text(totals.closing_balance_nano_usd)} USD", err=True)
 
 
 @ledger.command("reverse")

@@ -203,12 +203,10 @@ def _period(value: str | None, name: str):
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
     if not value:
         return None
-    for pattern in ("%Y-%m-%d", "%Y-%m"):
-        try:
-            return datetime.strptime(value, pattern).replace(tzinfo=UTC)
-        except ValueError:
-            continue
-    raise InvalidRequest(f"{name} must be YYYY-MM or YYYY-MM-DD", param=name)
+    try:
+        return exports.parse_period_bound(value, name)
+    except LedgerError as exc:
+        raise InvalidRequest(str(exc), param=name) from None
 
 
 @get("/v1/invoices", summary="Invoices and credit notes of the account (filter by period and kind)")

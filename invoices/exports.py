@@ -10,11 +10,12 @@ import csv
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import Engine, and_, func, or_, select
 
 from invoices.schema import account_postings
+from ledger.errors import InvalidInput
 from ledger.money import nano_usd_to_usd_text
 
 EXPORT_PAGE_ROWS = 5_000
@@ -23,6 +24,16 @@ CSV_COLUMNS = ("event_seq", "leg", "recorded_at", "event_type", "source_type", "
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 ap = account_postings.c
+
+
+def parse_period_bound(text: str, name: str) -> datetime:
+    """'2026-11' or '2026-11-29': the UTC instant that day or month starts."""
+    for pattern in ("%Y-%m-%d", "%Y-%m"):
+        try:
+            return datetime.strptime(text, pattern).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    raise InvalidInput(f"{name} must be YYYY-MM or YYYY-MM-DD, not {text!r}")
 
 
 @dataclass(frozen=True)

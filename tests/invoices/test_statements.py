@@ -360,3 +360,26 @@ def test_export_text_cells_never_run_as_spreadsheet_formulas(history):
     text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, None, None, 0)).decode()
     references = [row["reference"] for row in csv.DictReader(io.StringIO(text))]
     assert "'=HYPERLINK(\"http://evil\")" in references and not any(r.startswith("=") for r in references)
+
+
+def test_the_cli_exports_what_the_api_exports(history, tmp_path):
+    import csv
+
+    from invoices import exports
+
+    fleet, _ = history
+    env = {"PARALON_DATABASE_URL": fleet.database_url}
+    target = tmp_path / "october.csv"
+    result = CliRunner().invoke(main, ["ledger", "export", str(fleet.customer_id), "--from", "2026-10", "--to", "2026-11",
+                                       "--output", str(target)], env=env)
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(target.open()))
+    october = st.parse_month("2026-10")
+    totals = exports.totals(fleet.engine, fleet.customer_id, october.start, october.end)
+    assert len(rows) == totals.postings == 7 and int(rows[-1]["balance_after_nano_usd"]) == OCTOBER_CLOSING
+    assert f"closing {nano_usd_to_usd_text(OCTOBER_CLOSING)} USD" in result.stderr
+    for bad in (["--from", "2026-11", "--to", "2026-10"], ["--from", "someday", "--to", "2026-10"]):
+        refused = CliRunner().invoke(main, ["ledger", "export", str(fleet.customer_id), *bad, "--output", str(tmp_path / "no.csv")], env=env)
+        assert refused.exit_code == 2 and not (tmp_path / "no.csv").exists()
+    refused = CliRunner().invoke(main, ["ledger", "export", "999999", "--from", "2026-10", "--to", "2026-11"], env=env)
+    assert refused.exit_code == 2 and "does not exist" in refused.stderr
