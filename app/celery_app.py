@@ -17,6 +17,8 @@ OUTBOX_INTERVAL_S = 5.0
 READ_MODELS_INTERVAL_S = 5.0
 MAIL_RETRY_WAIT_S = 5
 MAIL_RETRIES_MAX = 10_000  # keep trying while the mail server is down
+STATEMENT_RETRY_WAIT_S = 60
+STATEMENT_RETRIES_MAX = 60
 
 broker_url = os.environ.get("PARALON_CELERY_BROKER_URL") or None
 celery = Celery("paralon", broker=broker_url or "memory://", backend=os.environ.get("PARALON_CELERY_RESULT_URL") or None)
@@ -33,8 +35,9 @@ celery.conf.update(
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "read-models": {"task": "paralon.project_read_models", "schedule": READ_MODELS_INTERVAL_S},
-        # After the month's close grace (invoices.statements.CLOSE_GRACE_S), on the 1st.
-        "monthly-statements": {"task": "paralon.issue_statements", "schedule": crontab(minute=30, hour=0, day_of_month=1)},
+        # Daily, after the close grace of a month (invoices.statements.CLOSE_GRACE_S): the 1st issues
+        # last month's statements; later days issue only what a missed or failed run left out.
+        "monthly-statements": {"task": "paralon.issue_statements", "schedule": crontab(minute=30, hour=0)},
     },
 )
 
@@ -138,17 +141,23 @@ def project_read_models() -> int:
         engine.dispose()
 
 
-@celery.task(name="paralon.issue_statements", bind=True)
+@celery.task(name="paralon.issue_statements", bind=True, max_retries=STATEMENT_RETRIES_MAX)
 def issue_statements(self, month: str | None = None) -> dict:
-    """The statements of a closed month (by default the one before this):
-    the read models are checked against the ledger first, then one task per account."""
+    """The statements of a closed month (by default the one before this) not
+    issued yet: the read models are checked against the ledger first, then one task per account."""
+    from sqlalchemy.exc import OperationalError
+
     from invoices import statements
     from ledger.schema import utc_now
 
     engine, _ = _engine_and_settings()
     try:
         closed = statements.parse_month(month) if month else statements.previous_month(utc_now())
-        account_ids = statements.prepare_month(engine, closed)
+        account_ids = statements.missing_statements(engine, closed)
+    except (statements.StatementNotReady, OperationalError) as exc:
+        if celery.conf.task_always_eager:  # in-process: the next day's run tries again
+            raise
+        raise self.retry(exc=exc, countdown=STATEMENT_RETRY_WAIT_S) from None
     finally:
         engine.dispose()
     queue = (self.request.delivery_info or {}).get("routing_key")  # the children run where their parent ran

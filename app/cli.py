@@ -286,12 +286,12 @@ def _month(text: str | None):
 @json_option
 @handles_errors
 def statements_issue(month_text: str | None, account_id: int | None, as_json: bool) -> None:
-    """Issue the statements of a closed month, after checking the read models against the ledger."""
+    """Issue the statements of a closed month not issued yet, after checking the read models against the ledger."""
     from app.statement_labels import statement_labels
     from invoices import statements as st
 
     engine, month = _engine(), _month(month_text)
-    account_ids = [account_id] if account_id is not None else st.prepare_month(engine, month)
+    account_ids = [account_id] if account_id is not None else st.missing_statements(engine, month)
     issued = []
     with _progress(len(account_ids), f"statements {month.text}") as bar:
         for one in account_ids:
@@ -310,7 +310,7 @@ def statements_show(account_id: int, month_text: str | None, as_json: bool) -> N
     from app.statement_labels import statement_labels
     from invoices import statements as st
 
-    figures = st.figures(_engine(), account_id, _month(month_text), statement_labels)
+    figures = st.figures(_engine(), _invoice_settings(), account_id, _month(month_text), statement_labels)
     lines = [f"{figures['month']} account {account_id}{' (provisional)' if figures['provisional'] else ''}",
              f"opening {nano_usd_to_usd_text(figures['opening_balance_nano_usd'])} USD",
              *(f"{s['title']}: {nano_usd_to_usd_text(s['amount_nano_usd'])} USD ({s['postings']} postings)" for s in figures["sections"]),
@@ -468,7 +468,7 @@ def ledger_replay(as_json: bool) -> None:
 @handles_errors
 def ledger_export(account_id: int, start_text: str, end_text: str, output: str) -> None:
     """Every posting of ACCOUNT_ID in [from, to) as CSV, with the running balance (what GET /v1/exports/ledger.csv sends)."""
-    from invoices import exports, statements
+    from invoices import exports
 
     start, end = exports.parse_period_bound(start_text, "--from"), exports.parse_period_bound(end_text, "--to")
     if end <= start:
@@ -476,10 +476,10 @@ def ledger_export(account_id: int, start_text: str, end_text: str, output: str) 
     engine = _engine()
     with engine.connect() as conn:
         acc.require_kind(conn, account_id, (cmd.CUSTOMER, cmd.OWNER, cmd.PLATFORM, cmd.EXTERNAL), "")  # exists
-    statements.ensure_applied(engine, min(end, utc_now()))
-    totals = exports.totals(engine, account_id, start, end)
+    end = min(end, utc_now())
+    totals = exports.prepare(engine, account_id, start, end)
     with click.open_file(output, "wb") as out, _progress(totals.postings, "exporting") as bar:
-        for chunk in exports.csv_chunks(engine, account_id, start, end, totals.opening_balance_nano_usd):
+        for chunk in exports.csv_chunks(engine, account_id, start, end, totals):
             out.write(chunk)
             bar.update(chunk.count(b"\n"))
     click.echo(f"{totals.postings} postings; opening {nano_usd_to_usd_text(totals.opening_balance_nano_usd)} USD, "

@@ -12,6 +12,7 @@ from celery.schedules import maybe_schedule
 from app.celery_app import celery
 
 TICK_S = 1.0
+NEVER = datetime(2000, 1, 1, tzinfo=UTC)
 log = logging.getLogger("paralon.beat")
 
 
@@ -27,13 +28,13 @@ def due_tasks(last_run_at: dict[str, datetime]) -> list[str]:
 
 
 async def run_embedded_beat(tick_s: float = TICK_S) -> None:
-    started = datetime.now(UTC)
-    last_run_at = {name: started for name in celery.conf.beat_schedule}
+    """Every entry runs once at start (what a stopped laptop missed), then when due."""
+    last_run_at = {name: NEVER for name in celery.conf.beat_schedule}
     while True:
         for name in due_tasks(last_run_at):
             task = celery.tasks[celery.conf.beat_schedule[name]["task"]]
             try:
                 await asyncio.to_thread(task.apply, throw=True)
-            except Exception:  # the next round tries again; a stopped beat would stop them all
+            except Exception:  # it runs again when next due; one failure must not stop the others
                 log.exception("scheduled task %s failed", name)
         await asyncio.sleep(tick_s)

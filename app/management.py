@@ -22,11 +22,11 @@ from invoices.schema import earnings_daily, usage_daily
 from invoices.schema import invoices as invoices_table
 from ledger import accounts as acc
 from ledger import commands as cmd
-from ledger.errors import LedgerError
+from ledger.errors import InvariantBroken, LedgerError
 from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import workers as registry
-from proxy.errors import AuthenticationFailed, InvalidRequest, NotFound, NotReady, PermissionDenied
+from proxy.errors import AuthenticationFailed, InvalidRequest, NotFound, NotReady, PermissionDenied, ProxyError
 
 KEY_ROLES_READ = ("customer", "accountant", "admin")
 WORKER_ROLES = ("owner", "admin")
@@ -305,7 +305,8 @@ def _invoice_settings(request: Request):
 async def list_statement_documents(request: Request, account_id: int | None = None) -> Response:
     who = await principal(request, DOCUMENT_ROLES)
     account = _scoped_account(who, account_id)
-    return _json({"data": await _db(request, lambda conn: statements.list_statements(conn, account))})
+    listed = await _db(request, lambda conn: statements.list_statements(conn, account))
+    return _json({"data": [{k: v for k, v in s.items() if k != "pdf_path"} for s in listed]})  # server paths stay inside
 
 
 @get("/v1/statements/{name:str}", summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
@@ -322,13 +323,17 @@ async def statement(request: Request, name: str, account_id: int | None = None) 
     def work():
         month = statements.parse_month(month_text)
         if fmt == "json":
-            return statements.figures(engine, account, month, statement_labels, rounds_max=1), None
+            return statements.figures(engine, settings, account, month, statement_labels, rounds_max=1), None
         return statements.document(engine, settings, account, month, statement_labels, rounds_max=1)
 
     try:
         content, provisional = await asyncio.to_thread(work)
     except statements.StatementNotReady as exc:
         raise NotReady(str(exc)) from None
+    except statements.NoStatement as exc:
+        raise NotFound(str(exc)) from None
+    except InvariantBroken as exc:  # the books disagree: not the caller's doing
+        raise ProxyError(str(exc)) from None
     except LedgerError as exc:
         raise InvalidRequest(str(exc)) from None
     if fmt == "json":
@@ -348,23 +353,20 @@ async def ledger_export(request: Request, to: str | None = None, account_id: int
     end = _period(to, "to")
     if end is not None and end <= start:
         raise InvalidRequest("to must be after from", param="to")
+    end = min(end or now, now)  # what has not happened yet cannot be exported
     engine = request.app.state.ledger.engine
 
-    def prepare():
-        statements.ensure_applied(engine, min(end or now, now), rounds_max=1)
-        return exports.totals(engine, account, start, end)
-
     try:
-        totals = await asyncio.to_thread(prepare)
+        totals = await asyncio.to_thread(exports.prepare, engine, account, start, end, 1)
     except statements.StatementNotReady as exc:
         raise NotReady(str(exc)) from None
-    chunks = exports.csv_chunks(engine, account, start, end, totals.opening_balance_nano_usd)
-    name = f"ledger-{account}-{start.date()}-{(end or now).date()}.csv"
+    chunks = exports.csv_chunks(engine, account, start, end, totals)
+    name = f"ledger-{account}-{start.date()}-{end.date()}.csv"
     return Stream(iterate_in_threads(chunks), media_type="text/csv; charset=utf-8", headers={
         "content-disposition": f'attachment; filename="{name}"',
         "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
         "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
-        "x-paralon-postings": str(totals.postings)})
+        "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
 
 async def iterate_in_threads(chunks):

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Engine, and_, func, or_, select
+from sqlalchemy import BigInteger, Engine, Integer, func, literal, select, tuple_
 
+from invoices import read_models, statements
 from invoices.schema import account_postings
 from ledger.errors import InvalidInput
+from ledger.log import consumer_position
 from ledger.money import nano_usd_to_usd_text
+from ledger.schema import UTCDateTime
 
 EXPORT_PAGE_ROWS = 5_000
 CSV_COLUMNS = ("event_seq", "leg", "recorded_at", "event_type", "source_type", "amount_nano_usd", "amount_usd",
@@ -41,10 +44,11 @@ class ExportTotals:
     opening_balance_nano_usd: int
     closing_balance_nano_usd: int
     postings: int
+    through_seq: int  # the read model's position when the export began: later postings are in neither these nor the rows
 
 
-def _period(account_id: int, start: datetime | None, end: datetime | None) -> list:
-    where = [ap.account_id == account_id]
+def _period(account_id: int, start: datetime | None, end: datetime | None, through_seq: int) -> list:
+    where = [ap.account_id == account_id, ap.event_seq <= through_seq]
     if start is not None:
         where.append(ap.recorded_at >= start)
     if end is not None:
@@ -52,13 +56,22 @@ def _period(account_id: int, start: datetime | None, end: datetime | None) -> li
     return where
 
 
-def totals(engine: Engine, account_id: int, start: datetime | None, end: datetime | None) -> ExportTotals:
+def prepare(engine: Engine, account_id: int, start: datetime | None, end: datetime,
+            rounds_max: int = statements.CATCH_UP_ROUNDS_MAX) -> ExportTotals:
+    """Catch the read models up to `end`, then the export's totals as of that moment."""
+    statements.ensure_applied(engine, end, rounds_max)
+    with engine.connect() as conn:
+        through_seq = consumer_position(conn, read_models.CONSUMER)
+    return totals(engine, account_id, start, end, through_seq)
+
+
+def totals(engine: Engine, account_id: int, start: datetime | None, end: datetime | None, through_seq: int) -> ExportTotals:
     with engine.connect() as conn:
         opening = 0 if start is None else conn.execute(select(func.coalesce(func.sum(ap.amount_nano_usd), 0)).where(
-            ap.account_id == account_id, ap.recorded_at < start)).scalar_one()
+            ap.account_id == account_id, ap.event_seq <= through_seq, ap.recorded_at < start)).scalar_one()
         count, moved = conn.execute(select(func.count(), func.coalesce(func.sum(ap.amount_nano_usd), 0))
-                                    .where(*_period(account_id, start, end))).one()
-    return ExportTotals(int(opening), int(opening) + int(moved), int(count))
+                                    .where(*_period(account_id, start, end, through_seq))).one()
+    return ExportTotals(int(opening), int(opening) + int(moved), int(count), through_seq)
 
 
 def _text(value: str) -> str:
@@ -67,18 +80,18 @@ def _text(value: str) -> str:
 
 
 def csv_chunks(engine: Engine, account_id: int, start: datetime | None, end: datetime | None,
-               opening_balance_nano_usd: int) -> Iterator[bytes]:
+               totals: ExportTotals) -> Iterator[bytes]:
     """The header, then one chunk per page of rows, in time order."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
-    balance, after = opening_balance_nano_usd, None
+    balance, after, through_seq = totals.opening_balance_nano_usd, None, totals.through_seq
     while True:
-        query = select(account_postings).where(*_period(account_id, start, end))
-        if after is not None:
+        query = select(account_postings).where(*_period(account_id, start, end, through_seq))
+        if after is not None:  # a row comparison: each page is one range of the index
             at, seq, leg = after
-            query = query.where(or_(ap.recorded_at > at, and_(ap.recorded_at == at, or_(
-                ap.event_seq > seq, and_(ap.event_seq == seq, ap.leg > leg)))))
+            query = query.where(tuple_(ap.recorded_at, ap.event_seq, ap.leg) > tuple_(
+                literal(at, UTCDateTime), literal(seq, BigInteger), literal(leg, Integer)))
         with engine.connect() as conn:
             rows = conn.execute(query.order_by(ap.recorded_at, ap.event_seq, ap.leg).limit(EXPORT_PAGE_ROWS)).all()
         for r in rows:

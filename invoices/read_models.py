@@ -73,9 +73,12 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
         reference = _reference(source_type, source)
         if sign < 0:
             reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
+        customer, owner = source.get("customer_account_id"), source.get("owner_account_id")
         for leg, (account_id, amount) in enumerate(event.postings):
-            postings.append((account_id, event.seq, leg, event.recorded_at, event.event_type, source_type, amount,
-                             model, key_id, worker_id, reference[:REFERENCE_LENGTH_MAX]))
+            # Each side sees only its own: a customer not which worker answered, an owner not whose key asked.
+            postings.append((account_id, event.seq, leg, event.recorded_at, event.event_type, source_type, amount, model,
+                             0 if account_id == owner else key_id, 0 if account_id == customer else worker_id,
+                             reference[:REFERENCE_LENGTH_MAX]))
     _add(conn, usage_daily, USAGE_KEY, USAGE_SUMS, usage)
     _add(conn, earnings_daily, EARNINGS_KEY, EARNINGS_SUMS, earnings)
     _insert(conn, account_postings, POSTING_COLUMNS, postings)
@@ -133,10 +136,11 @@ def catch_up(engine: Engine, progress: Callable[[int], None] | None = None) -> i
 def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> int:
     """From the first event: empty the tables and the position together, then catch up to the end."""
     with engine.begin() as conn:
+        # The position row first: its lock waits for a page being applied, so the deletes below see that page too.
+        conn.execute(delete(consumer_positions).where(consumer_positions.c.consumer == CONSUMER))
         conn.execute(delete(usage_daily))
         conn.execute(delete(earnings_daily))
         conn.execute(delete(account_postings))
-        conn.execute(delete(consumer_positions).where(consumer_positions.c.consumer == CONSUMER))
     total = 0
     while read := catch_up(engine, progress):
         total += read

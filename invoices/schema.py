@@ -79,7 +79,7 @@ account_postings = Table(
     Column("api_key_id", BigInteger, nullable=False),  # 0 when none
     Column("worker_id", BigInteger, nullable=False),
     Column("reference", String(500), nullable=False),  # request id, payment reference or reason
-    Index("ix_account_postings_time", "account_id", "recorded_at"),
+    Index("ix_account_postings_time", "account_id", "recorded_at", "event_seq", "leg"),
 )
 
 # Monthly statements of closed months, one per account and month.

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -32,9 +33,11 @@ from ledger.log import consumer_position
 from ledger.schema import accounts, ledger_events, ledger_postings, utc_now
 
 CLOSE_GRACE_S = 300
+YEAR_MIN, YEAR_MAX = 2000, 9998
 CATCH_UP_ROUNDS_MAX = 20
 ITEMISED_LINES_MAX = 5_000  # beyond this a statement points to the ledger export
 SETTLED = "RequestSettled"
+STATED_KINDS, STATED_RULE = (CUSTOMER, OWNER), "statements are for customers and owners"
 SECTION_TITLES = {  # in the order a statement shows them; usage (earnings) comes third
     "CreditsPurchased": "Top-ups", "CreditsGranted": "Credits granted", SETTLED: "", "CreditsRefunded": "Refunds",
     "CreditsFrozen": "Disputes", "BalanceAdjusted": "Adjustments",
@@ -48,6 +51,12 @@ class StatementNotReady(LedgerError):
     code = "not_ready"
 
 
+class NoStatement(InvalidInput):
+    """The account had no ledger activity by the end of that month: there is nothing to state."""
+
+    code = "no_statement"
+
+
 @dataclass(frozen=True)
 class Month:
     text: str  # YYYY-MM
@@ -57,8 +66,8 @@ class Month:
 
 def parse_month(text: str) -> Month:
     match = re.fullmatch(r"(\d{4})-(0[1-9]|1[0-2])", text or "")
-    if match is None:
-        raise InvalidInput(f"a month is YYYY-MM, not {text!r}")
+    if match is None or not YEAR_MIN <= int(match[1]) <= YEAR_MAX:
+        raise InvalidInput(f"a month is YYYY-MM from {YEAR_MIN} to {YEAR_MAX}, not {text!r}")
     year, month = int(match[1]), int(match[2])
     return Month(text, datetime(year, month, 1, tzinfo=UTC), datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC))
 
@@ -109,7 +118,7 @@ def _movements(conn: Connection, account_id: int, month: Month) -> tuple[int, di
 
 def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: datetime) -> dict:
     """The statement's figures; raises if they do not reconcile."""
-    require_kind(conn, account_id, (CUSTOMER, OWNER), "statements are for customers and owners")
+    require_kind(conn, account_id, STATED_KINDS, STATED_RULE)
     account = conn.execute(select(accounts.c.kind, accounts.c.name, accounts.c.email).where(accounts.c.id == account_id)).one()
     if month.start > now:
         raise InvalidInput(f"{month.text} has not begun")
@@ -124,7 +133,7 @@ def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: 
         raise InvariantBroken(f"account {account_id} {month.text}: lines add up to {lines_nano_usd}, settlements to {settled_nano_usd}")
     itemised = conn.execute(select(ap.recorded_at, ap.event_seq, ap.source_type, ap.event_type, ap.amount_nano_usd, ap.reference)
                             .where(*in_month, ap.source_type != SETTLED)
-                            .order_by(ap.recorded_at, ap.event_seq, ap.leg).limit(ITEMISED_LINES_MAX)).all()
+                            .order_by(ap.recorded_at, ap.event_seq, ap.leg).limit(ITEMISED_LINES_MAX + 1)).all()
     through = _last_event_before(conn, month.end)
     return {
         "account": {"id": account_id, "kind": account.kind, "name": account.name, "email": account.email},
@@ -136,8 +145,8 @@ def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: 
         "lines": lines,
         "itemised": [{"recorded_at": r.recorded_at.isoformat(), "event_seq": r.event_seq, "title": SECTION_TITLES.get(r.source_type, r.source_type),
                       "reversal": r.event_type == "EventReversed", "amount_nano_usd": r.amount_nano_usd, "reference": r.reference}
-                     for r in itemised],
-        "itemised_complete": len(itemised) < ITEMISED_LINES_MAX,
+                     for r in itemised[:ITEMISED_LINES_MAX]],
+        "itemised_complete": len(itemised) <= ITEMISED_LINES_MAX,
         "through_seq": through[0], "through_hash": through[1],
     }
 
@@ -209,55 +218,92 @@ def _require_reconciled(engine: Engine, end: datetime, account_id: int | None = 
                               f"(account: (ledger, read model)): {mismatches}")
 
 
-def accounts_with_activity(engine: Engine, month: Month) -> list[int]:
+def accounts_with_activity(engine: Engine, month: Month, account_id: int | None = None) -> list[int]:
     """Customers and owners with any posting before the month's end: those who get a statement."""
+    active = select(account_postings.c.account_id).where(
+        account_postings.c.account_id == accounts.c.id, account_postings.c.recorded_at < month.end).exists()
+    query = select(accounts.c.id).where(accounts.c.kind.in_(STATED_KINDS), active).order_by(accounts.c.id)
+    if account_id is not None:
+        query = query.where(accounts.c.id == account_id)
     with engine.connect() as conn:
-        return list(conn.execute(
-            select(accounts.c.id).where(accounts.c.kind.in_((CUSTOMER, OWNER)), select(account_postings.c.account_id).where(
-                account_postings.c.account_id == accounts.c.id, account_postings.c.recorded_at < month.end).exists())
-            .order_by(accounts.c.id)).scalars())
+        return list(conn.execute(query).scalars())
 
 
-def prepare_month(engine: Engine, month: Month, now: datetime | None = None) -> list[int]:
-    """Before a month's statements: the month has closed, the read models hold
-    all of it and agree with the ledger for every account. Returns who gets one."""
+def missing_statements(engine: Engine, month: Month, now: datetime | None = None) -> list[int]:
+    """Before a month's statements: the month has closed and the read models hold
+    all of it. Returns who should have one and has not; when that is anyone, every
+    account's read-model total is first checked against the ledger's own."""
     if not is_closed(month, now or utc_now()):
         raise InvalidInput(f"{month.text} has not closed yet")
     ensure_applied(engine, month.end)
-    _require_reconciled(engine, month.end)
-    return accounts_with_activity(engine, month)
+    with engine.connect() as conn:
+        stored = set(conn.execute(select(statements.c.account_id).where(statements.c.month == month.text)).scalars())
+    missing = [a for a in accounts_with_activity(engine, month) if a not in stored]
+    if missing:
+        _require_reconciled(engine, month.end)
+    return missing
+
+
+@contextmanager
+def _snapshot(engine: Engine) -> Iterator[Connection]:
+    """One consistent view for all of a statement's queries, while the consumer keeps writing."""
+    conn = engine.connect()
+    if conn.dialect.name == "postgresql":
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+    try:
+        with conn.begin():  # SQLite: a read transaction sees one snapshot too
+            yield conn
+    finally:
+        conn.close()
 
 
 def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Month, labels_for: LabelLookup,
-          now: datetime | None = None, *, month_reconciled: bool = False) -> dict:
+          now: datetime | None = None, *, month_reconciled: bool = False, rounds_max: int = CATCH_UP_ROUNDS_MAX) -> dict:
     """The stored statement of a closed month (made now, or as it was). Unless
-    `prepare_month` has checked the whole month already, this account is checked against the ledger first."""
+    `missing_statements` has checked the whole month already, this account is checked against the ledger first."""
     now = now or utc_now()
     if not is_closed(month, now):
         raise InvalidInput(f"{month.text} has not closed yet: its statement is provisional and is not stored")
+    with engine.connect() as conn:
+        require_kind(conn, account_id, STATED_KINDS, STATED_RULE)
     existing = _stored(engine, account_id, month)
     if existing is not None:
         return existing
-    ensure_applied(engine, month.end)
+    ensure_applied(engine, month.end, rounds_max)
+    if not accounts_with_activity(engine, month, account_id):
+        raise NoStatement(f"account {account_id} had no ledger activity before {month.end.date()}")
     if not month_reconciled:
         _require_reconciled(engine, month.end, account_id)
-    with engine.connect() as conn:
+    with _snapshot(engine) as conn:
         figures = build(conn, account_id, month, labels_for(conn, account_id), now)
+    _require_chained(engine, account_id, month, figures["opening_balance_nano_usd"])
     pdf = render_statement_pdf(figures)
-    path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}.pdf"
+    digest = hashlib.sha256(pdf).digest()
+    # A name per rendering: two workers issuing at once each write their own file, and the row names the winner's.
+    path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}-{digest.hex()[:12]}.pdf"
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".pdf.partial")
     partial.write_bytes(pdf)
-    os.replace(partial, path)  # no row points at it yet, so a crashed attempt's file is simply replaced
+    os.replace(partial, path)
     row = {"account_id": account_id, "month": month.text, "kind": figures["account"]["kind"],
            "opening_balance_nano_usd": figures["opening_balance_nano_usd"], "closing_balance_nano_usd": figures["closing_balance_nano_usd"],
-           "through_seq": figures["through_seq"], "issued_at": now, "pdf_path": str(path), "pdf_sha256": hashlib.sha256(pdf).digest()}
+           "through_seq": figures["through_seq"], "issued_at": now, "pdf_path": str(path), "pdf_sha256": digest}
     try:
         with engine.begin() as conn:
             conn.execute(statements.insert().values(**row))
-    except IntegrityError:  # issued meanwhile by another worker: theirs stands
+    except IntegrityError:  # issued meanwhile by another worker: theirs stands, this file goes
+        path.unlink(missing_ok=True)
         return _stored(engine, account_id, month)
     return _view(row)
+
+
+def _require_chained(engine: Engine, account_id: int, month: Month, opening_nano_usd: int) -> None:
+    """A month opens where the stored month before it closed; anything else means an
+    event was recorded into a month after its statement (a clock stepped back)."""
+    previous = _stored(engine, account_id, previous_month(month.start))
+    if previous is not None and previous["closing_balance_nano_usd"] != opening_nano_usd:
+        raise InvariantBroken(f"account {account_id}: {month.text} opens at {opening_nano_usd} but "
+                              f"{previous['month']} was stated closing at {previous['closing_balance_nano_usd']}")
 
 
 def _stored(engine: Engine, account_id: int, month: Month) -> dict | None:
@@ -276,17 +322,22 @@ def document(engine: Engine, settings: InvoiceSettings, account_id: int, month: 
     """(PDF, provisional): the stored statement of a closed month, or one rendered now for the open month."""
     now = now or utc_now()
     if is_closed(month, now):
-        with open(issue(engine, settings, account_id, month, labels_for, now)["pdf_path"], "rb") as stored:
-            return stored.read(), False
-    return render_statement_pdf(figures(engine, account_id, month, labels_for, now, rounds_max)), True
+        stored = issue(engine, settings, account_id, month, labels_for, now, rounds_max=rounds_max)
+        with open(stored["pdf_path"], "rb") as pdf:
+            return pdf.read(), False
+    return render_statement_pdf(figures(engine, settings, account_id, month, labels_for, now, rounds_max)), True
 
 
-def figures(engine: Engine, account_id: int, month: Month, labels_for: LabelLookup, now: datetime | None = None,
-            rounds_max: int = CATCH_UP_ROUNDS_MAX) -> dict:
-    """The statement's figures, for any month that has begun."""
+def figures(engine: Engine, settings: InvoiceSettings, account_id: int, month: Month, labels_for: LabelLookup,
+            now: datetime | None = None, rounds_max: int = CATCH_UP_ROUNDS_MAX) -> dict:
+    """The statement's figures, for any month that has begun; a closed month's
+    statement is issued first, so what is shown has been checked against the ledger."""
     now = now or utc_now()
-    ensure_applied(engine, min(month.end, now), rounds_max)
-    with engine.connect() as conn:
+    if is_closed(month, now):
+        issue(engine, settings, account_id, month, labels_for, now, rounds_max=rounds_max)
+    else:
+        ensure_applied(engine, now, rounds_max)
+    with _snapshot(engine) as conn:
         return build(conn, account_id, month, labels_for(conn, account_id), now)
 
 

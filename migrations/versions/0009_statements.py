@@ -36,7 +36,7 @@ def upgrade() -> None:
         sa.Column("worker_id", sa.BigInteger, nullable=False),
         sa.Column("reference", sa.String(500), nullable=False),
     )
-    op.create_index("ix_account_postings_time", "account_postings", ["account_id", "recorded_at"])
+    op.create_index("ix_account_postings_time", "account_postings", ["account_id", "recorded_at", "event_seq", "leg"])
     op.create_table(
         "statements",
         sa.Column("account_id", sa.BigInteger, sa.ForeignKey("accounts.id"), primary_key=True),
@@ -49,9 +49,10 @@ def upgrade() -> None:
         sa.Column("pdf_path", sa.String(1000), nullable=False),
         sa.Column("pdf_sha256", sa.LargeBinary(32), nullable=False),
     )
+    # The position row first: its lock waits for a page being applied, so the deletes below see that page too.
+    op.execute(f"DELETE FROM consumer_positions WHERE consumer = '{CONSUMER}'")
     op.execute("DELETE FROM usage_daily")
     op.execute("DELETE FROM earnings_daily")
-    op.execute(f"DELETE FROM consumer_positions WHERE consumer = '{CONSUMER}'")
 
 
 def downgrade() -> None:

@@ -54,7 +54,7 @@ def test_read_models_count_each_settlement_once_and_rebuild_identically(database
 
 def test_postings_by_account_keep_every_posting_and_its_text_exactly(database_url):
     from invoices.schema import account_postings
-    from ledger.schema import ledger_postings
+    from ledger.schema import ledger_events, ledger_postings
 
     fleet = make_fleet(database_url, ["http://127.0.0.1:1"], credits_usd="0")
     awkward = 'goodwill "quoted", {braced}, back\\slash, NULL, ünïcode ✓'
@@ -70,7 +70,9 @@ def test_postings_by_account_keep_every_posting_and_its_text_exactly(database_ur
         settled = conn.execute(select(account_postings.c.model, account_postings.c.reference)
                                .where(account_postings.c.source_type == "RequestSettled")).first()
     assert copied == original, "one row per posting, none lost, none added"
-    assert (grant.reference, grant.source_type, grant.recorded_at.tzinfo is not None) == (awkward, "CreditsGranted", True)
+    with fleet.engine.connect() as conn:
+        recorded_at = conn.execute(select(ledger_events.c.recorded_at).where(ledger_events.c.seq == grant.event_seq)).scalar_one()
+    assert (grant.reference, grant.source_type, grant.recorded_at) == (awkward, "CreditsGranted", recorded_at)
     assert tuple(settled) == ('model "x"', "r1")
     ledger.close()
     fleet.engine.dispose()

@@ -6,6 +6,7 @@ Events are recorded in past months by setting the clock the ledger stamps
 appends with (`ledger.store.utc_now`); nothing else about time is faked."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from datetime import UTC, datetime, timedelta
@@ -91,12 +92,12 @@ OCTOBER_CLOSING = SEPTEMBER_CLOSING - C2 - 5 * GB + GB
 
 def test_a_customer_statement_reconciles_with_the_ledger_across_month_boundaries(history):
     fleet, settings = history
-    september = st.figures(fleet.engine, fleet.customer_id, st.parse_month("2026-09"), statement_labels)
+    september = st.figures(fleet.engine, settings, fleet.customer_id, st.parse_month("2026-09"), statement_labels)
     assert september["opening_balance_nano_usd"] == 0 and not september["provisional"]
     assert september["closing_balance_nano_usd"] == SEPTEMBER_CLOSING
     assert [(line["model"], line["requests"], line["amount_nano_usd"]) for line in september["lines"]] == [("m-a", 1, -C1)]
 
-    october = st.figures(fleet.engine, fleet.customer_id, st.parse_month("2026-10"), statement_labels)
+    october = st.figures(fleet.engine, settings, fleet.customer_id, st.parse_month("2026-10"), statement_labels)
     assert october["opening_balance_nano_usd"] == SEPTEMBER_CLOSING, "a month opens where the last one closed"
     assert october["closing_balance_nano_usd"] == OCTOBER_CLOSING
     sections = {s["title"]: (s["postings"], s["amount_nano_usd"]) for s in october["sections"]}
@@ -106,7 +107,7 @@ def test_a_customer_statement_reconciles_with_the_ledger_across_month_boundaries
     assert october["lines"][0]["api_key"].startswith("sk-par-"), "keys are named as their owner sees them"
     assert [i["title"] for i in october["itemised"]] == ["Refunds", "Disputes", "Disputes", "Adjustments"]
 
-    november = st.figures(fleet.engine, fleet.customer_id, st.parse_month("2026-11"), statement_labels)
+    november = st.figures(fleet.engine, settings, fleet.customer_id, st.parse_month("2026-11"), statement_labels)
     assert november["provisional"] and november["opening_balance_nano_usd"] == OCTOBER_CLOSING
     assert november["closing_balance_nano_usd"] == fleet.balance(fleet.customer_id).balance_nano_usd == OCTOBER_CLOSING - C4
     assert st.reconcile(fleet.engine, st.parse_month("2026-10").end) == {}
@@ -115,22 +116,22 @@ def test_a_customer_statement_reconciles_with_the_ledger_across_month_boundaries
 def test_an_owner_statement_lists_earnings_per_worker_and_model_per_day(history):
     fleet, settings = history
     owner = fleet.owner_ids[0]
-    september = st.figures(fleet.engine, owner, st.parse_month("2026-09"), statement_labels)
-    october = st.figures(fleet.engine, owner, st.parse_month("2026-10"), statement_labels)
+    september = st.figures(fleet.engine, settings, owner, st.parse_month("2026-09"), statement_labels)
+    october = st.figures(fleet.engine, settings, owner, st.parse_month("2026-10"), statement_labels)
     assert [(line["day"], line["worker_id"], line["model"], line["requests"], line["amount_nano_usd"]) for line in september["lines"]] == [
         ("2026-09-30", fleet.worker_ids[0], "m-a", 1, C1 * 80 // 100)]
     assert [(line["day"], line["model"], line["requests"], line["amount_nano_usd"]) for line in october["lines"]] == [
         ("2026-10-01", "m-b", 1, C2 * 80 // 100), ("2026-10-15", "m-a", 1, C3 * 80 // 100),
         ("2026-10-16", "m-a", -1, -(C3 * 80 // 100))], "a reversal counts on the day it was recorded"
     assert october["opening_balance_nano_usd"] == september["closing_balance_nano_usd"] == C1 * 80 // 100
-    november = st.figures(fleet.engine, owner, st.parse_month("2026-11"), statement_labels)
+    november = st.figures(fleet.engine, settings, owner, st.parse_month("2026-11"), statement_labels)
     assert november["closing_balance_nano_usd"] == fleet.balance(owner).balance_nano_usd
 
 
 def test_a_closed_month_is_stored_once_as_pdf(history):
     fleet, settings = history
     october = st.parse_month("2026-10")
-    assert st.prepare_month(fleet.engine, october) == [fleet.customer_id, fleet.owner_ids[0]]
+    assert st.missing_statements(fleet.engine, october) == [fleet.customer_id, fleet.owner_ids[0]]
     issued = st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels, month_reconciled=True)
     again = st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels)
     assert again == issued and issued["closing_balance_nano_usd"] == OCTOBER_CLOSING
@@ -157,8 +158,11 @@ def test_statements_refuse_what_they_cannot_state_and_store_nothing(history):
         (InvalidInput, lambda: st.parse_month("2026-13")),
         (InvalidInput, lambda: st.parse_month("26-10")),
         (InvalidInput, lambda: st.issue(fleet.engine, settings, fleet.customer_id, st.parse_month("2026-11"), statement_labels)),
-        (InvalidInput, lambda: st.figures(fleet.engine, fleet.customer_id, st.parse_month("2099-01"), statement_labels)),
-        (WrongAccountKind, lambda: st.figures(fleet.engine, platform, st.parse_month("2026-10"), statement_labels)),
+        (InvalidInput, lambda: st.figures(fleet.engine, settings, fleet.customer_id, st.parse_month("2099-01"), statement_labels)),
+        (WrongAccountKind, lambda: st.figures(fleet.engine, settings, platform, st.parse_month("2026-10"), statement_labels)),
+        (InvalidInput, lambda: st.parse_month("1970-01")),
+        (InvalidInput, lambda: st.parse_month("9999-12")),
+        (st.NoStatement, lambda: st.issue(fleet.engine, settings, fleet.customer_id, st.parse_month("2026-08"), statement_labels)),
     ]
     for error, call in refusals:
         with pytest.raises(error):
@@ -171,7 +175,7 @@ def test_statements_refuse_what_they_cannot_state_and_store_nothing(history):
             source_type="BalanceAdjusted", amount_nano_usd=1, model="", api_key_id=0, worker_id=0, reference="not in the ledger"))
     october = st.parse_month("2026-10")
     with pytest.raises(InvariantBroken, match=str(fleet.customer_id)):
-        st.prepare_month(fleet.engine, october)
+        st.missing_statements(fleet.engine, october)
     with pytest.raises(InvariantBroken):
         st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels)
     with fleet.engine.connect() as conn:
@@ -211,7 +215,8 @@ def test_months_and_the_beat_schedule():
     assert st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00") + timedelta(seconds=st.CLOSE_GRACE_S))
     schedule = celery.conf.beat_schedule["monthly-statements"]
     assert schedule["task"] == "paralon.issue_statements"
-    assert schedule["schedule"].day_of_month == {1} and schedule["schedule"].hour == {0}
+    assert (schedule["schedule"].hour, schedule["schedule"].minute) == ({0}, {30}), "daily, so a missed 1st is made up"
+    assert len(schedule["schedule"].day_of_month) == 31
 
 
 def _tokens(fleet) -> dict[str, str]:
@@ -262,6 +267,10 @@ def test_the_ledger_export_totals_match_the_statement(history):
         owner_rows = _rows(get("/v1/exports/ledger.csv?from=2026-09-01&to=2026-12", tokens["owner"]))
         assert sum(int(r["amount_nano_usd"]) for r in owner_rows) == fleet.balance(fleet.owner_ids[0]).balance_nano_usd
         assert {r["worker_id"] for r in owner_rows} == {str(fleet.worker_ids[0])}
+        settled = [r for r in rows if r["source_type"] == "RequestSettled"]
+        assert {r["worker_id"] for r in settled} == {"0"} and {r["api_key_id"] for r in settled} == {str(fleet.key_id)}, \
+            "a customer sees its key, never which worker answered"
+        assert {r["api_key_id"] for r in owner_rows} == {"0"}, "an owner never sees whose key asked"
         assert _rows(get("/v1/exports/ledger.csv?from=2026-10&to=2026-11", tokens["other"])) == []
         assert _rows(get(f"/v1/exports/ledger.csv?from=2026-10&to=2026-11&account_id={fleet.customer_id}", tokens["other"])) == [], \
             "only an admin names another account"
@@ -278,7 +287,11 @@ def test_the_ledger_export_totals_match_the_statement(history):
         assert get("/v1/statements", tokens["accountant"]).json()["data"] == listed, "an open month is not stored"
         owner_statement = get("/v1/statements/2026-10.json", tokens["owner"]).json()
         assert owner_statement["account"]["id"] == fleet.owner_ids[0] and owner_statement["lines"][0]["day"] == "2026-10-01"
-        assert get("/v1/statements/2026-10.json", tokens["other"]).json()["closing_balance_nano_usd"] == 0
+        assert get("/v1/statements/2026-10.json", tokens["other"]).status_code == 404, "no activity, nothing to state"
+        assert get(f"/v1/statements/2026-10.json?account_id={fleet.customer_id}", tokens["other"]).status_code == 404, \
+            "only an admin names another account"
+        assert get(f"/v1/statements?account_id={fleet.customer_id}", tokens["other"]).json()["data"] == []
+        assert "pdf_path" not in listed[0], "server paths stay inside"
         assert get("/v1/statements/2026-13.pdf", tokens["customer"]).status_code == 400
         assert get("/v1/statements/2099-01.pdf", tokens["customer"]).status_code == 400
         assert get("/v1/statements/2026-10.txt", tokens["customer"]).status_code == 404
@@ -322,7 +335,11 @@ def test_a_celery_worker_issues_the_month_once_per_account(history):
     with fleet.engine.connect() as conn:
         rows = conn.execute(select(statements.c.account_id, statements.c.closing_balance_nano_usd).order_by(statements.c.account_id)).all()
     assert [tuple(r) for r in rows] == [(fleet.customer_id, OCTOBER_CLOSING), (fleet.owner_ids[0], C2 * 80 // 100 + C1 * 80 // 100)]
-    assert len(list((settings.storage_dir / "statements" / "2026-10").glob("*.pdf"))) == 2
+    with fleet.engine.connect() as conn:
+        stored = conn.execute(select(statements.c.pdf_path, statements.c.pdf_sha256)).all()
+    assert all(hashlib.sha256(Path(path).read_bytes()).digest() == digest for path, digest in stored), "each file is the one recorded"
+    assert sorted(settings.storage_dir.glob("statements/2026-10/*.pdf")) == sorted(Path(path) for path, _ in stored), \
+        "a duplicate rendering leaves no file behind"
 
 
 def test_the_export_pages_through_postings_that_share_one_instant(history, monkeypatch):
@@ -335,11 +352,10 @@ def test_the_export_pages_through_postings_that_share_one_instant(history, monke
         append_now(fleet.engine, cmd.GrantCredits(fleet.customer_id, GB + i, "batch", f"same-{i}"))
     read_models.catch_up(fleet.engine)
     october = st.parse_month("2026-10")
-    totals = exports.totals(fleet.engine, fleet.customer_id, october.start, october.end)
+    totals = exports.prepare(fleet.engine, fleet.customer_id, october.start, october.end)
 
     def export() -> list[list[str]]:
-        text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, october.start, october.end,
-                                           totals.opening_balance_nano_usd)).decode()
+        text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, october.start, october.end, totals)).decode()
         return [line.split(",") for line in text.splitlines()]
 
     whole = export()
@@ -357,7 +373,8 @@ def test_export_text_cells_never_run_as_spreadsheet_formulas(history):
     fleet, _ = history
     append_now(fleet.engine, cmd.AdjustBalance(fleet.customer_id, GB, "=HYPERLINK(\"http://evil\")", "adj-formula"))
     read_models.catch_up(fleet.engine)
-    text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, None, None, 0)).decode()
+    everything = exports.prepare(fleet.engine, fleet.customer_id, None, datetime.now(UTC))
+    text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, None, None, everything)).decode()
     references = [row["reference"] for row in csv.DictReader(io.StringIO(text))]
     assert "'=HYPERLINK(\"http://evil\")" in references and not any(r.startswith("=") for r in references)
 
@@ -375,7 +392,7 @@ def test_the_cli_exports_what_the_api_exports(history, tmp_path):
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(target.open()))
     october = st.parse_month("2026-10")
-    totals = exports.totals(fleet.engine, fleet.customer_id, october.start, october.end)
+    totals = exports.prepare(fleet.engine, fleet.customer_id, october.start, october.end)
     assert len(rows) == totals.postings == 7 and int(rows[-1]["balance_after_nano_usd"]) == OCTOBER_CLOSING
     assert f"closing {nano_usd_to_usd_text(OCTOBER_CLOSING)} USD" in result.stderr
     for bad in (["--from", "2026-11", "--to", "2026-10"], ["--from", "someday", "--to", "2026-10"]):
@@ -383,3 +400,21 @@ def test_the_cli_exports_what_the_api_exports(history, tmp_path):
         assert refused.exit_code == 2 and not (tmp_path / "no.csv").exists()
     refused = CliRunner().invoke(main, ["ledger", "export", "999999", "--from", "2026-10", "--to", "2026-11"], env=env)
     assert refused.exit_code == 2 and "does not exist" in refused.stderr
+
+
+def test_a_month_recorded_into_after_its_statement_stops_the_next(history, monkeypatch):
+    """A replica whose clock stepped back records an event into a stated month:
+    the next month no longer opens where that one closed, and is not issued."""
+    from invoices import read_models
+
+    fleet, settings = history
+    september, october = st.parse_month("2026-09"), st.parse_month("2026-10")
+    stated = st.issue(fleet.engine, settings, fleet.customer_id, september, statement_labels)
+    monkeypatch.setattr("ledger.store.utc_now", lambda: at("2026-09-29T00:00:00"))
+    append_now(fleet.engine, cmd.GrantCredits(fleet.customer_id, GB, "late", "late-1"))
+    read_models.catch_up(fleet.engine)
+    with pytest.raises(InvariantBroken, match="2026-09 was stated closing at"):
+        st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels)
+    with fleet.engine.connect() as conn:
+        assert [s["month"] for s in st.list_statements(conn, fleet.customer_id)] == ["2026-09"]
+    assert stated["closing_balance_nano_usd"] == SEPTEMBER_CLOSING
