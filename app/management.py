@@ -350,10 +350,9 @@ async def ledger_export(request: Request, to: str | None = None, account_id: int
     account = _scoped_account(who, account_id)
     now = datetime.now(UTC)
     start = _period(request.query_params.get("from"), "from") or now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    end = _period(to, "to")
-    if end is not None and end <= start:
-        raise InvalidRequest("to must be after from", param="to")
-    end = min(end or now, now)  # what has not happened yet cannot be exported
+    end = min(_period(to, "to") or now, now)  # what has not happened yet cannot be exported
+    if end <= start:
+        raise InvalidRequest("the period is empty: to must be after from, and from before now", param="to")
     engine = request.app.state.ledger.engine
 
     try:
