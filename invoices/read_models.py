@@ -49,6 +49,18 @@ def _reference(source_type: str, source: dict) -> str:
     return str(source.get("reason", ""))
 
 
+def _count_settlement(usage: dict, earnings: dict, settled: dict, labels: tuple[str, int, int], day: str, sign: int) -> None:
+    """A settlement (+1) or its reversal (-1) in the day's usage and earnings sums."""
+    model, key_id, worker_id = labels
+    meta = settled["meta"]
+    u = usage[(settled["customer_account_id"], key_id, model, day)]
+    for i, value in enumerate((1, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), settled["charge_nano_usd"])):
+        u[i] += sign * int(value)
+    e = earnings[(settled["owner_account_id"], worker_id, model, day)]
+    e[0] += sign
+    e[1] += sign * settled["owner_nano_usd"]
+
+
 def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
     usage: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(USAGE_SUMS))
     earnings: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(EARNINGS_SUMS))
@@ -63,13 +75,7 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
         meta = source.get("meta", {}) if source_type == "RequestSettled" else {}
         model, key_id, worker_id = str(meta.get("model", "")), int(meta.get("api_key_id") or 0), int(meta.get("worker_id") or 0)
         if source_type == "RequestSettled":
-            day = event.recorded_at.date().isoformat()
-            u = usage[(source["customer_account_id"], key_id, model, day)]
-            for i, value in enumerate((1, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), source["charge_nano_usd"])):
-                u[i] += sign * int(value)
-            e = earnings[(source["owner_account_id"], worker_id, model, day)]
-            e[0] += sign
-            e[1] += sign * source["owner_nano_usd"]
+            _count_settlement(usage, earnings, source, (model, key_id, worker_id), event.recorded_at.date().isoformat(), sign)
         reference = _reference(source_type, source)
         if sign < 0:
             reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
