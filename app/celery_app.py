@@ -8,6 +8,7 @@ safe to run twice: everything they write carries an idempotency key.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from celery import Celery
 from celery.schedules import crontab
@@ -48,37 +49,34 @@ def crypto_scan() -> dict:
     import dataclasses
 
     from app.crypto_deposits import connect, scan_once
+
+    with _database() as (engine, settings):  # an engine connects only when used
+        crypto = settings.crypto()
+        if not (crypto.rpc_url and crypto.tokens):
+            return {"skipped": "crypto deposits are not configured"}
+        return dataclasses.asdict(scan_once(engine, connect(crypto), crypto))
+
+
+@contextmanager
+def _database():
+    """(engine, settings) for one task run; the engine's connections close with it."""
     from app.settings import Settings
     from ledger.db import make_engine
 
     settings = Settings.from_env()
-    crypto = settings.crypto()
-    if not (crypto.rpc_url and crypto.tokens):
-        return {"skipped": "crypto deposits are not configured"}
     engine = make_engine(settings.database_url)
     try:
-        return dataclasses.asdict(scan_once(engine, connect(crypto), crypto))
+        yield engine, settings
     finally:
         engine.dispose()
-
-
-def _engine_and_settings():
-    from app.settings import Settings
-    from ledger.db import make_engine
-
-    settings = Settings.from_env()
-    return make_engine(settings.database_url), settings
 
 
 @celery.task(name="paralon.dispatch_outbox")
 def dispatch_outbox() -> int:
     from app import outbox
 
-    engine, _ = _engine_and_settings()
-    try:
+    with _database() as (engine, _):
         return outbox.dispatch(engine)
-    finally:
-        engine.dispose()
 
 
 @celery.task(name="paralon.issue_invoice")
@@ -86,11 +84,8 @@ def issue_invoice(source_seq: int) -> str:
     """Invoice a credited top-up, then queue its email."""
     from invoices.service import issue_for_top_up
 
-    engine, settings = _engine_and_settings()
-    try:
+    with _database() as (engine, settings):
         number = issue_for_top_up(engine, settings.invoices(), source_seq)["number"]
-    finally:
-        engine.dispose()
     email_invoice.delay(number)
     return number
 
@@ -100,11 +95,8 @@ def issue_credit_note(source_seq: int, corrected_seq: int) -> str:
     """A credit note for a refund or a lost dispute, then its email."""
     from invoices.service import issue_credit_note as issue
 
-    engine, settings = _engine_and_settings()
-    try:
+    with _database() as (engine, settings):
         number = issue(engine, settings.invoices(), source_seq, corrected_seq)["number"]
-    finally:
-        engine.dispose()
     email_invoice.delay(number)
     return number
 
@@ -115,15 +107,13 @@ def email_invoice(self, number: str) -> str:
 
     from invoices.mail import send_invoice
 
-    engine, settings = _engine_and_settings()
-    try:
-        outcome = send_invoice(engine, settings.mail(), number)
-    except (OSError, smtplib.SMTPException) as exc:  # the mail server is down: again, later
-        if celery.conf.task_always_eager:  # in-process there is no later: `paralon invoices email-pending`
-            return f"failed: {exc}"
-        raise self.retry(exc=exc, countdown=MAIL_RETRY_WAIT_S) from None
-    finally:
-        engine.dispose()
+    with _database() as (engine, settings):
+        try:
+            outcome = send_invoice(engine, settings.mail(), number)
+        except (OSError, smtplib.SMTPException) as exc:  # the mail server is down: again, later
+            if celery.conf.task_always_eager:  # in-process there is no later: `paralon invoices email-pending`
+                return f"failed: {exc}"
+            raise self.retry(exc=exc, countdown=MAIL_RETRY_WAIT_S) from None
     if outcome == "busy" and not celery.conf.task_always_eager:
         raise self.retry(countdown=MAIL_RETRY_WAIT_S)
     return outcome
@@ -134,11 +124,8 @@ def project_read_models() -> int:
     """Apply new events to the usage and earnings read models (exactly once)."""
     from invoices import read_models
 
-    engine, _ = _engine_and_settings()
-    try:
+    with _database() as (engine, _):
         return read_models.catch_up(engine)
-    finally:
-        engine.dispose()
 
 
 @celery.task(name="paralon.issue_statements", bind=True, max_retries=STATEMENT_RETRIES_MAX)
@@ -150,16 +137,14 @@ def issue_statements(self, month: str | None = None) -> dict:
     from invoices import statements
     from ledger.schema import utc_now
 
-    engine, _ = _engine_and_settings()
-    try:
-        closed = statements.parse_month(month) if month else statements.previous_month(utc_now())
-        account_ids = statements.missing_statements(engine, closed)
-    except (statements.StatementNotReady, OperationalError) as exc:
-        if celery.conf.task_always_eager:  # in-process: the next day's run tries again
-            raise
-        raise self.retry(exc=exc, countdown=STATEMENT_RETRY_WAIT_S) from None
-    finally:
-        engine.dispose()
+    with _database() as (engine, _):
+        try:
+            closed = statements.parse_month(month) if month else statements.previous_month(utc_now())
+            account_ids = statements.missing_statements(engine, closed)
+        except (statements.StatementNotReady, OperationalError) as exc:
+            if celery.conf.task_always_eager:  # in-process: the next day's run tries again
+                raise
+            raise self.retry(exc=exc, countdown=STATEMENT_RETRY_WAIT_S) from None
     queue = (self.request.delivery_info or {}).get("routing_key")  # the children run where their parent ran
     for account_id in account_ids:
         issue_statement.apply_async((account_id, closed.text), queue=queue)
@@ -171,9 +156,6 @@ def issue_statement(account_id: int, month: str) -> str:
     from app.statement_labels import statement_labels
     from invoices import statements
 
-    engine, settings = _engine_and_settings()
-    try:
+    with _database() as (engine, settings):
         return statements.issue(engine, settings.invoices(), account_id, statements.parse_month(month), statement_labels,
                                 month_reconciled=True)["pdf_path"]
-    finally:
-        engine.dispose()
