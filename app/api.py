@@ -23,7 +23,6 @@ from app.relay_response import RelayResponse
 from app.webhooks import stripe_webhook
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
-from proxy import key_spend
 from proxy.directory import Directory
 from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError, UnknownGeneration, error_body
 from proxy.generations import find_generation
@@ -36,7 +35,6 @@ from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024
 HOLD_SWEEP_INTERVAL_S = 30.0
-KEY_SPEND_INTERVAL_S = 0.5
 
 
 def _json(data: dict, status: int = 200, headers: dict | None = None) -> Response:
@@ -163,7 +161,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         app.state.background = set()
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
-        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), _follow_key_spend(ledger))]
+        tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())]
         if embedded_beat:
             from app.embedded_beat import run_embedded_beat
 
@@ -190,18 +188,9 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
     )
 
 
-async def _follow_key_spend(ledger: Ledger) -> None:
-    """Keep the per-key spend read model current (for spend limits)."""
-    while True:
-        try:
-            await asyncio.to_thread(key_spend.catch_up, ledger.engine)
-        except Exception:  # another replica may be applying the same page; the next round goes on
-            pass
-        await asyncio.sleep(KEY_SPEND_INTERVAL_S)
-
-
 async def _sweep_holds(ledger: Ledger, interval_s: float) -> None:
-    """Release holds a crashed proxy left behind, once they expire."""
+    """Close holds a crashed proxy left behind, once they expire: released, or
+    settled at the usage they recorded."""
     while True:
         await asyncio.sleep(interval_s)
         try:

@@ -13,12 +13,11 @@ from sqlalchemy.exc import OperationalError
 from app.settings import Settings
 from ledger import accounts as acc
 from ledger import commands as cmd
-from ledger import holds as hl
 from ledger.db import make_engine
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
-from ledger.service import append_now
+from ledger.service import append_now, sweep_expired_holds
 from ledger.verify import count_events, rebuild_balances, verify
 
 EXIT_INVALID = 2
@@ -505,10 +504,11 @@ def holds() -> None:
 @json_option
 @handles_errors
 def holds_expire(as_json: bool) -> None:
-    """Void holds past their expiry (what the sweeper does)."""
-    with _engine().begin() as conn:
-        expired = hl.expire_holds(conn)
-    _emit(as_json, {"expired": expired}, f"expired {expired} hold(s)")
+    """Close holds past their expiry (what the sweeper does): released when
+    nothing was delivered, settled at the recorded usage when something was."""
+    swept = sweep_expired_holds(_engine())
+    _emit(as_json, {"expired": swept.released, "settled": swept.settled},
+          f"released {swept.released} expired hold(s), settled {swept.settled} at their recorded usage")
 
 
 @main.command("demo")

@@ -13,7 +13,16 @@ from sqlalchemy import Connection, String, any_, bindparam, cast, delete, update
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ledger.db import is_postgres
-from ledger.schema import account_balances, customer_holds, holds, ledger_events, ledger_head, ledger_postings
+from ledger.schema import (
+    account_balances,
+    customer_holds,
+    holds,
+    ledger_events,
+    ledger_head,
+    ledger_postings,
+    spend_limit_holds,
+    spend_limit_usage,
+)
 
 
 # PostgreSQL array literals, built at C speed: psycopg adapts a list element by
@@ -40,6 +49,10 @@ def texts(values) -> str:
     return "{" + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]) + "}"
 
 
+def nullable_texts(values) -> str:
+    return "{" + ",".join(["NULL" if v is None else texts([v])[1:-1] for v in values]) + "}"
+
+
 Spec = tuple[tuple[str, Callable], ...]
 EVENT_SPEC: Spec = (
     ("seq", ints), ("event_type", words), ("payload", texts), ("idempotency_key", texts),
@@ -48,8 +61,11 @@ EVENT_SPEC: Spec = (
 POSTING_SPEC: Spec = (("event_seq", ints), ("leg", ints), ("account_id", ints), ("amount_nano_usd", ints))
 HOLD_SPEC: Spec = (
     ("account_id", ints), ("amount_nano_usd", ints), ("idempotency_key", texts), ("ttl_s", ints),
+    ("spend_limit_id", nullable_ints),
 )
-HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at")
+HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
+            "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta")
+HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
 
 
 def _columns(spec: Spec, rows: list[tuple]) -> dict[str, str]:
@@ -88,15 +104,15 @@ UPDATE customer_holds AS c SET holds_placed_nano_usd = c.holds_placed_nano_usd +
 FROM unnest(%(account_id)s::bigint[], %(placed)s::bigint[]) AS u(account_id, placed)
 WHERE c.account_id = u.account_id
 """
-_PG_CLOSE_HOLDS = """
+_PG_CLOSE_HOLDS = f"""
 DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
-RETURNING id, account_id, amount_nano_usd, idempotency_key, created_at, expires_at
+RETURNING {", ".join(HOLD_ROW)}
 """
 _PG_INSERT_HOLDS = """
-INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at)
-SELECT u.account_id, u.amount, u.key, %(now)s, %(now)s + make_interval(secs => u.ttl_s)
+INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id)
+SELECT u.account_id, u.amount, u.key, %(now)s, %(now)s + make_interval(secs => u.ttl_s), u.spend_limit_id
 FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempotency_key)s::text[],
-    %(ttl_s)s::int[]) AS u(account_id, amount, key, ttl_s)
+    %(ttl_s)s::int[], %(spend_limit_id)s::bigint[]) AS u(account_id, amount, key, ttl_s, spend_limit_id)
 RETURNING id, idempotency_key
 """
 
@@ -119,23 +135,39 @@ WITH events AS (
 )
 UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1
 """
+# The same, when the batch settled holds that reserve against spend limits.
+_PG_WRITE_APPENDED_WITH_LIMITS = _PG_WRITE_APPENDED.replace("""
+)
+UPDATE ledger_head""", """
+), limits AS (
+    UPDATE spend_limit_usage AS l
+    SET spent_nano_usd = l.spent_nano_usd + u.spent, holds_closed_nano_usd = l.holds_closed_nano_usd + u.closed
+    FROM unnest(%(limit_id)s::bigint[], %(limit_spent)s::bigint[], %(limit_closed)s::bigint[]) AS u(limit_id, spent, closed)
+    WHERE l.limit_id = u.limit_id
+)
+UPDATE ledger_head""")
 
 
 def write_appended(conn: Connection, event_rows: list[tuple], posting_rows: list[tuple], balances: dict[int, int],
-                   holds_closed: dict[int, int], last_seq: int, last_hash: bytes, recorded_at: datetime) -> None:
-    """Events, postings, balances and the head of the chain, for a decided batch."""
+                   holds_closed: dict[int, int], last_seq: int, last_hash: bytes, recorded_at: datetime,
+                   limit_usage: dict[int, tuple[int, int]]) -> None:
+    """Events, postings, balances, spend limits (limit id -> (spent, hold amount
+    closed)) and the head of the chain, for a decided batch."""
     if not is_postgres(conn):
         insert_events(conn, event_rows, recorded_at)
         insert_postings(conn, posting_rows)
         set_balances(conn, balances, holds_closed, last_seq)
+        add_limit_usage(conn, limit_usage)
         conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(last_seq=last_seq, last_hash=last_hash))
         return
-    ids = sorted(balances)
-    conn.exec_driver_sql(_PG_WRITE_APPENDED, {
+    ids, limit_ids = sorted(balances), sorted(limit_usage)
+    conn.exec_driver_sql(_PG_WRITE_APPENDED_WITH_LIMITS if limit_ids else _PG_WRITE_APPENDED, {
         **_columns(EVENT_SPEC, event_rows), **_columns(POSTING_SPEC, posting_rows),
         "recorded_at": recorded_at, "last_seq": last_seq, "last_hash": last_hash,
         "balance_account_id": ints(ids), "balance": ints([balances[a] for a in ids]),
         "closed": ints([holds_closed.get(a, 0) for a in ids]),
+        "limit_id": ints(limit_ids), "limit_spent": ints([limit_usage[i][0] for i in limit_ids]),
+        "limit_closed": ints([limit_usage[i][1] for i in limit_ids]),
     })
 
 
@@ -283,8 +315,57 @@ def insert_holds(conn: Connection, rows: list[tuple], now: datetime) -> dict[str
         return {key: hold_id for hold_id, key in pg_rows(conn, _PG_INSERT_HOLDS, {**_columns(HOLD_SPEC, rows), "now": now})}
     values = [
         {"account_id": a, "amount_nano_usd": m, "idempotency_key": k,
-         "created_at": now, "expires_at": now + timedelta(seconds=ttl)}
-        for a, m, k, ttl in rows
+         "created_at": now, "expires_at": now + timedelta(seconds=ttl), "spend_limit_id": limit_id}
+        for a, m, k, ttl, limit_id in rows
     ]
     inserted = conn.execute(holds.insert().returning(holds.c.id, holds.c.idempotency_key, sort_by_parameter_order=True), values)
     return {key: hold_id for hold_id, key in inserted}
+
+
+# Spend limits (ledger/spend_limits.py): what holds reserved, and what settlements spent.
+_PG_ADD_LIMIT_PLACED = """
+UPDATE spend_limit_holds AS l SET holds_placed_nano_usd = l.holds_placed_nano_usd + u.placed
+FROM unnest(%(limit_id)s::bigint[], %(placed)s::bigint[]) AS u(limit_id, placed) WHERE l.limit_id = u.limit_id
+"""
+_PG_ADD_LIMIT_USAGE = """
+UPDATE spend_limit_usage AS l
+SET spent_nano_usd = l.spent_nano_usd + u.spent, holds_closed_nano_usd = l.holds_closed_nano_usd + u.closed
+FROM unnest(%(limit_id)s::bigint[], %(spent)s::bigint[], %(closed)s::bigint[]) AS u(limit_id, spent, closed)
+WHERE l.limit_id = u.limit_id
+"""
+_ADD_LIMIT_PLACED = (
+    update(spend_limit_holds).where(spend_limit_holds.c.limit_id == bindparam("b_limit_id"))
+    .values(holds_placed_nano_usd=spend_limit_holds.c.holds_placed_nano_usd + bindparam("b_placed"))
+)
+_ADD_LIMIT_USAGE = (
+    update(spend_limit_usage).where(spend_limit_usage.c.limit_id == bindparam("b_limit_id"))
+    .values(spent_nano_usd=spend_limit_usage.c.spent_nano_usd + bindparam("b_spent"),
+            holds_closed_nano_usd=spend_limit_usage.c.holds_closed_nano_usd + bindparam("b_closed"))
+)
+
+
+def add_limit_placed(conn: Connection, placed: dict[int, int]) -> None:
+    if not placed:
+        return
+    ids = sorted(placed)
+    if is_postgres(conn):
+        conn.exec_driver_sql(_PG_ADD_LIMIT_PLACED, {"limit_id": ints(ids), "placed": ints([placed[i] for i in ids])})
+    else:
+        conn.execute(_ADD_LIMIT_PLACED, [{"b_limit_id": i, "b_placed": placed[i]} for i in ids])
+
+
+def add_limit_usage(conn: Connection, usage: dict[int, tuple[int, int]]) -> None:
+    """usage: limit id -> (spent by settlements, hold amounts closed)."""
+    if not usage:
+        return
+    ids = sorted(usage)
+    if is_postgres(conn):
+        conn.exec_driver_sql(_PG_ADD_LIMIT_USAGE, {"limit_id": ints(ids), "spent": ints([usage[i][0] for i in ids]),
+                                             "closed": ints([usage[i][1] for i in ids])})
+    else:
+        conn.execute(_ADD_LIMIT_USAGE, [{"b_limit_id": i, "b_spent": usage[i][0], "b_closed": usage[i][1]} for i in ids])
+
+
+def add_limit_closed(conn: Connection, closed: dict[int, int]) -> None:
+    """Released or expired holds stop counting against their limits."""
+    add_limit_usage(conn, {i: (0, amount) for i, amount in closed.items()})

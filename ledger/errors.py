@@ -36,6 +36,12 @@ class InsufficientFunds(LedgerError):
     code = "overdraft"
 
 
+class SpendLimitReached(LedgerError):
+    """What a spend limit has left (limit - spent - held) does not cover the hold."""
+
+    code = "spend_limit_reached"
+
+
 class IdempotencyConflict(LedgerError):
     """The key was used before for a command with other content."""
 

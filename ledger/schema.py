@@ -130,7 +130,35 @@ holds = Table(
     Column("idempotency_key", KeyText, nullable=False, unique=True),
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
+    # The spend limit this hold also reserves against (an API key's), if any.
+    Column("spend_limit_id", BigInteger),
+    # What the hold's request has delivered so far and who produced it, recorded
+    # while it runs (renewals): a hold that expires, or is found after a crash,
+    # settles at this instead of being released. Zero: untouched, released.
+    Column("capture_nano_usd", BigInteger, nullable=False, server_default=text("0")),
+    Column("capture_owner_account_id", BigInteger),
+    Column("capture_request_id", String(200)),
+    Column("capture_meta", Text),  # canonical JSON of the settlement's metadata
     Index("ix_holds_expiry", "expires_at"),
+)
+
+# A spend limit (an API key's) is reserved like a customer's balance: placing a
+# hold locks the first row and checks limit - spent - (placed - closed); the
+# settlement that captures writes the second under the append lock, as
+# account_balances is, so placing a hold never waits behind a flush.
+spend_limit_holds = Table(
+    "spend_limit_holds",
+    metadata,
+    Column("limit_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("limit_nano_usd", BigInteger, nullable=False),
+    Column("holds_placed_nano_usd", BigInteger, nullable=False, server_default=text("0")),
+)
+spend_limit_usage = Table(
+    "spend_limit_usage",
+    metadata,
+    Column("limit_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("spent_nano_usd", BigInteger, nullable=False, server_default=text("0")),
+    Column("holds_closed_nano_usd", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # One row per customer, locked by whoever places a hold (and by the rare durable

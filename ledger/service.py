@@ -1,14 +1,19 @@
 """The ledger's application functions: what the CLI, the API and integrations call."""
 from __future__ import annotations
 
+import logging
+from typing import NamedTuple
+
 from sqlalchemy import Engine
 
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import holds as hl
-from ledger.errors import LedgerError
+from ledger.errors import HoldNotActive, LedgerError
 from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, GroupCommitWriter
-from ledger.store import AppendResult, append_batch
+from ledger.store import CREATED, AppendResult, append_batch
+
+log = logging.getLogger(__name__)
 
 
 def _single(results: list):
@@ -73,9 +78,43 @@ class Ledger:
         with self.engine.begin() as conn:
             return hl.release_hold(conn, hold_id)
 
-    def expire_holds(self) -> int:
+    def renew_holds(self, renewals: list[hl.HoldRenewal]) -> set[int]:
         with self.engine.begin() as conn:
-            return hl.expire_holds(conn)
+            return hl.renew_holds(conn, renewals)
+
+    def expire_holds(self) -> SweepResult:
+        return sweep_expired_holds(self.engine)
+
+
+class SweepResult(NamedTuple):
+    released: int  # expired holds that had delivered nothing
+    settled: int  # expired holds settled at the usage they had recorded
+
+
+def sweep_expired_holds(engine: Engine) -> SweepResult:
+    """What the sweeper does: a hold past its expiry is released when its
+    request delivered nothing, and settled at its last recorded usage when it
+    did (a proxy crashed mid-stream): the customer pays for what they received
+    and the owner is paid for it. A settlement that finds its hold closed
+    meanwhile (the request settled itself) is no error; any other failure
+    releases the hold rather than retry it forever."""
+    with engine.begin() as conn:
+        released = hl.expire_holds(conn)
+    with engine.connect() as conn:
+        due = hl.expired_captures(conn)
+    if not due:
+        return SweepResult(released, 0)
+    with engine.begin() as conn:
+        results = append_batch(conn, due)
+    settled = 0
+    for command, result in zip(due, results):
+        if isinstance(result, AppendResult):
+            settled += result.status == CREATED
+        elif not isinstance(result, HoldNotActive):
+            log.error("expired hold %s could not settle at its recorded usage (%s); released", command.hold_id, result)
+            with engine.begin() as conn:
+                released += hl.release_hold(conn, command.hold_id)
+    return SweepResult(released, settled)
 
 
 def append_now(engine: Engine, command: cmd.Command) -> AppendResult:

@@ -128,6 +128,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     at_text = ev.format_time(recorded_at)
     event_rows, posting_rows = [], []
     holds_closed: dict[int, int] = {}
+    limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
     for i, (event, postings, payload_json) in prepared.items():
         answer = late.get(i) or _refusal(book, event, postings)
@@ -146,15 +147,19 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
         if isinstance(event, ev.EventReversed):
             book.reversals[event.reversed_seq] = seq
         elif isinstance(event, ev.RequestSettled):
-            holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + book.holds[event.hold_id].amount_nano_usd
-            del book.closing[event.hold_id]
+            held = book.holds[event.hold_id].amount_nano_usd
+            holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
+            limit_id = book.closing.pop(event.hold_id)[bulk.HOLD_ROW_SPEND_LIMIT]
+            if limit_id is not None:
+                spent, closed = limit_usage.get(limit_id, (0, 0))
+                limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
 
     bulk.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
         bulk.write_appended(conn, event_rows, posting_rows, {a: book.balances[a] for a in touched}, holds_closed,
-                            seq, prev_hash, recorded_at)
+                            seq, prev_hash, recorded_at, limit_usage)
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):

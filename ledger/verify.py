@@ -10,9 +10,10 @@ from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger import events as ev
+from ledger import spend_limits
 from ledger.accounts import read_books
 from ledger.log import iter_events
-from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head
+from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, spend_limit_holds
 
 Progress = Callable[[int], None]  # called with the number of events just processed
 PROBLEMS_LISTED_MAX = 100
@@ -110,6 +111,7 @@ def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
     for account_id in sorted(set(replayed) - known):
         report.add(f"postings name account {account_id}, which does not exist")
     _check_hold_counters(conn, report)
+    _check_spend_limits(conn, report)
     return report
 
 
@@ -124,6 +126,21 @@ def _check_hold_counters(conn: Connection, report: VerifyReport) -> None:
         expected = int(active.get(view.account_id, 0))
         if view.held_nano_usd != expected:
             report.add(f"account {view.account_id}: hold counters say {view.held_nano_usd} nano-USD held, active holds sum to {expected}")
+
+
+def _check_spend_limits(conn: Connection, report: VerifyReport) -> None:
+    """Each spend limit's hold counters equal its active holds, and it was never overspent."""
+    active = dict(conn.execute(
+        select(holds.c.spend_limit_id, func.sum(holds.c.amount_nano_usd))
+        .where(holds.c.spend_limit_id.is_not(None)).group_by(holds.c.spend_limit_id)
+    ).all())
+    ids = conn.execute(select(spend_limit_holds.c.limit_id)).scalars().all()
+    for limit_id, view in sorted(spend_limits.read_limits(conn, ids).items()):
+        expected = int(active.get(limit_id, 0))
+        if view["held_nano_usd"] != expected:
+            report.add(f"spend limit {limit_id}: hold counters say {view['held_nano_usd']} nano-USD held, active holds sum to {expected}")
+        if view["spent_nano_usd"] > view["limit_nano_usd"]:
+            report.add(f"spend limit {limit_id}: spent {view['spent_nano_usd']} nano-USD of a {view['limit_nano_usd']} limit")
 
 
 def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from proxy import key_spend, keys, prices, workers
+from proxy import keys, prices, workers
 
 REFRESH_INTERVAL_S = 1.0
 KEY_CACHE_TTL_S = 1.0
@@ -48,25 +48,22 @@ class Directory:
     prices: dict[str, prices.Price] = field(default_factory=dict)
     fleet: dict[str, list[workers.WorkerView]] = field(default_factory=dict)  # by public model name
     loads: dict[int, WorkerLoad] = field(default_factory=dict)
-    budgets: key_spend.KeyBudgets = field(default_factory=key_spend.KeyBudgets)
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
 
     def _read(self) -> tuple:
         with self.engine.connect() as conn:
             new_prices = prices.load_prices(conn)
-            position, spent = key_spend.load_spent(conn)
             fleet: dict[str, list[workers.WorkerView]] = {}
             for worker in workers.list_workers(conn):
                 fleet.setdefault(worker.model, []).append(worker)
-        return new_prices, fleet, position, spent
+        return new_prices, fleet
 
     def _apply(self, snapshot: tuple) -> None:
         """On the event loop's thread, like everything else that touches this state."""
-        self.prices, self.fleet, position, spent = snapshot
+        self.prices, self.fleet = snapshot
         for fleet in self.fleet.values():
             for worker in fleet:
                 self.loads.setdefault(worker.id, WorkerLoad())
-        self.budgets.refresh(position, spent)
 
     async def refresh_async(self) -> None:
         self._apply(await asyncio.to_thread(self._read))

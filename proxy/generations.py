@@ -1,41 +1,61 @@
-"""A settled request, read back from its `RequestSettled` event."""
+"""A settled request, read back from its `RequestSettled` events: the one its
+key names and, when its hold had closed before the end, the rest charged after."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import orjson
 from sqlalchemy import Connection, select
 
+from ledger.holds import settlement_key
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import ledger_events
 
 
-def settlement_key(request_id: str) -> str:
-    return f"settle:{request_id}"
+class Settled(NamedTuple):
+    charge_nano_usd: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _settlements(conn: Connection, request_id: str) -> list:
+    key = settlement_key(request_id)
+    return conn.execute(
+        select(ledger_events.c.seq, ledger_events.c.payload, ledger_events.c.recorded_at)
+        .where(ledger_events.c.idempotency_key.in_((key, f"{key}:rest"))).order_by(ledger_events.c.seq)
+    ).all()
+
+
+def first_settlement(conn: Connection, request_id: str) -> Settled | None:
+    """What the settlement under the request's own key charged (the sweeper's, at the usage last recorded)."""
+    row = conn.execute(select(ledger_events.c.payload).where(ledger_events.c.idempotency_key == settlement_key(request_id))).first()
+    if row is None:
+        return None
+    event = orjson.loads(row.payload)
+    return Settled(event["charge_nano_usd"], event["meta"].get("prompt_tokens", 0), event["meta"].get("completion_tokens", 0))
 
 
 def find_generation(conn: Connection, request_id: str, account_id: int) -> dict | None:
     """The recorded charge of a request of this account; None for anyone else's."""
-    row = conn.execute(
-        select(ledger_events.c.seq, ledger_events.c.payload, ledger_events.c.recorded_at)
-        .where(ledger_events.c.idempotency_key == settlement_key(request_id))
-    ).first()
-    if row is None:
+    rows = _settlements(conn, request_id)
+    if not rows:
         return None
-    event = orjson.loads(row.payload)
-    if event["customer_account_id"] != account_id:
+    events = [orjson.loads(row.payload) for row in rows]
+    if events[0]["customer_account_id"] != account_id:
         return None
-    meta = event["meta"]
+    meta, charge = events[0]["meta"], sum(e["charge_nano_usd"] for e in events)
     return {
         "id": request_id,
         "object": "generation",
-        "cost_nano_usd": event["charge_nano_usd"],
-        "cost": nano_usd_to_usd_text(event["charge_nano_usd"]),
-        "owner_nano_usd": event["owner_nano_usd"],
-        "prompt_tokens": meta.get("prompt_tokens"),
-        "completion_tokens": meta.get("completion_tokens"),
+        "cost_nano_usd": charge,
+        "cost": nano_usd_to_usd_text(charge),
+        "owner_nano_usd": sum(e["owner_nano_usd"] for e in events),
+        "prompt_tokens": sum(e["meta"].get("prompt_tokens", 0) for e in events),
+        "completion_tokens": sum(e["meta"].get("completion_tokens", 0) for e in events),
         "model": meta.get("model"),
         "worker_id": meta.get("worker_id"),
         "api_key_id": meta.get("api_key_id"),
         "started_at": meta.get("started_at"),
-        "completed_at": row.recorded_at.isoformat(),
-        "ledger_seq": row.seq,
+        "completed_at": rows[-1].recorded_at.isoformat(),
+        "ledger_seq": rows[-1].seq,
     }

@@ -8,6 +8,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection, select, update
 
 from ledger import commands as cmd
+from ledger import spend_limits
 from ledger.accounts import require_kind
 from ledger.errors import InvalidInput
 from ledger.money import require_positive
@@ -56,6 +57,8 @@ def create_key(conn: Connection, account_id: int, *, name: str | None = None,
                 name=name, spend_limit_nano_usd=spend_limit_nano_usd, created_at=utc_now())
         .returning(api_keys.c.id)
     ).scalar_one()
+    if spend_limit_nano_usd is not None:  # reserved in the ledger like a balance, under the key's id
+        spend_limits.create_limit(conn, key_id, spend_limit_nano_usd)
     return key_id, key
 
 

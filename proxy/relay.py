@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from ledger.money import nano_usd_to_usd_text
-from proxy import sse
+from proxy import metering, sse
 from proxy import workers as registry
 from proxy.errors import ProxyError, UpstreamFailed
 from proxy.keys import KeyGrant
@@ -39,6 +39,7 @@ class Generation:
     wants_usage: bool
     wants_continuous_usage: bool
     started_at: datetime
+    streaming: bool = False  # the caller receives tokens as they come (what it has received is delivered)
     worker: registry.WorkerView | None = None
     upstream_body: dict | None = None
     response: UpstreamResponse | None = None
@@ -49,7 +50,6 @@ class Generation:
     reported_completion: int | None = None
     first_token_at: float = 0.0
     upstream_done: bool = False  # [DONE] came before any token: an empty completion
-    deadline_s: float = 0.0  # monotonic; the stream is cut here, while its hold is still alive
     overran: bool = False  # the worker sent more tokens than the hold pays for
     finished: bool = False
     settling: asyncio.Task | None = None
@@ -98,7 +98,7 @@ class Generation:
                     out = self.transform(data)
                     if out is not None:
                         yield out
-                    elif self.overran or time.monotonic() > self.deadline_s:
+                    elif self.overran:
                         break  # stop the worker; what it produced is billed below
                 else:
                     raise UpstreamFailed("the worker's stream ended without [DONE]")
@@ -108,12 +108,19 @@ class Generation:
                 yield sse.encode(self.usage_chunk())
             yield sse.DONE_EVENT
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
-            await asyncio.shield(self.proxy.settle(self, charge=False))
+            # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
+            await asyncio.shield(self.proxy.settle(self, charge=self.streaming))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
         finally:
             self.proxy.settle(self)  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
+
+    def delivered_usage(self) -> metering.BilledUsage:
+        """What is billable of what has been relayed so far (the rule settlement uses)."""
+        billed = metering.billable_usage(self.reported_prompt, self.reported_completion,
+                                         prompt_bound=self.prompt_bound, counted_completion=self.counted_tokens)
+        return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
 
     async def close_upstream(self) -> None:
         """Back to the pool when the response ended cleanly; otherwise the

@@ -55,11 +55,3 @@ workers = Table(
     Column("throughput_tokens_per_s", Integer),
     Column("created_at", UTCDateTime, nullable=False),
 )
-
-# A read model of the log: what each key has been charged, for spend limits.
-api_key_spend = Table(
-    "api_key_spend",
-    metadata,
-    Column("key_id", BigInteger, ForeignKey("api_keys.id"), primary_key=True),
-    Column("spent_nano_usd", BigInteger, nullable=False, server_default=text("0")),
-)

@@ -15,14 +15,13 @@ import uuid
 import orjson
 
 from ledger import commands as cmd
-from ledger.errors import InsufficientFunds, LedgerError, WriterOverloaded
-from ledger.holds import PlaceHold
+from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
+from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import metering, routing, sse
+from proxy import generations, metering, routing, sse
 from proxy import workers as registry
 from proxy.directory import Directory
-from proxy.generations import settlement_key
 from proxy.errors import (
     ContextTooLong,
     InvalidRequest,
@@ -40,6 +39,9 @@ from proxy.upstream import UpstreamError, UpstreamPool
 log = logging.getLogger(__name__)
 
 HOLD_TTL_S = 15 * 60
+# How often a process renews the holds of its requests still running and
+# records what each has delivered: one statement for all of them.
+HOLD_RENEW_INTERVAL_S = 1.0
 UPSTREAM_ATTEMPTS_MAX = 3
 USAGE_PROBE_TIMEOUT_S = 30.0
 # How long a hold granted in full lets the next request of the same customer
@@ -47,9 +49,6 @@ USAGE_PROBE_TIMEOUT_S = 30.0
 SOLVENT_FOR_S = 30.0
 SETTLE_ATTEMPTS_MAX = 5
 SETTLE_RETRY_WAIT_S = 0.05
-# A stream is cut (and billed for what it produced) this long before its hold
-# could expire, so that its settlement always finds the hold.
-HOLD_MARGIN_S_MAX = 60
 # max_tokens when the caller set none and no candidate has told its context length yet
 MAX_TOKENS_WITHOUT_CONTEXT = 4096
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
@@ -67,6 +66,7 @@ class InferenceProxy:
         self.hold_ttl_s = hold_ttl_s
         self._background: set[asyncio.Task] = set()
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
+        self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
 
     # Before the first token
     async def open(self, kind: str, body: object, grant: KeyGrant) -> Generation:
@@ -90,6 +90,8 @@ class InferenceProxy:
             await self._abandon_attempt(generation, upstream_task)
             if isinstance(exc, InsufficientFunds):
                 raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
+            if isinstance(exc, SpendLimitReached):
+                raise LimitReached("this API key has reached its spend limit") from None
             raise
         asked_max_tokens = generation.max_tokens
         self._accept_hold(generation, hold)
@@ -132,22 +134,22 @@ class InferenceProxy:
             max_tokens = min(max_tokens, room)
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         plan = metering.plan_hold(price, prompt_bound, max_tokens)
-        hold_request = PlaceHold(grant.account_id, self._within_key_limit(grant, plan), f"hold:{request_id}",
-                                 self.hold_ttl_s, plan.minimum_nano_usd)
+        hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s,
+                                 plan.minimum_nano_usd, spend_limit_id=grant.id if grant.spend_limit_nano_usd is not None else None)
         generation = Generation(
             proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=0,
             hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens,
             wants_usage=bool(stream_options.get("include_usage")),
             wants_continuous_usage=bool(stream_options.get("continuous_usage_stats")), started_at=utc_now(),
+            streaming=bool(body.get("stream")),
         )
         return generation, candidates, hold_request
 
     def _accept_hold(self, generation: Generation, hold) -> None:
         generation.hold_id, generation.hold_nano_usd = hold.hold_id, hold.amount_nano_usd
-        generation.deadline_s = time.monotonic() + self.hold_ttl_s - min(HOLD_MARGIN_S_MAX, self.hold_ttl_s // 4)
         generation.max_tokens = min(generation.max_tokens, metering.affordable_max_tokens(
             generation.price, generation.prompt_bound, hold.amount_nano_usd))
-        self.directory.budgets.held[generation.grant.id] += hold.amount_nano_usd
+        self._live[hold.hold_id] = generation
 
     async def _abandon_attempt(self, generation: Generation, upstream_task: asyncio.Future | None) -> None:
         """Stop a speculative upstream request, whether or not it got its first token."""
@@ -165,15 +167,6 @@ class InferenceProxy:
             task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.ledger.release_hold, hold_id))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-
-    def _within_key_limit(self, grant: KeyGrant, plan: metering.HoldPlan) -> int:
-        """The hold amount, capped at what the key may still spend."""
-        if grant.spend_limit_nano_usd is None:
-            return plan.amount_nano_usd
-        remaining = self.directory.budgets.remaining(grant.id, grant.spend_limit_nano_usd)
-        if remaining < plan.minimum_nano_usd:
-            raise LimitReached("this API key has reached its spend limit")
-        return min(plan.amount_nano_usd, remaining)
 
     def _candidates(self, fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
         routable = [w for w in fleet if w.state == "active" and w.healthy]
@@ -258,7 +251,7 @@ class InferenceProxy:
 
     # After the last token
     async def finish(self, generation: Generation) -> None:
-        """Settle what was produced, durably, then the response may end."""
+        """Settle what was delivered, durably, then the response may end."""
         if generation.finished:
             return
         generation.finished = True
@@ -269,35 +262,71 @@ class InferenceProxy:
             load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
         if generation.reported_prompt is None and generation.counted_tokens:
             await self._ask_prompt_tokens(generation)
-        billed = metering.billable_usage(generation.reported_prompt, generation.reported_completion,
-                                         prompt_bound=generation.prompt_bound, counted_completion=generation.counted_tokens)
-        completion = min(billed.completion_tokens, generation.max_tokens)
-        generation.usage = {"prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
-                            "total_tokens": billed.prompt_tokens + completion}
-        if completion == 0:  # an empty completion costs nothing
+        billed = generation.delivered_usage()
+        generation.usage = {"prompt_tokens": billed.prompt_tokens, "completion_tokens": billed.completion_tokens,
+                            "total_tokens": billed.prompt_tokens + billed.completion_tokens}
+        if billed.completion_tokens == 0:  # an empty completion costs nothing
             await self._release(generation)
             return
-        generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, completion)
+        generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens)
         try:
-            settled = await self._append_settlement(generation, billed.prompt_tokens, completion)
+            await self._settle_delivered(generation, billed)
         except LedgerError:
             log.exception("request %s could not be settled; its hold is released", generation.request_id)
             generation.cost_nano_usd = 0
             await self._release(generation)
             return
-        self._unhold(generation)
-        self.directory.budgets.settle(generation.grant.id, settled.seq, generation.cost_nano_usd)
+        self._live.pop(generation.hold_id, None)
         if billed.discrepant:
             await self._record_discrepancy(generation, billed)
 
-    async def _append_settlement(self, generation: Generation, prompt_tokens: int, completion_tokens: int):
-        command = cmd.SettleRequest(
-            generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd, generation.request_id,
-            settlement_key(generation.request_id),
-            {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
-             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "started_at": generation.started_at.isoformat()},
-        )
+    def _settlement_meta(self, generation: Generation, billed: metering.BilledUsage) -> dict:
+        return {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
+                "prompt_tokens": billed.prompt_tokens, "completion_tokens": billed.completion_tokens,
+                "started_at": generation.started_at.isoformat()}
+
+    async def _settle_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """Charge the hold. A settlement never depends on its hold still being
+        there: if the sweeper closed it (this process could not renew it in
+        time), it settled what was recorded as delivered, and the rest is
+        charged now, under a hold of its own."""
+        meta = self._settlement_meta(generation, billed)
+        try:
+            await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd,
+                                                 generation.request_id, settlement_key(generation.request_id), meta))
+        except (HoldNotActive, IdempotencyConflict):
+            await self._settle_rest(generation, meta)
+
+    async def _settle_rest(self, generation: Generation, meta: dict) -> None:
+        rid, grant = generation.request_id, generation.grant
+        first = await asyncio.to_thread(self._settled, rid)
+        charged = first.charge_nano_usd if first else 0
+        rest = generation.cost_nano_usd - charged
+        generation.cost_nano_usd = charged
+        if rest <= 0:
+            return
+        rest_meta = {**meta, "prompt_tokens": meta["prompt_tokens"] - (first.prompt_tokens if first else 0),
+                     "completion_tokens": meta["completion_tokens"] - (first.completion_tokens if first else 0)}
+        try:
+            hold = await self.ledger.place_hold_async(PlaceHold(
+                grant.account_id, rest, f"hold:{rid}:rest", self.hold_ttl_s, minimum_nano_usd=1,
+                spend_limit_id=grant.id if grant.spend_limit_nano_usd is not None else None))
+        except (InsufficientFunds, SpendLimitReached):
+            log.warning("request %s: %s nano-USD delivered after its hold closed are not covered any more", rid, rest)
+            return
+        try:
+            await self._append(cmd.SettleRequest(hold.hold_id, generation.worker.owner_account_id, hold.amount_nano_usd, rid,
+                                                 f"{settlement_key(rid)}:rest", rest_meta))
+        except LedgerError:
+            await asyncio.to_thread(self.ledger.release_hold, hold.hold_id)
+            raise
+        generation.cost_nano_usd = charged + hold.amount_nano_usd
+
+    def _settled(self, request_id: str) -> generations.Settled | None:
+        with self.ledger.engine.connect() as conn:
+            return generations.first_settlement(conn, request_id)
+
+    async def _append(self, command: cmd.Command):
         for attempt in range(1, SETTLE_ATTEMPTS_MAX + 1):
             try:
                 return await self.ledger.append_async(command)
@@ -305,6 +334,36 @@ class InferenceProxy:
                 if attempt == SETTLE_ATTEMPTS_MAX:
                     raise
                 await asyncio.sleep(SETTLE_RETRY_WAIT_S * attempt)
+
+    # While requests run
+    async def keep_holds(self, interval_s: float = HOLD_RENEW_INTERVAL_S) -> None:
+        """Renew the holds of every request still running, and record what each
+        stream has delivered, in one write per interval: a long request never
+        outlives its hold, and after a crash the sweeper settles each hold at
+        what its caller had received."""
+        while True:
+            await asyncio.sleep(interval_s)
+            renewals = [self._renewal(g) for g in list(self._live.values()) if not g.finished]
+            if not renewals:
+                continue
+            try:
+                active = await asyncio.to_thread(self.ledger.renew_holds, renewals)
+            except Exception:  # the database is away: try again next round; settlement does not need the hold
+                log.warning("could not renew %d hold(s)", len(renewals), exc_info=True)
+                continue
+            for renewal in renewals:
+                if renewal.hold_id not in active:
+                    self._live.pop(renewal.hold_id, None)
+
+    def _renewal(self, generation: Generation) -> HoldRenewal:
+        """What a stream's caller has received is delivered; a non-streaming
+        caller has received nothing until the answer is complete."""
+        if not (generation.streaming and generation.worker is not None and generation.counted_tokens):
+            return HoldRenewal(generation.hold_id, self.hold_ttl_s)
+        billed = generation.delivered_usage()
+        capture = min(generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens), generation.hold_nano_usd)
+        return HoldRenewal(generation.hold_id, self.hold_ttl_s, capture, generation.worker.owner_account_id,
+                           generation.request_id, self._settlement_meta(generation, billed))
 
     async def _ask_prompt_tokens(self, generation: Generation) -> None:
         """llama-cpp-python streams no usage. Ask it for one token of the same
@@ -340,8 +399,8 @@ class InferenceProxy:
 
     def settle(self, generation: Generation, *, charge: bool = True) -> asyncio.Task:
         """Settle once, in a task of its own (nothing the caller does can cancel
-        it): bill what was produced, or, with charge=False (the worker failed
-        mid-stream), release the hold and charge nothing."""
+        it): bill what was delivered, or, with charge=False (a non-streaming
+        caller whose worker failed has received nothing), release the hold."""
         if generation.settling is None:
             work = self.finish(generation) if charge else self.abandon(generation)
             generation.settling = asyncio.get_running_loop().create_task(work)
@@ -358,12 +417,9 @@ class InferenceProxy:
         await self._release(generation)
 
     async def _release(self, generation: Generation) -> None:
-        self._unhold(generation)
+        self._live.pop(generation.hold_id, None)
         # Shielded: a caller leaving must not stop the release once it is due.
         await asyncio.shield(asyncio.to_thread(self.ledger.release_hold, generation.hold_id))
-
-    def _unhold(self, generation: Generation) -> None:
-        self.directory.budgets.held[generation.grant.id] -= generation.hold_nano_usd
 
     async def drain_background(self) -> None:
         while self._background:

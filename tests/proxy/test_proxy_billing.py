@@ -98,24 +98,35 @@ def test_a_caller_that_disconnects_is_billed_for_what_was_produced(database_url)
     fleet.assert_books_close()
 
 
-def test_a_worker_killed_mid_stream_costs_nothing(database_url):
+def test_a_worker_that_dies_mid_stream_bills_what_the_streaming_caller_received(database_url):
+    """Given a worker that dies after 5 tokens, a streaming caller keeps those
+    tokens and pays exactly for them (the owner gets 80%); a non-streaming
+    caller received nothing and pays nothing."""
     worker = sim_worker("instant")
     fleet = make_fleet(database_url, [worker.url])
     before = fleet.balance(fleet.customer_id)
     with serving(database_url) as proxy:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True, "sim_fail_after_tokens": 5}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True, "sim_fail_after_tokens": 5,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
-        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-        assert "error" in orjson.loads(events[-1]), "the caller is told the stream failed"
-        ok = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "sim_fail_after_tokens": None, "stream": False},
-                        headers=_headers(fleet), timeout=30)
-        assert ok.status_code == 200
+        chunks = [orjson.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        assert "error" in chunks[-1], "the caller is told the stream failed"
+        received = sum(1 for c in chunks[:-1] for choice in c.get("choices", []) if choice["delta"].get("content"))
+        prompt_tokens = chunks[-2]["usage"]["prompt_tokens"]
+        failed_whole = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": False},
+                                  headers=_headers(fleet), timeout=30)
+        assert failed_whole.status_code >= 500
     worker.stop()
-    settled = fleet.settlements()
-    assert [s["request_id"] for s in settled] == [ok.json()["id"]], "only the request that completed is charged"
+    assert received == 5
+    [settled] = fleet.settlements()
+    assert settled["request_id"] == chunks[0]["id"], "only the stream is charged"
+    assert settled["meta"]["completion_tokens"] == 5 and settled["meta"]["prompt_tokens"] == prompt_tokens
+    assert settled["charge_nano_usd"] == prompt_tokens * 150 + 5 * 600
+    assert settled["owner_nano_usd"] == settled["charge_nano_usd"] * 80 // 100
     after = fleet.balance(fleet.customer_id)
     assert after.held_nano_usd == 0
-    assert after.balance_nano_usd == before.balance_nano_usd - settled[0]["charge_nano_usd"]
+    assert after.balance_nano_usd == before.balance_nano_usd - settled["charge_nano_usd"]
+    fleet.assert_books_close()
 
 
 def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_url):
