@@ -166,3 +166,25 @@ def test_a_hold_does_not_wait_for_an_unflushed_settlement_of_the_same_customer(p
 @pytest.fixture(autouse=True)
 def _postgres_only(pg_engine):
     assert pg_engine.dialect.name == "postgresql"
+
+
+def test_40_concurrent_holds_from_separate_processes_never_overshoot_a_key_limit(pg_engine):
+    """Like the balance: replicas racing for one spend limit are granted at most the limit in all."""
+    from ledger import spend_limits
+    from ledger.errors import SpendLimitReached
+
+    customer = customer_with(Ledger(pg_engine), 100 * HOLD)
+    with pg_engine.begin() as conn:
+        spend_limits.create_limit(conn, 5, 10 * HOLD)
+    replicas = [Ledger(pg_engine) for _ in range(4)]
+    try:
+        results = _race(40, lambda i: replicas[i % 4].place_hold(
+            PlaceHold(customer, HOLD, key("hold"), minimum_nano_usd=HOLD // 2, spend_limit_id=5)))
+    finally:
+        for replica in replicas:
+            replica.close()
+    granted = sum(r.amount_nano_usd for r in results if not isinstance(r, Exception))
+    assert granted == 10 * HOLD
+    assert all(isinstance(r, SpendLimitReached) for r in results if isinstance(r, Exception))
+    with pg_engine.connect() as conn:
+        assert spend_limits.read_limits(conn, [5])[5]["held_nano_usd"] == 10 * HOLD

@@ -1,0 +1,130 @@
+"""Holds that outlive nothing: spend limits reserved like balances, renewals
+that record delivered usage, and the sweeper that settles at that usage.
+Shared suite: SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from ledger import commands as cmd
+from ledger import spend_limits
+from ledger.errors import IdempotencyConflict, InsufficientFunds, SpendLimitReached
+from ledger.holds import HoldRenewal, PlaceHold, expire_holds, expired_captures, place_holds, renew_holds, settlement_key
+from ledger.schema import holds, utc_now
+from ledger.service import Ledger, sweep_expired_holds
+from ledger.verify import verify
+from tests.ledger.helpers import customer_with, key, money_snapshot
+
+USD = 1_000_000_000
+LIMIT_ID = 77
+
+
+def _limited_customer(ledger, engine, credits_nano_usd: int, limit_nano_usd: int) -> int:
+    customer = customer_with(ledger, credits_nano_usd)
+    with engine.begin() as conn:
+        spend_limits.create_limit(conn, LIMIT_ID, limit_nano_usd)
+    return customer
+
+
+def _limited_customer_in(engine, credits_nano_usd: int, limit_nano_usd: int) -> int:
+    ledger = Ledger(engine)
+    try:
+        return _limited_customer(ledger, engine, credits_nano_usd, limit_nano_usd)
+    finally:
+        ledger.close()
+
+
+def _limit(engine) -> dict:
+    with engine.connect() as conn:
+        return spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
+
+
+def _settle(ledger, owner, hold, charge, request_id=None):
+    request_id = request_id or key("req")
+    return ledger.append(cmd.SettleRequest(hold.hold_id, owner, charge, request_id, settlement_key(request_id)))
+
+
+def test_a_spend_limit_is_held_and_spent_like_a_balance(ledger, engine):
+    customer = _limited_customer(ledger, engine, 10 * USD, 5 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    first = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), spend_limit_id=LIMIT_ID))
+    clamped = ledger.place_hold(PlaceHold(customer, 4 * USD, key("hold"), minimum_nano_usd=USD, spend_limit_id=LIMIT_ID))
+    assert clamped.amount_nano_usd == 2 * USD, "granted what the limit has left, not what the balance has"
+    assert _limit(engine) == {"limit_nano_usd": 5 * USD, "spent_nano_usd": 0, "held_nano_usd": 5 * USD, "available_nano_usd": 0}
+    before = money_snapshot(engine)
+    with pytest.raises(SpendLimitReached):
+        ledger.place_hold(PlaceHold(customer, 1, key("hold"), spend_limit_id=LIMIT_ID))
+    assert money_snapshot(engine) == before, "a refused hold writes nothing"
+    assert ledger.place_hold(PlaceHold(customer, USD, key("hold"))).amount_nano_usd == USD, "holds without the limit are not bound by it"
+    _settle(ledger, owner, first, 2 * USD)
+    ledger.release_hold(clamped.hold_id)
+    assert _limit(engine) == {"limit_nano_usd": 5 * USD, "spent_nano_usd": 2 * USD, "held_nano_usd": 0, "available_nano_usd": 3 * USD}
+    assert ledger.balance(customer).balance_nano_usd == 8 * USD
+    with engine.connect() as conn:
+        assert verify(conn).ok
+
+
+def test_one_batch_of_holds_never_overshoots_a_limit(engine):
+    customer = _limited_customer_in(engine, 100 * USD, 10 * USD)
+    requests = [PlaceHold(customer, 3 * USD, key("hold"), minimum_nano_usd=USD, spend_limit_id=LIMIT_ID) for _ in range(10)]
+    with engine.begin() as conn:
+        results = place_holds(conn, requests)
+    granted = [r.amount_nano_usd for r in results if not isinstance(r, Exception)]
+    assert granted == [3 * USD, 3 * USD, 3 * USD, USD]
+    assert all(isinstance(r, SpendLimitReached) for r in results[4:])
+    assert _limit(engine)["held_nano_usd"] == 10 * USD
+
+
+def test_the_balance_still_binds_a_hold_under_a_generous_limit(ledger, engine):
+    customer = _limited_customer(ledger, engine, USD, 50 * USD)
+    with pytest.raises(InsufficientFunds):
+        ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), spend_limit_id=LIMIT_ID))
+    assert _limit(engine)["held_nano_usd"] == 0
+
+
+def test_a_renewed_hold_outlives_its_first_expiry_and_records_what_was_delivered(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), ttl_s=10))
+    meta = {"model": "m", "completion_tokens": 7}
+    with engine.begin() as conn:
+        assert renew_holds(conn, [HoldRenewal(hold.hold_id, 60, USD, owner, "req-1", meta)]) == {hold.hold_id}
+        renew_holds(conn, [HoldRenewal(hold.hold_id, 60, USD // 2, owner, "req-1", meta)])  # never lowered
+        assert renew_holds(conn, [HoldRenewal(987654, 60)]) == set(), "a closed hold is reported gone"
+    with engine.begin() as conn:
+        assert expire_holds(conn, now=utc_now() + timedelta(seconds=30)) == 0, "renewed past the old expiry"
+        row = conn.execute(select(holds).where(holds.c.id == hold.hold_id)).one()
+    assert (row.capture_nano_usd, row.capture_owner_account_id, row.capture_request_id) == (USD, owner, "req-1")
+    with engine.begin() as conn:
+        renew_holds(conn, [HoldRenewal(hold.hold_id, 60, 5 * USD, owner, "req-1", meta)])
+        assert conn.execute(select(holds.c.capture_nano_usd).where(holds.c.id == hold.hold_id)).scalar() == 2 * USD, \
+            "never above the hold"
+
+
+def test_the_sweeper_settles_an_expired_hold_at_its_recorded_usage_and_releases_an_untouched_one(ledger, engine):
+    customer = _limited_customer(ledger, engine, 10 * USD, 8 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    delivered = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), ttl_s=1, spend_limit_id=LIMIT_ID))
+    untouched = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=1, spend_limit_id=LIMIT_ID))
+    capture = 1_234_567_891
+    with engine.begin() as conn:
+        renew_holds(conn, [HoldRenewal(delivered.hold_id, 1, capture, owner, "req-crashed", {"completion_tokens": 9})])
+    with engine.connect() as conn:
+        assert expired_captures(conn, now=utc_now()) == [], "nothing is due before the expiry"
+    time.sleep(1.2)
+    swept = sweep_expired_holds(engine)
+    assert (swept.released, swept.settled) == (1, 1)
+    assert sweep_expired_holds(engine) == (0, 0), "once"
+    customer_view, owner_view = ledger.balance(customer), ledger.balance(owner)
+    assert (customer_view.balance_nano_usd, customer_view.held_nano_usd) == (10 * USD - capture, 0)
+    assert owner_view.balance_nano_usd == capture * 80 // 100
+    assert _limit(engine) == {"limit_nano_usd": 8 * USD, "spent_nano_usd": capture, "held_nano_usd": 0,
+                              "available_nano_usd": 8 * USD - capture}
+    # The request's own settlement, arriving late with the full charge, finds its key taken: it must charge the rest.
+    with pytest.raises(IdempotencyConflict):
+        ledger.append(cmd.SettleRequest(delivered.hold_id, owner, capture + 1, "req-crashed", settlement_key("req-crashed")))
+    with engine.connect() as conn:
+        assert verify(conn).ok
