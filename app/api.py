@@ -34,7 +34,7 @@ from proxy.service import HOLD_TTL_S, InferenceProxy
 from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024
-HOLD_SWEEP_INTERVAL_S = 30.0
+HOLD_SWEEP_INTERVAL_S = 10.0
 
 
 def _json(data: dict, status: int = 200, headers: dict | None = None) -> Response:

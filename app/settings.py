@@ -17,7 +17,7 @@ class Settings:
     group_commit_wait_ms: int = int(BATCH_WAIT_MS_DEFAULT)
     health_interval_ms: int = 2000
     key_cache_ttl_ms: int = 1000
-    hold_ttl_s: int = 900
+    hold_ttl_s: int = 60
     hold_sweep_interval_ms: int = 30_000
     stripe_secret_key: str | None = None
     stripe_webhook_secret: str | None = None
@@ -47,8 +47,8 @@ class Settings:
             group_commit_wait_ms=_int("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT), 0, 100),
             health_interval_ms=_int("PARALON_HEALTH_INTERVAL_MS", 2000, 50, 60_000),
             key_cache_ttl_ms=_int("PARALON_KEY_CACHE_TTL_MS", 1000, 0, 60_000),
-            hold_ttl_s=_int("PARALON_HOLD_TTL_S", 900, 1, 24 * 3600),
-            hold_sweep_interval_ms=_int("PARALON_HOLD_SWEEP_INTERVAL_MS", 30_000, 50, 3_600_000),
+            hold_ttl_s=_int("PARALON_HOLD_TTL_S", 60, 2, 24 * 3600),
+            hold_sweep_interval_ms=_int("PARALON_HOLD_SWEEP_INTERVAL_MS", 10_000, 50, 3_600_000),
             stripe_secret_key=os.environ.get("PARALON_STRIPE_SECRET_KEY") or None,
             stripe_webhook_secret=os.environ.get("PARALON_STRIPE_WEBHOOK_SECRET") or None,
             stripe_api_base=os.environ.get("PARALON_STRIPE_API_BASE") or None,

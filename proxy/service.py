@@ -38,10 +38,13 @@ from proxy.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-HOLD_TTL_S = 15 * 60
+# Short, because requests still running renew their holds: after a crash the
+# customer's credits come back (or settle) within about this long.
+HOLD_TTL_S = 60
 # How often a process renews the holds of its requests still running and
-# records what each has delivered: one statement for all of them.
-HOLD_RENEW_INTERVAL_S = 1.0
+# records what each has delivered: one statement for all of them (at most a
+# quarter of the TTL, so a renewal can be late without losing a hold).
+HOLD_RENEW_INTERVAL_S_MAX = 1.0
 UPSTREAM_ATTEMPTS_MAX = 3
 USAGE_PROBE_TIMEOUT_S = 30.0
 # How long a hold granted in full lets the next request of the same customer
@@ -336,11 +339,12 @@ class InferenceProxy:
                 await asyncio.sleep(SETTLE_RETRY_WAIT_S * attempt)
 
     # While requests run
-    async def keep_holds(self, interval_s: float = HOLD_RENEW_INTERVAL_S) -> None:
+    async def keep_holds(self) -> None:
         """Renew the holds of every request still running, and record what each
         stream has delivered, in one write per interval: a long request never
         outlives its hold, and after a crash the sweeper settles each hold at
         what its caller had received."""
+        interval_s = min(HOLD_RENEW_INTERVAL_S_MAX, self.hold_ttl_s / 4)
         while True:
             await asyncio.sleep(interval_s)
             renewals = [self._renewal(g) for g in list(self._live.values()) if not g.finished]
