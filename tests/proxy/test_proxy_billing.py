@@ -99,15 +99,16 @@ def test_a_caller_that_disconnects_is_billed_for_what_was_produced(database_url)
 
 
 def test_a_worker_killed_mid_stream_costs_nothing(database_url):
-    worker = sim_worker("instant")
+    worker = sim_worker("instant", fail_after_tokens=5)  # the worker's own failure, not the caller's doing
     fleet = make_fleet(database_url, [worker.url])
     before = fleet.balance(fleet.customer_id)
     with serving(database_url) as proxy:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True, "sim_fail_after_tokens": 5}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True}
         response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert "error" in orjson.loads(events[-1]), "the caller is told the stream failed"
-        ok = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "sim_fail_after_tokens": None, "stream": False},
+        worker.app.fail_after_tokens = None  # the worker recovers
+        ok = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": False},
                         headers=_headers(fleet), timeout=30)
         assert ok.status_code == 200
     worker.stop()
@@ -137,7 +138,8 @@ def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_
 
 
 def test_a_worker_inflating_its_usage_is_billed_the_count_and_then_suspended(database_url):
-    honest, inflating = sim_worker("instant"), sim_worker("instant", inflate_usage=3)
+    # 10 words of about 6 bytes relayed: a report of 10x is above any byte-level count of them.
+    honest, inflating = sim_worker("instant"), sim_worker("instant", inflate_usage=10)
     fleet = make_fleet(database_url, [honest.url, inflating.url])
     with serving(database_url) as proxy:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
@@ -215,10 +217,10 @@ def test_a_hold_left_by_a_crashed_proxy_expires_and_is_released(database_url):
 
 def test_tokens_past_max_tokens_are_never_relayed_nor_billed(database_url):
     """A worker that ignores max_tokens: the caller gets what the hold pays for, and no more."""
-    worker = sim_worker("instant")
+    worker = sim_worker("instant", extra_tokens=20)
     fleet = make_fleet(database_url, [worker.url])
     with serving(database_url) as proxy:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "sim_extra_tokens": 20,
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
                 "stream_options": {"include_usage": True}}
         response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
     worker.stop()
