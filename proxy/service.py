@@ -19,7 +19,7 @@ from ledger.errors import InsufficientFunds, LedgerError, WriterOverloaded
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import metering, routing, sse
+from proxy import forwarded_fields, metering, routing, sse
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.generations import settlement_key
@@ -223,8 +223,7 @@ class InferenceProxy:
         generation.first_token_at, generation.upstream_done = 0.0, False
 
     async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
-        upstream_body = dict(body)
-        upstream_body.pop("max_completion_tokens", None)
+        upstream_body = forwarded_fields.upstream_fields(body)
         upstream_body.update(
             model=worker.served_model or worker.model, stream=True, max_tokens=generation.max_tokens,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
