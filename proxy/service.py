@@ -218,8 +218,8 @@ class InferenceProxy:
         if load is not None:
             load.in_flight -= 1
         generation.worker, generation.response, generation.upstream = None, None, None
-        generation.pending, generation.counted_tokens = [], 0
-        generation.reported_prompt = generation.reported_completion = None
+        generation.pending = []
+        generation.forget_output()
         generation.first_token_at, generation.upstream_done = 0.0, False
 
     async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
@@ -268,8 +268,7 @@ class InferenceProxy:
             load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
         if generation.reported_prompt is None and generation.counted_tokens:
             await self._ask_prompt_tokens(generation)
-        billed = metering.billable_usage(generation.reported_prompt, generation.reported_completion,
-                                         prompt_bound=generation.prompt_bound, counted_completion=generation.counted_tokens)
+        billed = generation.delivered_usage()
         completion = min(billed.completion_tokens, generation.max_tokens)
         generation.usage = {"prompt_tokens": billed.prompt_tokens, "completion_tokens": completion,
                             "total_tokens": billed.prompt_tokens + completion}
