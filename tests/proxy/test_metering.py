@@ -427,3 +427,25 @@ def test_image_and_audio_parts_are_refused_with_nothing_held_or_charged(postgres
     customer = fleet.balance(fleet.customer_id)
     assert (customer.balance_nano_usd, customer.held_nano_usd) == (CREDITS_NANO_USD, 0)
     fleet.assert_books_close()
+
+
+def test_a_non_streaming_answer_carries_the_reasoning_and_tool_calls_it_is_billed_for(postgres_url):
+    arguments = '{"city": "Paris"}'
+    deltas = [_delta(role="assistant", content=""), _delta(reasoning_content="Weather"), _delta(reasoning_content=" needed."),
+              _delta(tool_calls=[{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather"}}]),
+              *(_delta(tool_calls=[{"index": 0, "function": {"arguments": arguments[i:i + 5]}}]) for i in range(0, 17, 5))]
+    worker = ThreadedServer(HandWrittenWorker(_stream(deltas, 30, 20))).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    try:
+        with serving(postgres_url) as proxy:
+            response = _post(proxy, fleet, {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                            "tools": [{"type": "function", "function": {"name": "get_weather"}}]})
+    finally:
+        worker.stop()
+    assert response.status_code == 200
+    message = response.json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "reasoning_content": "Weather needed.",
+                       "tool_calls": [{"id": "call_1", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": arguments}}]}
+    _assert_charged_once(fleet, 30, 20)
+    assert fleet.events("UsageDiscrepancyRecorded") == 0
