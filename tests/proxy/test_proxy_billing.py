@@ -24,7 +24,7 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
     available never goes below zero, every completed request is charged once,
     and the owner gets charge*80//100 of each."""
     worker = sim_worker("h200", time_scale=4.0)
-    # A request: prompt bound 41 tokens at 150 + 40 tokens at 600 = 30,150 nano-USD held.
+    # A request: prompt bound 53 tokens at 150 + 40 tokens at 600 = 31,950 nano-USD held.
     fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
     stop, lowest = threading.Event(), []
 
