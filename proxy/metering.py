@@ -1,11 +1,30 @@
 """What a request may cost before it runs, and what it costs after.
 
-Without a tokenizer the prompt is bounded from above: a byte-level tokenizer
-never makes more tokens than UTF-8 bytes, plus the chat template's overhead.
-Workers are paid by the tokens they report, so their report is checked
-against the proxy's own count, and the lower is billed beyond a tolerance."""
+Without a tokenizer both sides of a request are bounded from above by bytes: a
+byte-level tokenizer never makes more tokens than the UTF-8 bytes it is given.
+
+- The prompt: every byte the engine's chat template can render (content
+  strings and text parts, names, tool calls and their ids, tool replies,
+  reasoning sent back, tool definitions, response_format schemas), plus the
+  template's own overhead per request, per message, per tool call and per
+  tool. Structured values (tools, schemas, tool-call arguments) are counted
+  as a template's `tojson` may render them: spaced separators, indented up to
+  four spaces (`json_bytes_bound`).
+- The completion: the bytes the caller actually received (text, reasoning,
+  tool-call names and arguments), plus an allowance per finished choice for
+  the stop token and the tags a reasoning parser strips, and per tool call
+  for the markup a tool parser strips. How the worker chunks its output does
+  not move it: splitting, repeating or padding adds only the bytes relayed.
+
+Workers are paid by the tokens they report, so the report is billed when it
+is within the bound, else the bound. A completion reported above the bound of
+output the proxy counted itself, or choices the proxy had to drop, are
+evidence against the worker; a prompt reported above its bound is only a
+discrepancy (a caller can cause that with a template we do not know)."""
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import orjson
@@ -13,26 +32,119 @@ import orjson
 from proxy.errors import InvalidRequest
 from proxy.prices import Price
 
-TEMPLATE_TOKENS_PER_MESSAGE = 8
-TEMPLATE_TOKENS_PER_REQUEST = 16
+# Prompt: the chat template's own tokens (ChatML-, Llama- and Hermes-style
+# templates measured with a byte-level tokenizer, tests/proxy/test_prompt_bound.py).
+TEMPLATE_TOKENS_PER_REQUEST = 32  # BOS, the generation prompt
+TEMPLATE_TOKENS_PER_MESSAGE = 8  # turn markers around role and content (the role's bytes are counted)
+TEMPLATE_TOKENS_PER_TOOL_REPLY = 48  # <tool_response> markup, a turn of its own in some templates
+TEMPLATE_TOKENS_PER_TOOL_CALL = 64  # <tool_call>{"name": ..., "arguments": ...}</tool_call>
+TEMPLATE_TOKENS_PER_REASONING = 24  # <think>...</think> around reasoning sent back
+TEMPLATE_TOKENS_PER_CONTENT_PART = 2  # the separator an engine joins text parts with
+TEMPLATE_TOKENS_WITH_TOOLS = 512  # the tools preamble ("You may call one or more functions...")
+TEMPLATE_TOKENS_PER_TOOL = 8  # the line around each tool definition
+# Completion: tokens an engine produces but never relays as text.
+COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a reasoning parser strips
+COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL = 24  # tool-call markup a tool parser strips
 COMPLETION_TOLERANCE_TOKENS_MIN = 2
 COMPLETION_TOLERANCE_PERCENT = 5
 MAX_TOKENS_LIMIT = 1_000_000
+TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
+
+STRIKE_COMPLETION_ABOVE_BOUND = "completion_above_bound"
+STRIKE_MALFORMED_CHOICES = "malformed_choices"
 
 
-def _text_bytes(content: object) -> int:
-    if content is None:
+def _bytes(value: object) -> int:
+    return len(value.encode()) if isinstance(value, str) else 0
+
+
+def json_bytes_bound(value: object) -> int:
+    """Bytes of `value` as a chat template's `tojson` may render it: Python's
+    separators (", ", ": ") and number format, or indented up to four spaces.
+    Indenting by four adds at most twice what indenting by two adds."""
+    try:
+        compact = len(orjson.dumps(value))
+        indented = len(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    except (TypeError, orjson.JSONEncodeError):
+        raise InvalidRequest("the request holds a value that is not JSON") from None
+    return len(json.dumps(value, ensure_ascii=False).encode()) + 2 * (indented - compact)
+
+
+def _content_bytes(content: object, param: str) -> int:
+    if content is None or isinstance(content, str):
+        return _bytes(content)
+    if not isinstance(content, list):
+        raise InvalidRequest("message content must be a string or a list of text parts", param=param)
+    total = 0
+    for part in content:
+        if not isinstance(part, dict):
+            raise InvalidRequest("each content part must be an object", param=param)
+        kind = part.get("type")
+        if kind not in TEXT_PART_TYPES:
+            raise InvalidRequest(f"content parts of type {kind!r} are not supported yet: send text parts only", param=param)
+        text = part.get("text") if kind != "refusal" else part.get("refusal")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"a {kind} part needs its text as a string", param=param)
+        total += TEMPLATE_TOKENS_PER_CONTENT_PART + len(text.encode())
+    return total
+
+
+def _arguments_bytes(arguments: object) -> int:
+    """Tool-call arguments as sent, or as an engine re-renders them once
+    parsed (vLLM parses the JSON string and the template dumps it again)."""
+    if isinstance(arguments, str):
+        try:
+            parsed = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return len(arguments.encode())
+        return max(len(arguments.encode()), json_bytes_bound(parsed))
+    return json_bytes_bound(arguments) if arguments is not None else 0
+
+
+def _tool_calls_bytes(tool_calls: object, param: str) -> int:
+    if tool_calls is None:
         return 0
-    if isinstance(content, str):
-        return len(content.encode())
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest("only text content parts are supported", param="messages")
-            total += len(part["text"].encode())
-        return total
-    raise InvalidRequest("message content must be a string or a list of text parts", param="messages")
+    if not isinstance(tool_calls, list):
+        raise InvalidRequest("tool_calls must be a list", param=param)
+    total = 0
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidRequest("each tool call needs a function object", param=param)
+        total += (TEMPLATE_TOKENS_PER_TOOL_CALL + _bytes(call.get("id")) + _bytes(call.get("type"))
+                  + _bytes(function.get("name")) + _arguments_bytes(function.get("arguments")))
+    return total
+
+
+def _message_tokens_bound(message: object, index: int) -> int:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequest("each message needs a role", param=param)
+    role = message["role"]
+    total = TEMPLATE_TOKENS_PER_MESSAGE + len(role.encode()) + _content_bytes(message.get("content"), param + ".content")
+    total += _bytes(message.get("name")) + _bytes(message.get("tool_call_id"))
+    if role == "tool" or role == "function":
+        total += TEMPLATE_TOKENS_PER_TOOL_REPLY
+    reasoning = _bytes(message.get("reasoning_content")) + _bytes(message.get("reasoning"))
+    if reasoning:
+        total += TEMPLATE_TOKENS_PER_REASONING + reasoning
+    total += _tool_calls_bytes(message.get("tool_calls"), param + ".tool_calls")
+    if message.get("function_call") is not None:  # the deprecated single call
+        total += TEMPLATE_TOKENS_PER_TOOL_CALL + json_bytes_bound(message["function_call"])
+    return total
+
+
+def _tools_tokens_bound(body: dict) -> int:
+    total = 0
+    for field in ("tools", "functions"):
+        tools = body.get(field)
+        if tools is None:
+            continue
+        if not isinstance(tools, list):
+            raise InvalidRequest(f"{field} must be a list", param=field)
+        if tools:
+            total += TEMPLATE_TOKENS_WITH_TOOLS + len(tools) * TEMPLATE_TOKENS_PER_TOOL + json_bytes_bound(tools)
+    return total
 
 
 def prompt_tokens_bound(kind: str, body: dict) -> int:
@@ -41,15 +153,14 @@ def prompt_tokens_bound(kind: str, body: dict) -> int:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
-        total = TEMPLATE_TOKENS_PER_REQUEST
-        for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise InvalidRequest("each message needs a role", param="messages")
-            total += TEMPLATE_TOKENS_PER_MESSAGE + _text_bytes(message.get("content"))
-        for extra in ("tools", "functions", "response_format"):
-            if body.get(extra) is not None:
-                total += len(orjson.dumps(body[extra]))
-        return total
+        total = TEMPLATE_TOKENS_PER_REQUEST + _tools_tokens_bound(body)
+        for index, message in enumerate(messages):
+            total += _message_tokens_bound(message, index)
+        for field in ("response_format", "tool_choice", "function_call"):
+            value = body.get(field)
+            if value is not None:
+                total += len(value.encode()) if isinstance(value, str) else json_bytes_bound(value)
+        return total + _bytes(body.get("reasoning_effort"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -71,6 +182,16 @@ def requested_max_tokens(kind: str, body: dict) -> int | None:
     return value
 
 
+def stop_bytes_max(body: dict | None) -> int:
+    """The longest stop string asked for: an engine generates it but does not relay it."""
+    stop = (body or {}).get("stop")
+    if isinstance(stop, str):
+        return len(stop.encode())
+    if isinstance(stop, list):
+        return max((_bytes(s) for s in stop), default=0)
+    return 0
+
+
 class HoldPlan(NamedTuple):
     amount_nano_usd: int  # covers max_tokens as asked (or the whole context)
     minimum_nano_usd: int  # covers the prompt and one token
@@ -87,26 +208,47 @@ def affordable_max_tokens(price: Price, prompt_bound: int, held_nano_usd: int) -
     return (held_nano_usd - prompt_bound * price.input_nano_usd_per_token) // price.output_nano_usd_per_token
 
 
+@dataclass(slots=True)
+class OutputCount:
+    """What the proxy relayed of one request's output, as the caller received it."""
+    relayed_bytes: int = 0  # UTF-8 bytes of text, reasoning, tool-call names and arguments
+    relayed_chunks: int = 0  # chunks that carried at least one byte of output
+    finished: bool = False  # a finish_reason was relayed (n is 1: however often a worker sends one)
+    stop_bytes: int = 0  # the longest stop string asked for, generated but not relayed
+    tool_call_indexes: set[int] = field(default_factory=set)  # tool calls whose name was relayed
+    dropped: int = 0  # malformed or duplicate choices and tool-call entries, never relayed
+
+    def completion_bound(self) -> int:
+        """No byte-level tokenizer makes more tokens than this of what was relayed."""
+        finish = COMPLETION_ALLOWANCE_TOKENS_PER_FINISH + self.stop_bytes if self.finished else 0
+        return self.relayed_bytes + finish + len(self.tool_call_indexes) * COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
+
+
 class BilledUsage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
-    discrepant: bool  # the worker reported more than this
+    discrepant: bool  # the worker reported more than this, or there is evidence against it
+    strike_reason: str | None  # proof against the worker on its own (STRIKE_*)
 
 
 def billable_usage(reported_prompt: int | None, reported_completion: int | None, *,
-                   prompt_bound: int, counted_completion: int) -> BilledUsage:
-    """The lower of what the worker reported and what the proxy can vouch for.
-    A missing report bills what the proxy counted (and the bound for the prompt)."""
-    tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, counted_completion * COMPLETION_TOLERANCE_PERCENT // 100)
-    completion, prompt, discrepant = counted_completion, prompt_bound, False
+                   prompt_bound: int, output: OutputCount) -> BilledUsage:
+    """The worker's report where it is within the proxy's bounds, else the bound.
+    A missing completion report bills the chunks relayed (llama.cpp streams no
+    usage, one token per chunk), a missing prompt report the prompt's bound."""
+    completion_bound = output.completion_bound()
+    tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, completion_bound * COMPLETION_TOLERANCE_PERCENT // 100)
+    completion, prompt, over_reported, strike_reason = output.relayed_chunks, prompt_bound, False, None
     if reported_completion is not None:
-        if reported_completion > counted_completion + tolerance:
-            discrepant = True
+        if reported_completion > completion_bound + tolerance:
+            completion, over_reported, strike_reason = completion_bound, True, STRIKE_COMPLETION_ABOVE_BOUND
         else:
             completion = reported_completion
     if reported_prompt is not None:
         if reported_prompt > prompt_bound:
-            discrepant = True
+            over_reported = True
         else:
             prompt = reported_prompt
-    return BilledUsage(prompt, completion, discrepant)
+    if strike_reason is None and output.dropped:
+        strike_reason = STRIKE_MALFORMED_CHOICES
+    return BilledUsage(prompt, completion, over_reported or strike_reason is not None, strike_reason)

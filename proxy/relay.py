@@ -45,7 +45,7 @@ class Generation:
     response: UpstreamResponse | None = None
     upstream: object = None  # the upstream event iterator
     pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
-    counted_tokens: int = 0
+    output: metering.OutputCount = field(default_factory=metering.OutputCount)  # what the caller received
     reported_prompt: int | None = None
     reported_completion: int | None = None
     first_token_at: float = 0.0
@@ -65,24 +65,113 @@ class Generation:
             raise UpstreamFailed(f"the worker failed: {chunk['error']}")
         usage = chunk.pop("usage", None)
         if usage:
-            self.reported_prompt = usage.get("prompt_tokens", self.reported_prompt)
-            self.reported_completion = usage.get("completion_tokens", self.reported_completion)
+            self._note_usage(usage)
         choices = chunk.get("choices")
         if not choices:
             return None  # the final usage chunk: the caller gets ours, with the cost, after settling
-        for choice in choices:
-            if _has_output(self.kind, choice):
-                if self.counted_tokens >= self.max_tokens:  # never relay a token nobody pays for
-                    self.overran = True
-                    return None
-                self.counted_tokens += 1
-                if not self.first_token_at:
-                    self.first_token_at = time.perf_counter()
+        choice = self._sole_choice(chunk, choices)
+        if choice is None:
+            return None
+        relayed_bytes = self._output_bytes(choice)
+        if relayed_bytes:
+            if self.counted_tokens >= self.max_tokens:  # never relay a token nobody pays for
+                self.overran = True
+                return None
+            self.output.relayed_chunks += 1
+            self.output.relayed_bytes += relayed_bytes
+            if not self.first_token_at:
+                self.first_token_at = time.perf_counter()
+        if choice.get("finish_reason") and not self.output.finished:
+            self.output.finished, self.output.stop_bytes = True, metering.stop_bytes_max(self.upstream_body)
         chunk["id"], chunk["model"] = self.request_id, self.model
         self.created = chunk.get("created") or self.created
         if usage and self.wants_continuous_usage:
             chunk["usage"] = usage
         return sse.encode(chunk)
+
+    @property
+    def counted_tokens(self) -> int:
+        """Chunks relayed with output, each at least one token: max_tokens is
+        enforced on this, so that nothing is relayed that the hold does not pay for."""
+        return self.output.relayed_chunks
+
+    def _note_usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt) is int and prompt >= 0:
+            self.reported_prompt = prompt
+        if type(completion) is int and completion >= 0:
+            self.reported_completion = completion
+
+    def _sole_choice(self, chunk: dict, choices: object) -> dict | None:
+        """The one choice a request with n=1 has; duplicates and malformed
+        choices are dropped from the chunk and counted against the worker."""
+        if type(choices) is list and len(choices) == 1 and _well_formed(self.kind, choices[0]):
+            return choices[0]
+        kept = None
+        for choice in choices if type(choices) is list else ():
+            if kept is None and _well_formed(self.kind, choice):
+                kept = choice
+            else:
+                self.output.dropped += 1
+        if type(choices) is not list:
+            self.output.dropped += 1
+        chunk["choices"] = [kept] if kept is not None else []
+        return kept
+
+    def _output_bytes(self, choice: dict) -> int:
+        """UTF-8 bytes of output in one choice, as the caller receives them."""
+        if self.kind != CHAT:
+            return _str_bytes(choice.get("text"))
+        delta = choice.get("delta")
+        if not delta:
+            return 0
+        total = _str_bytes(delta.get("content"))
+        reasoning_content, reasoning = delta.get("reasoning_content"), delta.get("reasoning")
+        total += _str_bytes(reasoning_content)
+        if reasoning != reasoning_content:  # vLLM sends the same text under both names
+            total += _str_bytes(reasoning)
+        if delta.get("tool_calls") is not None:
+            total += self._tool_call_bytes(delta)
+        return total
+
+    def _tool_call_bytes(self, delta: dict) -> int:
+        """Names and arguments relayed; entries that are not objects are dropped."""
+        tool_calls = delta["tool_calls"]
+        if type(tool_calls) is not list:
+            self.output.dropped += 1
+            del delta["tool_calls"]
+            return 0
+        kept, total = [], 0
+        for call in tool_calls:
+            index = call.get("index", 0) if isinstance(call, dict) else None
+            if type(index) is not int:
+                self.output.dropped += 1
+                continue
+            kept.append(call)
+            function = call.get("function")
+            if isinstance(function, dict):
+                name = _str_bytes(function.get("name"))
+                total += name + _str_bytes(function.get("arguments"))
+                if name:
+                    self.output.tool_call_indexes.add(index)
+        if len(kept) != len(tool_calls):
+            delta["tool_calls"] = kept
+        return total
+
+    def delivered_usage(self) -> metering.BilledUsage:
+        """What is billable of what has been relayed so far: the worker's latest
+        report where the proxy's own count vouches for it (metering.billable_usage),
+        never more completion tokens than the hold pays for."""
+        billed = metering.billable_usage(self.reported_prompt, self.reported_completion,
+                                         prompt_bound=self.prompt_bound, output=self.output)
+        return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
+
+    def forget_output(self) -> None:
+        """A failed attempt before the first token: the next worker starts from nothing."""
+        self.output = metering.OutputCount()
+        self.reported_prompt = self.reported_completion = None
 
     async def events(self):
         """The caller's stream: what was read before the first token, the rest
@@ -116,12 +205,6 @@ class Generation:
             self.proxy.settle(self)  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
 
-    def delivered_usage(self) -> metering.BilledUsage:
-        """What is billable of what has been relayed so far (the rule settlement uses)."""
-        billed = metering.billable_usage(self.reported_prompt, self.reported_completion,
-                                         prompt_bound=self.prompt_bound, counted_completion=self.counted_tokens)
-        return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
-
     async def close_upstream(self) -> None:
         """Back to the pool when the response ended cleanly; otherwise the
         connection is closed, which stops the worker."""
@@ -138,7 +221,7 @@ class Generation:
 
     async def collect(self) -> dict:
         """A non-streaming answer, assembled from the same stream."""
-        text, finish_reason, error = [], None, None
+        message, finish_reason, error = _MessageParts(), None, None
         async for event in self.events():
             payload = event[6:].strip()
             if payload == sse.DONE:
@@ -148,25 +231,70 @@ class Generation:
                 error = chunk["error"]
                 continue
             for choice in chunk.get("choices") or ():
-                part = choice.get("delta", {}).get("content") if self.kind == CHAT else choice.get("text")
-                if part:
-                    text.append(part)
+                if self.kind == CHAT:
+                    message.add(choice.get("delta") or {})
+                elif choice.get("text"):
+                    message.content.append(choice["text"])
                 finish_reason = choice.get("finish_reason") or finish_reason
         if error is not None:
             raise UpstreamFailed(error["message"])
-        content = "".join(text)
         if self.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": message.assembled(), "logprobs": None, "finish_reason": finish_reason}
             object_name = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": "".join(message.content), "logprobs": None, "finish_reason": finish_reason}
             object_name = "text_completion"
         return {"id": self.request_id, "object": object_name, "created": self.created or int(time.time()),
                 "model": self.model, "choices": [choice], "usage": self.usage_dict()}
 
 
-def _has_output(kind: str, choice: dict) -> bool:
+class _MessageParts:
+    """An assistant message put back together from its deltas."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, dict] = {}
+
+    def add(self, delta: dict) -> None:
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str):
+            self.reasoning.append(reasoning)
+        for call in delta.get("tool_calls") or ():
+            whole = self.tool_calls.setdefault(call.get("index", 0), {"id": None, "type": "function",
+                                                                      "function": {"name": "", "arguments": ""}})
+            whole["id"] = call.get("id") or whole["id"]
+            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            for key in ("name", "arguments"):
+                if isinstance(function.get(key), str):
+                    whole["function"][key] += function[key]
+
+    def assembled(self) -> dict:
+        message = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            message["content"] = message["content"] or None
+        return message
+
+
+def _well_formed(kind: str, choice: object) -> bool:
+    """A choice the caller may get: an object for index 0, its delta an object."""
+    if type(choice) is not dict or choice.get("index", 0) != 0:
+        return False
     if kind != CHAT:
-        return bool(choice.get("text"))
+        return _text_or_none(choice.get("text"))
     delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+    return (type(delta) is dict and _text_or_none(delta.get("content"))
+            and _text_or_none(delta.get("reasoning_content")) and _text_or_none(delta.get("reasoning")))
+
+
+def _text_or_none(value: object) -> bool:
+    return value is None or type(value) is str
+
+
+def _str_bytes(value: object) -> int:
+    return len(value.encode()) if type(value) is str else 0

@@ -19,7 +19,7 @@ from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds,
 from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import generations, metering, routing, sse
+from proxy import forwarded_fields, generations, metering, routing, sse
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
@@ -214,13 +214,12 @@ class InferenceProxy:
         if load is not None:
             load.in_flight -= 1
         generation.worker, generation.response, generation.upstream = None, None, None
-        generation.pending, generation.counted_tokens = [], 0
-        generation.reported_prompt = generation.reported_completion = None
+        generation.pending = []
+        generation.forget_output()
         generation.first_token_at, generation.upstream_done = 0.0, False
 
     async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
-        upstream_body = dict(body)
-        upstream_body.pop("max_completion_tokens", None)
+        upstream_body = forwarded_fields.upstream_fields(body)
         upstream_body.update(
             model=worker.served_model or worker.model, stream=True, max_tokens=generation.max_tokens,
             stream_options={"include_usage": True, "continuous_usage_stats": True},

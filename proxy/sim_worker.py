@@ -10,16 +10,18 @@ Generated text: one pseudo-word per token, each with a leading space
 (" lorem"), one token per SSE chunk, the same sequence for every request of a
 worker built with the same seed.
 
-prompt_tokens = max(1, sum over messages of (UTF-8 bytes of the content // 4
-+ 4)); a /v1/completions prompt counts as one message. It never exceeds the
-content bytes + 8 per message, so a proxy can bound it without a tokenizer.
+prompt_tokens = max(1, sum over messages of (UTF-8 bytes of what the template
+renders of it // 4 + 4)): its content, and an assistant's tool-call names and
+arguments, as an engine's chat template renders them; the tools list counts as
+one more message. A /v1/completions prompt counts as one message. It never
+exceeds those bytes + 8 per message, so a proxy can bound it without a tokenizer.
 
 Completion length: `max_completion_tokens` (chat) or `max_tokens`, else 16;
 `min_tokens`, `ignore_eos` and other sampling fields are accepted and ignored.
 prompt_tokens + max_tokens above the context length is vLLM's 400.
 
-Request fields for tests (vLLM ignores unknown fields, so a client may always
-send them):
+Request fields for tests that call the worker directly (vLLM ignores unknown
+fields, so a client may always send them; the proxy forwards none of them):
 - "sim_tokens": N                      stop after N tokens with finish_reason
                                        "stop" (N >= max_tokens gives "length";
                                        0 gives an empty completion)
@@ -33,6 +35,12 @@ send them):
 - "sim_inflate_usage": K               report prompt and completion tokens
                                        multiplied by K (a dishonest worker);
                                        overrides build_app(inflate_usage=...)
+
+The same behaviours for every request, for tests that go through the proxy:
+build_app(stop_after_tokens=N, fail_after_tokens=N, extra_tokens=N,
+inflate_usage=K), or --stop-after-tokens, --fail-after-tokens, --extra-tokens,
+--inflate-usage on the command line. They are plain attributes of the app, so a
+test may change them between requests; a request's own field wins.
 
 Usage in streams follows vLLM: only with stream_options.include_usage, as a
 last chunk with "choices": [] before [DONE]; with continuous_usage_stats as
@@ -304,9 +312,20 @@ def _chat_prompt(messages: Any) -> tuple[list[bytes], bytes]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad_request("each message needs a role")
-        contents.append(_content_text(message.get("content")).encode())
+        contents.append(_content_text(message.get("content")).encode() + _tool_calls_text(message.get("tool_calls")))
     roles = [m["role"].encode() for m in messages]
     return contents, b"".join(_chat_cache_bytes(r, c) for r, c in zip(roles, contents, strict=True))
+
+
+def _tool_calls_text(tool_calls: Any) -> bytes:
+    """What a template renders of an assistant's tool calls: names and arguments."""
+    if not isinstance(tool_calls, list):
+        return b""
+    functions = (c.get("function") for c in tool_calls if isinstance(c, dict))
+    return b"".join(
+        f["name"].encode() + f["arguments"].encode()
+        for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)
+    )
 
 
 def _chat_cache_bytes(role: bytes, content: bytes) -> bytes:
@@ -538,6 +557,9 @@ class SimWorker:
         max_model_len: int | None,
         inflate_usage: int,
         time_scale: float,
+        stop_after_tokens: int | None = None,
+        fail_after_tokens: int | None = None,
+        extra_tokens: int = 0,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
@@ -547,6 +569,9 @@ class SimWorker:
         self.model = model
         self.max_model_len = max_model_len or profile.max_model_len_tokens
         self.inflate_usage = inflate_usage
+        self.stop_after_tokens = stop_after_tokens
+        self.fail_after_tokens = fail_after_tokens
+        self.extra_tokens = extra_tokens
         self.time_scale = time_scale
         self.state = SimWorkerState(profile.max_num_seqs)
         self.created = int(time.time())
@@ -658,11 +683,17 @@ class SimWorker:
         if model != self.model:
             raise HttpError(404, "NotFoundError", f"The model `{model}` does not exist.")
         contents, prompt_bytes = _chat_prompt(data.get("messages")) if chat else _completion_prompt(data.get("prompt"))
+        if chat and data.get("tools"):
+            contents.append(orjson.dumps(data["tools"]))
         prompt_tokens = count_prompt_tokens(contents)
         max_tokens = _requested_max_tokens(data, chat)
         if prompt_tokens + max_tokens > self.max_model_len:
             raise _context_error(self.max_model_len, prompt_tokens, max_tokens)
         sim_tokens = _optional_int(data, "sim_tokens", 0)
+        if sim_tokens is None:
+            sim_tokens = self.stop_after_tokens
+        extra_tokens = _optional_int(data, "sim_extra_tokens", 0)
+        fail_after_tokens = _optional_int(data, "sim_fail_after_tokens", 0)
         stream = data.get("stream") is True
         include_usage, continuous_usage = _stream_flags(data, stream)
         stops_early = sim_tokens is not None and sim_tokens < max_tokens
@@ -671,13 +702,13 @@ class SimWorker:
             prompt_bytes=prompt_bytes,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
-            completion_tokens=sim_tokens if stops_early else max_tokens + (_optional_int(data, "sim_extra_tokens", 0) or 0),
+            completion_tokens=sim_tokens if stops_early else max_tokens + (self.extra_tokens if extra_tokens is None else extra_tokens),
             finish_reason="stop" if stops_early else "length",
             stream=stream,
             include_usage=include_usage,
             continuous_usage=continuous_usage,
             fail_before_first_token=bool(data.get("sim_fail_before_first_token")),
-            fail_after_tokens=_optional_int(data, "sim_fail_after_tokens", 0),
+            fail_after_tokens=self.fail_after_tokens if fail_after_tokens is None else fail_after_tokens,
             usage_multiplier=_optional_int(data, "sim_inflate_usage", 1) or self.inflate_usage,
         )
 
@@ -805,8 +836,13 @@ def build_app(
     max_model_len: int | None = None,
     inflate_usage: int = 1,
     time_scale: float | None = None,
+    stop_after_tokens: int | None = None,
+    fail_after_tokens: int | None = None,
+    extra_tokens: int = 0,
 ) -> SimWorker:
-    """An ASGI3 app; time_scale defaults to $PARALON_SIM_TIME_SCALE, else 1."""
+    """An ASGI3 app; time_scale defaults to $PARALON_SIM_TIME_SCALE, else 1.
+    stop_after_tokens, fail_after_tokens, extra_tokens and inflate_usage apply
+    to every request, as the sim_* request fields do to one."""
     return SimWorker(
         get_profile(profile),
         model,
@@ -814,6 +850,9 @@ def build_app(
         max_model_len=max_model_len,
         inflate_usage=inflate_usage,
         time_scale=_time_scale_from_env() if time_scale is None else time_scale,
+        stop_after_tokens=stop_after_tokens,
+        fail_after_tokens=fail_after_tokens,
+        extra_tokens=extra_tokens,
     )
 
 
@@ -825,12 +864,12 @@ def _event_loop_name() -> str:
     return "uvloop"
 
 
-def serve(host: str, port: int, profile: str, model: str, max_model_len: int | None = None) -> None:
-    """Serves a simulated worker until interrupted."""
+def serve(host: str, port: int, profile: str, model: str, max_model_len: int | None = None, **behaviour) -> None:
+    """Serves a simulated worker until interrupted; `behaviour` as build_app takes it."""
     import uvicorn
 
     uvicorn.run(
-        build_app(profile, model, max_model_len=max_model_len),
+        build_app(profile, model, max_model_len=max_model_len, **behaviour),
         host=host,
         port=port,
         http="httptools",
@@ -848,8 +887,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", default="instant")
     parser.add_argument("--model", default="paralon-demo")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--inflate-usage", type=int, default=1, help="report usage multiplied by K (a dishonest worker)")
+    parser.add_argument("--stop-after-tokens", type=int, default=None, help="stop every answer after N tokens")
+    parser.add_argument("--fail-after-tokens", type=int, default=None, help="drop every stream after N tokens")
+    parser.add_argument("--extra-tokens", type=int, default=0, help="generate N tokens past max_tokens")
     args = parser.parse_args(argv)
-    serve(args.host, args.port, args.profile, args.model, args.max_model_len)
+    serve(args.host, args.port, args.profile, args.model, args.max_model_len, inflate_usage=args.inflate_usage,
+          stop_after_tokens=args.stop_after_tokens, fail_after_tokens=args.fail_after_tokens,
+          extra_tokens=args.extra_tokens)
 
 
 if __name__ == "__main__":

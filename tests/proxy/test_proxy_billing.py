@@ -25,7 +25,7 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
     available never goes below zero, every completed request is charged once,
     and the owner gets charge*80//100 of each."""
     worker = sim_worker("h200", time_scale=4.0)
-    # A request: prompt bound 41 tokens at 150 + 40 tokens at 600 = 30,150 nano-USD held.
+    # A request: prompt bound 53 tokens at 150 + 40 tokens at 600 = 31,950 nano-USD held.
     fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
     stop, lowest = threading.Event(), []
 
@@ -103,11 +103,11 @@ def test_a_worker_that_dies_mid_stream_bills_what_the_streaming_caller_received(
     """Given a worker that dies after 5 tokens, a streaming caller keeps those
     tokens and pays exactly for them (the owner gets 80%); a non-streaming
     caller received nothing and pays nothing."""
-    worker = sim_worker("instant")
+    worker = sim_worker("instant", fail_after_tokens=5)  # the worker's own failure, not the caller's doing
     fleet = make_fleet(database_url, [worker.url])
     before = fleet.balance(fleet.customer_id)
     with serving(database_url) as proxy:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True, "sim_fail_after_tokens": 5,
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
         chunks = [orjson.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
@@ -149,7 +149,8 @@ def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_
 
 
 def test_a_worker_inflating_its_usage_is_billed_the_count_and_then_suspended(database_url):
-    honest, inflating = sim_worker("instant"), sim_worker("instant", inflate_usage=3)
+    # 10 words of about 6 bytes relayed: a report of 10x is above any byte-level count of them.
+    honest, inflating = sim_worker("instant"), sim_worker("instant", inflate_usage=10)
     fleet = make_fleet(database_url, [honest.url, inflating.url])
     with serving(database_url) as proxy:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
@@ -240,10 +241,10 @@ def test_a_proxy_killed_mid_stream_leaves_a_hold_that_settles_at_what_the_caller
 
 def test_tokens_past_max_tokens_are_never_relayed_nor_billed(database_url):
     """A worker that ignores max_tokens: the caller gets what the hold pays for, and no more."""
-    worker = sim_worker("instant")
+    worker = sim_worker("instant", extra_tokens=20)
     fleet = make_fleet(database_url, [worker.url])
     with serving(database_url) as proxy:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "sim_extra_tokens": 20,
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
                 "stream_options": {"include_usage": True}}
         response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=30)
     worker.stop()

@@ -127,11 +127,13 @@ def test_a_revoked_key_is_refused(one_worker):
     assert fleet.settlements() == []
 
 
-def test_an_empty_completion_costs_nothing(one_worker):
-    fleet, proxy = one_worker
+def test_an_empty_completion_costs_nothing(database_url):
+    worker = sim_worker("instant", stop_after_tokens=0)
+    fleet = make_fleet(database_url, [worker.url])
     before = fleet.balance(fleet.customer_id).balance_nano_usd
-    answer = _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
-                                                           extra_body={"sim_tokens": 0})
+    with serving(database_url) as proxy:
+        answer = _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    worker.stop()
     assert answer.choices[0].message.content == "" and answer.usage.model_extra["cost"] == "0.000000000"
     assert fleet.settlements() == []
     after = fleet.balance(fleet.customer_id)

@@ -1,0 +1,54 @@
+"""The request fields a worker gets: the one list (DESIGN.md, Metering rules).
+
+Only fields that OpenAI's API (CreateChatCompletionRequest,
+CreateCompletionRequest) or vLLM's OpenAI-compatible server document, and
+that cannot move what the proxy bills without the proxy counting it, are
+forwarded. Everything else is dropped silently, as vLLM ignores fields it does
+not know, so that nothing a caller sends can make a worker misbehave or an
+honest worker look dishonest.
+
+Two things a field must not do:
+- change the prompt beyond what `metering.prompt_tokens_bound` counts (the
+  template, its arguments, documents, an echo, a suffix);
+- make the engine produce tokens that are never relayed, so that an honest
+  report would exceed the bound of what was relayed (`ignore_eos` keeps
+  generating past end-of-sequence tokens that are stripped from the text;
+  `logit_bias` and `allowed_token_ids` can force special tokens that
+  detokenise to nothing; `best_of`, `use_beam_search` and `n` > 1 generate
+  sequences nobody receives; `prompt_logprobs` scores the prompt).
+
+The proxy sets `model`, `stream`, `stream_options` and `max_tokens` itself.
+"""
+from __future__ import annotations
+
+# Counted by the prompt bound.
+PROMPT_FIELDS = frozenset({
+    "messages",  # chat: every message shape is counted, image/audio/file parts are refused
+    "prompt",  # completions: one string or one list of token ids
+    "tools", "functions",  # counted as their JSON with the tools preamble
+    "tool_choice", "function_call",  # counted as their JSON; a named choice only constrains decoding
+    "response_format",  # counted as its JSON schema (vLLM uses it for decoding, not in the prompt)
+    "reasoning_effort",  # a template may put it in the system turn: counted as its bytes
+})
+
+# Shape what is sampled, never the prompt, and every token they let through is relayed.
+SAMPLING_FIELDS = frozenset({
+    # OpenAI
+    "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop",
+    "logprobs", "top_logprobs", "parallel_tool_calls",
+    # vLLM sampling parameters
+    "top_k", "min_p", "repetition_penalty", "min_tokens",  # min_tokens only holds back the stop tokens
+    "stop_token_ids", "include_stop_str_in_output", "bad_words",
+    "skip_special_tokens", "spaces_between_special_tokens",  # special tokens shown are relayed, so counted
+    "truncate_prompt_tokens",  # can only shorten the prompt
+    # vLLM structured outputs (the output still arrives as relayed text)
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+})
+
+FORWARDED_FIELDS = PROMPT_FIELDS | SAMPLING_FIELDS
+
+
+def upstream_fields(body: dict) -> dict:
+    """The caller's body without the fields a worker must not see."""
+    return {name: value for name, value in body.items() if name in FORWARDED_FIELDS}

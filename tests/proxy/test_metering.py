@@ -1,0 +1,451 @@
+"""The proxy's own count of a request (DESIGN.md, Metering rules): the rules
+on their own, then through a real `paralon serve` on PostgreSQL in front of
+hand-written workers that split, pad and duplicate what they send."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+from sqlalchemy import select
+
+from ledger import commands as cmd
+from ledger.schema import accounts
+from proxy import metering
+from proxy.errors import InvalidRequest
+from proxy.forwarded_fields import FORWARDED_FIELDS
+from proxy.prices import Price
+from proxy.relay import CHAT, COMPLETIONS, Generation
+from proxy.sim_worker import _chat_prompt, count_prompt_tokens
+from tests.proxy.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
+
+PRICE = Price(150, 600)  # what make_fleet sets: $0.15 and $0.60 per million tokens
+CREDITS_NANO_USD = 10 * 10**9
+# metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH, written out so that these
+# tests state the rule rather than read it from the code under test.
+FINISH_ALLOWANCE_TOKENS = 8
+WORDS = [f" w{i:02d}" for i in range(20)]  # 20 words, 4 bytes each as the caller receives them
+SET_BY_THE_PROXY = {"model", "stream", "stream_options", "max_tokens"}
+
+
+# --- the rules ---------------------------------------------------------------
+
+
+def _generation(kind: str = CHAT, max_tokens: int = 1000, prompt_bound: int = 50, **body) -> Generation:
+    return Generation(proxy=None, kind=kind, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None,
+                      hold_id=1, hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=False,
+                      wants_continuous_usage=False, started_at=None, upstream_body=body or None)
+
+
+def _relay(generation: Generation, *chunks: dict) -> list[dict]:
+    relayed = [generation.transform(orjson.dumps(chunk)) for chunk in chunks]
+    return [orjson.loads(event[6:]) for event in relayed if event is not None]
+
+
+def _delta(**delta) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+
+
+FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+
+def test_the_finish_allowance_is_the_documented_one():
+    assert metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH == FINISH_ALLOWANCE_TOKENS
+
+
+def test_an_honest_stream_is_billed_as_reported():
+    generation = _generation()
+    _relay(generation, *(_delta(content=w) for w in WORDS), FINISH, _usage(12, 21))
+    assert generation.output.relayed_bytes == 80 and generation.counted_tokens == 20
+    assert generation.delivered_usage() == (12, 21, False, None)
+
+
+@pytest.mark.parametrize("padding", [
+    {"tool_calls": [{}]},  # an empty tool-call entry relays no name and no arguments
+    {"content": ""},
+    {"role": "assistant"},
+])
+def test_chunks_that_relay_nothing_do_not_raise_the_bound(padding):
+    generation = _generation()
+    chunks = [c for w in WORDS for c in (_delta(content=w), *[_delta(**padding)] * 9)]
+    _relay(generation, *chunks, FINISH, _usage(12, 200))
+    assert generation.output.completion_bound() == 80 + FINISH_ALLOWANCE_TOKENS
+    billed = generation.delivered_usage()
+    assert billed == (12, 88, True, metering.STRIKE_COMPLETION_ABOVE_BOUND)
+
+
+def test_whitespace_counts_as_the_bytes_it_is():
+    generation = _generation()
+    chunks = [c for w in WORDS for c in (_delta(content=w), *[_delta(reasoning_content=" ")] * 9)]
+    _relay(generation, *chunks, FINISH, _usage(12, 1000))
+    assert generation.output.relayed_bytes == 80 + 180
+    assert generation.delivered_usage() == (12, 268, True, metering.STRIKE_COMPLETION_ABOVE_BOUND)
+
+
+def test_splitting_the_same_text_never_raises_the_bound():
+    text = "".join(WORDS)
+    whole, split = _generation(), _generation()
+    _relay(whole, _delta(content=text), FINISH)
+    _relay(split, *(_delta(content=ch) for ch in text), FINISH)
+    assert whole.output.completion_bound() == split.output.completion_bound() == len(text) + FINISH_ALLOWANCE_TOKENS
+
+
+def test_reasoning_sent_under_both_names_counts_once():
+    generation = _generation()
+    _relay(generation, _delta(reasoning_content="think", reasoning="think"), _delta(reasoning="more"))
+    assert generation.output.relayed_bytes == 5 + 4
+
+
+def test_duplicate_choices_are_dropped_and_are_evidence():
+    generation = _generation()
+    duplicated = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}] * 10} for w in WORDS]
+    relayed = _relay(generation, *duplicated, FINISH, _usage(12, 200))
+    assert all(len(chunk["choices"]) == 1 for chunk in relayed), "the caller gets one choice per chunk"
+    assert generation.output.dropped == 20 * 9
+    assert generation.delivered_usage() == (12, 88, True, metering.STRIKE_COMPLETION_ABOVE_BOUND)
+
+
+@pytest.mark.parametrize("bad_choice", ["text", 7, None, {"index": 1, "delta": {"content": " x"}},
+                                        {"index": 0, "delta": {"content": 123}}, {"index": 0, "delta": "x"}])
+def test_malformed_choices_are_dropped_and_are_evidence_even_with_an_honest_report(bad_choice):
+    generation = _generation()
+    relayed = _relay(generation, _delta(content=" hi"), {"choices": [bad_choice]}, FINISH, _usage(12, 2))
+    assert [c["choices"][0]["delta"] for c in relayed] == [{"content": " hi"}, {}]
+    assert generation.delivered_usage() == (12, 2, True, metering.STRIKE_MALFORMED_CHOICES)
+
+
+def test_tool_call_entries_that_are_not_objects_are_dropped():
+    generation = _generation()
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    relayed = _relay(generation, _delta(tool_calls=[call, "junk", 3]), FINISH)
+    assert relayed[0]["choices"][0]["delta"]["tool_calls"] == [call]
+    assert generation.output.relayed_bytes == len("get_time{}") and generation.output.dropped == 2
+    assert generation.output.completion_bound() == (len("get_time{}") + FINISH_ALLOWANCE_TOKENS
+                                                    + metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
+
+
+def test_a_tool_call_gets_its_markup_allowance_once_however_often_its_name_is_repeated():
+    generation = _generation()
+    named = {"index": 0, "function": {"name": "f"}}
+    _relay(generation, *[_delta(tool_calls=[named])] * 10, FINISH)
+    assert generation.output.completion_bound() == 10 + FINISH_ALLOWANCE_TOKENS + metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
+
+
+def test_the_finish_allowance_is_given_once():
+    generation = _generation()
+    _relay(generation, _delta(content=" a"), *[FINISH] * 10)
+    assert generation.output.completion_bound() == 2 + FINISH_ALLOWANCE_TOKENS
+
+
+def test_a_stop_string_is_allowed_for_it_is_generated_but_not_relayed():
+    generation = _generation(stop=["\nUser:", "END"])
+    _relay(generation, _delta(content=" a"), FINISH, _usage(5, 2 + FINISH_ALLOWANCE_TOKENS + 6))
+    assert generation.delivered_usage() == (5, 2 + FINISH_ALLOWANCE_TOKENS + 6, False, None)
+
+
+def test_max_tokens_still_stops_the_relay():
+    generation = _generation(max_tokens=5)
+    relayed = _relay(generation, *(_delta(content=w) for w in WORDS))
+    assert len(relayed) == 5 and generation.overran
+    assert generation.delivered_usage().completion_tokens == 5
+
+
+def test_delivered_usage_follows_the_latest_continuous_report():
+    generation = _generation(max_tokens=100)
+    for i, word in enumerate(WORDS[:10], 1):
+        _relay(generation, {**_delta(content=word), "usage": {"prompt_tokens": 9, "completion_tokens": i}})
+        assert generation.delivered_usage() == (9, i, False, None)
+
+
+def test_a_completion_report_is_read_as_text():
+    generation = _generation(kind=COMPLETIONS)
+    _relay(generation, *({"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in WORDS), _usage(7, 20))
+    assert generation.output.relayed_bytes == 80 and generation.delivered_usage() == (7, 20, False, None)
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": "9", "completion_tokens": -3}, {"prompt_tokens": None}, [1, 2]])
+def test_a_report_that_is_not_a_count_is_no_report(usage):
+    generation = _generation(prompt_bound=40)
+    _relay(generation, *(_delta(content=w) for w in WORDS[:3]), {"choices": [], "usage": usage})
+    assert generation.delivered_usage() == (40, 3, False, None), "the bound and the chunks relayed"
+
+
+@pytest.mark.parametrize(
+    "reported, bound, relayed, billed",
+    [
+        ((40, 100), 50, 200, (40, 100, False, None)),  # honest
+        ((40, 215), 50, 200, (40, 215, False, None)),  # within the tolerance above the bound
+        ((40, 300), 50, 200, (40, 208, True, metering.STRIKE_COMPLETION_ABOVE_BOUND)),
+        ((90, 100), 50, 200, (50, 100, True, None)),  # prompt above its bound: a discrepancy, no proof
+        ((None, None), 50, 200, (50, 7, False, None)),  # no report: the chunks relayed and the bound
+    ],
+)
+def test_billable_usage_is_the_report_within_the_bounds(reported, bound, relayed, billed):
+    output = metering.OutputCount(relayed_bytes=relayed, relayed_chunks=7, finished=True)
+    assert tuple(metering.billable_usage(*reported, prompt_bound=bound, output=output)) == billed
+
+
+# --- the prompt bound ----------------------------------------------------------
+
+
+def _agent_history(arguments_bytes: int) -> list[dict]:
+    arguments = orjson.dumps({"path": "notes.txt", "text": "x" * (arguments_bytes - 32)}).decode()
+    return [
+        {"role": "system", "content": "You edit files."},
+        {"role": "user", "content": "Write the notes."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "write_file", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "write_file", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "Now summarise them."}]},
+    ]
+
+
+def test_the_prompt_bound_counts_tool_calls_and_their_arguments():
+    history = _agent_history(3000)
+    bound = metering.prompt_tokens_bound("chat", {"messages": history})
+    arguments = history[2]["tool_calls"][0]["function"]["arguments"]
+    assert bound >= len(arguments.encode()) + metering.TEMPLATE_TOKENS_PER_TOOL_CALL
+    honest = count_prompt_tokens(_chat_prompt(history)[0])
+    assert honest <= bound
+
+
+def test_the_prompt_bound_counts_what_a_template_renders_of_tools_and_schemas():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string", "description": "é" * 100}}}}}]
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    plain = metering.prompt_tokens_bound("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    with_tools = metering.prompt_tokens_bound("chat", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "tools": tools, "response_format": schema})
+    assert with_tools - plain >= metering.TEMPLATE_TOKENS_WITH_TOOLS + len(orjson.dumps(tools)) + len(orjson.dumps(schema))
+
+
+def test_the_completions_prompt_bound():
+    assert metering.prompt_tokens_bound("completions", {"prompt": "abc"}) == metering.TEMPLATE_TOKENS_PER_REQUEST + 3
+    assert metering.prompt_tokens_bound("completions", {"prompt": [1, 2, 3]}) == 3
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "file"}]}]}, "messages[1].content"),
+    ({"messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, "tools"),
+])
+def test_prompts_that_cannot_be_bounded_are_refused_naming_the_param(bad, param):
+    with pytest.raises(InvalidRequest) as refused:
+        metering.prompt_tokens_bound("chat", bad)
+    assert refused.value.param == param
+
+
+def test_only_documented_fields_are_forwarded():
+    assert not {"sim_tokens", "sim_fail_before_first_token", "sim_fail_after_tokens", "sim_extra_tokens",
+                "sim_inflate_usage", "chat_template", "chat_template_kwargs", "echo", "suffix", "best_of",
+                "logit_bias", "ignore_eos", "n", "user", "documents", "add_generation_prompt"} & FORWARDED_FIELDS
+    assert {"messages", "prompt", "tools", "response_format", "temperature", "top_k", "min_p", "repetition_penalty",
+            "min_tokens", "guided_json", "structured_outputs"} <= FORWARDED_FIELDS
+
+
+# --- through `paralon serve` ---------------------------------------------------
+
+
+class HandWrittenWorker:
+    """A worker of our own: records every body it gets and streams `chunks(body)`."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks = chunks
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/chat/completions":
+            known = {"/health": b"", "/v1/models": orjson.dumps({"data": [{"id": MODEL, "max_model_len": 32768}]})}
+            await send({"type": "http.response.start", "status": 200 if scope["path"] in known else 404, "headers": []})
+            await send({"type": "http.response.body", "body": known.get(scope["path"], b"")})
+            return
+        raw, more = b"", True
+        while more:
+            message = await receive()
+            raw, more = raw + message.get("body", b""), message.get("more_body", False)
+        body = orjson.loads(raw)
+        self.bodies.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for chunk in self.chunks(body):
+            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
+            await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _stream(deltas: list[dict], prompt_tokens: int, completion_tokens: int):
+    def chunks(body):
+        for delta in deltas:
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": body["model"], **delta}
+        yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": body["model"], **FINISH}
+        yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+               **_usage(prompt_tokens, completion_tokens)}
+    return chunks
+
+
+def _hostile(attack: str) -> list[dict]:
+    if attack == "ten_choices_per_chunk":
+        return [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}] * 10} for w in WORDS]
+    padding = {"empty_tool_calls": {"tool_calls": [{}]}, "whitespace_reasoning": {"reasoning_content": " "}}[attack]
+    return [c for w in WORDS for c in (_delta(content=w), *[_delta(**padding)] * 9)]
+
+
+def _platform_balance(fleet) -> int:
+    with fleet.engine.connect() as conn:
+        platform = conn.execute(select(accounts.c.id).where(accounts.c.system_code == cmd.PLATFORM_REVENUE_ACCOUNT)).scalar_one()
+    return fleet.balance(platform).balance_nano_usd
+
+
+def _assert_charged_once(fleet, prompt_tokens: int, completion_tokens: int) -> None:
+    """Exact balances: customer, owner and platform, and the books close."""
+    [settled] = fleet.settlements()
+    assert (settled["meta"]["prompt_tokens"], settled["meta"]["completion_tokens"]) == (prompt_tokens, completion_tokens)
+    charge = prompt_tokens * PRICE.input_nano_usd_per_token + completion_tokens * PRICE.output_nano_usd_per_token
+    assert settled["charge_nano_usd"] == charge
+    customer = fleet.balance(fleet.customer_id)
+    assert (customer.balance_nano_usd, customer.held_nano_usd) == (CREDITS_NANO_USD - charge, 0)
+    assert fleet.balance(fleet.owner_ids[0]).balance_nano_usd == charge * 80 // 100
+    assert _platform_balance(fleet) == charge - charge * 80 // 100
+    fleet.assert_books_close()
+
+
+def _received(response: httpx.Response) -> tuple[list[dict], int]:
+    """The caller's chunks, and an independent count of the output bytes in them."""
+    chunks = [orjson.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    output_bytes = 0
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            delta = choice["delta"]
+            output_bytes += len((delta.get("content") or "").encode()) + len((delta.get("reasoning_content") or "").encode())
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                output_bytes += len((function.get("name") or "").encode() + (function.get("arguments") or "").encode())
+    return chunks, output_bytes
+
+
+def _post(proxy, fleet, body: dict) -> httpx.Response:
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {fleet.key}"})
+
+
+@pytest.mark.parametrize("attack, reported", [
+    ("ten_choices_per_chunk", 200),
+    ("empty_tool_calls", 200),
+    ("whitespace_reasoning", 1000),  # the padding is relayed: only a report beyond it is caught
+])
+def test_a_worker_that_splits_pads_or_duplicates_is_billed_the_bytes_relayed_and_struck(postgres_url, attack, reported):
+    worker = ThreadedServer(HandWrittenWorker(_stream(_hostile(attack), 12, reported))).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    try:
+        with serving(postgres_url) as proxy:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Say 20 words."}], "max_tokens": 1000,
+                    "stream": True}
+            response = _post(proxy, fleet, body)
+    finally:
+        worker.stop()
+    assert response.status_code == 200
+    chunks, received_bytes = _received(response)
+    assert all(len(c["choices"]) <= 1 for c in chunks), "one choice per chunk reaches the caller"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "".join(WORDS)
+    bound = received_bytes + FINISH_ALLOWANCE_TOKENS
+    assert bound < reported
+    _assert_charged_once(fleet, 12, bound)
+    assert fleet.worker(fleet.worker_ids[0]).usage_strikes == 1
+    assert fleet.events("UsageDiscrepancyRecorded") == 1
+
+
+def test_an_agent_history_is_billed_the_honest_prompt_count_without_a_discrepancy(postgres_url):
+    """3,000 bytes of tool-call arguments: the simulated worker counts them as a
+    template renders them, and so must the proxy's bound."""
+    worker = sim_worker("instant")
+    fleet = make_fleet(postgres_url, [worker.url])
+    history = _agent_history(3000)
+    honest_prompt = count_prompt_tokens(_chat_prompt(history)[0])
+    assert honest_prompt > 750
+    try:
+        with serving(postgres_url) as proxy:
+            for _ in range(4):  # four were enough to suspend an honest worker
+                response = _post(proxy, fleet, {"model": MODEL, "messages": history, "max_tokens": 5})
+                assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == honest_prompt
+    finally:
+        worker.stop()
+    assert fleet.events("UsageDiscrepancyRecorded") == 0
+    assert fleet.worker(fleet.worker_ids[0]).usage_strikes == 0
+    assert [(s["meta"]["prompt_tokens"], s["meta"]["completion_tokens"]) for s in fleet.settlements()] == [(honest_prompt, 5)] * 4
+    fleet.assert_books_close()
+
+
+def test_an_unknown_body_field_never_reaches_the_worker(postgres_url):
+    recorder = HandWrittenWorker(_stream([_delta(content=w) for w in WORDS[:3]], 9, 3))
+    worker = ThreadedServer(recorder).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True,
+            "temperature": 0.5, "top_k": 40, "sim_inflate_usage": 100, "sim_fail_after_tokens": 1, "sim_extra_tokens": 50,
+            "chat_template_kwargs": {"enable_thinking": True}, "chat_template": "{{ 'x' * 100000 }}", "echo": True,
+            "logit_bias": {"1": 100}, "ignore_eos": True, "user": "someone", "whatever": [1, 2, 3]}
+    try:
+        with serving(postgres_url) as proxy:
+            response = _post(proxy, fleet, body)
+    finally:
+        worker.stop()
+    assert response.status_code == 200
+    [received] = recorder.bodies
+    assert set(received) == {"messages", "temperature", "top_k"} | SET_BY_THE_PROXY
+    assert (received["temperature"], received["top_k"], received["messages"]) == (0.5, 40, body["messages"])
+    _assert_charged_once(fleet, 9, 3)
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+def test_image_and_audio_parts_are_refused_with_nothing_held_or_charged(postgres_url, part):
+    recorder = HandWrittenWorker(_stream([], 1, 0))
+    worker = ThreadedServer(recorder).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]}]}
+    try:
+        with serving(postgres_url) as proxy:
+            response = _post(proxy, fleet, body)
+    finally:
+        worker.stop()
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages[0].content"
+    assert part["type"] in error["message"]
+    assert recorder.bodies == [] and fleet.settlements() == []
+    customer = fleet.balance(fleet.customer_id)
+    assert (customer.balance_nano_usd, customer.held_nano_usd) == (CREDITS_NANO_USD, 0)
+    fleet.assert_books_close()
+
+
+def test_a_non_streaming_answer_carries_the_reasoning_and_tool_calls_it_is_billed_for(postgres_url):
+    arguments = '{"city": "Paris"}'
+    deltas = [_delta(role="assistant", content=""), _delta(reasoning_content="Weather"), _delta(reasoning_content=" needed."),
+              _delta(tool_calls=[{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather"}}]),
+              *(_delta(tool_calls=[{"index": 0, "function": {"arguments": arguments[i:i + 5]}}]) for i in range(0, 17, 5))]
+    worker = ThreadedServer(HandWrittenWorker(_stream(deltas, 30, 20))).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    try:
+        with serving(postgres_url) as proxy:
+            response = _post(proxy, fleet, {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                            "tools": [{"type": "function", "function": {"name": "get_weather"}}]})
+    finally:
+        worker.stop()
+    assert response.status_code == 200
+    message = response.json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "reasoning_content": "Weather needed.",
+                       "tool_calls": [{"id": "call_1", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": arguments}}]}
+    _assert_charged_once(fleet, 30, 20)
+    assert fleet.events("UsageDiscrepancyRecorded") == 0
