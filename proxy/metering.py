@@ -18,6 +18,7 @@ TEMPLATE_TOKENS_PER_REQUEST = 16
 COMPLETION_TOLERANCE_TOKENS_MIN = 2
 COMPLETION_TOLERANCE_PERCENT = 5
 MAX_TOKENS_LIMIT = 1_000_000
+COMPLETION_ABOVE_COUNT = "completion_above_count"  # more completion reported than was relayed: proof on one request
 
 
 def _text_bytes(content: object) -> int:
@@ -91,6 +92,7 @@ class BilledUsage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     discrepant: bool  # the worker reported more than this
+    strike_reason: str | None = None  # set when this one request proves the worker dishonest
 
 
 def billable_usage(reported_prompt: int | None, reported_completion: int | None, *,
@@ -99,9 +101,10 @@ def billable_usage(reported_prompt: int | None, reported_completion: int | None,
     A missing report bills what the proxy counted (and the bound for the prompt)."""
     tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, counted_completion * COMPLETION_TOLERANCE_PERCENT // 100)
     completion, prompt, discrepant = counted_completion, prompt_bound, False
+    strike_reason = None
     if reported_completion is not None:
         if reported_completion > counted_completion + tolerance:
-            discrepant = True
+            discrepant, strike_reason = True, COMPLETION_ABOVE_COUNT
         else:
             completion = reported_completion
     if reported_prompt is not None:
@@ -109,4 +112,4 @@ def billable_usage(reported_prompt: int | None, reported_completion: int | None,
             discrepant = True
         else:
             prompt = reported_prompt
-    return BilledUsage(prompt, completion, discrepant)
+    return BilledUsage(prompt, completion, discrepant, strike_reason)
