@@ -207,12 +207,12 @@ def _add_strike(conn: Connection, worker_id: int, request_id: str, now: datetime
     worker = get_worker(conn, worker_id)
     if worker.state != "active" or worker.usage_strikes < USAGE_STRIKES_MAX:
         return False
-    struck = conn.execute(
+    struck = conn.execute(  # the latest evidence, in the order it was recorded
         select(usage_evidence.c.request_id, usage_evidence.c.reason)
         .where(usage_evidence.c.worker_id == worker_id, usage_evidence.c.state == "struck")
-        .order_by(usage_evidence.c.recorded_at.desc(), usage_evidence.c.request_id)
+        .order_by(usage_evidence.c.recorded_at.desc(), usage_evidence.c.request_id.desc())
         .limit(cmd.EVIDENCE_REQUEST_IDS_MAX)
-    ).all()
+    ).all()[::-1]
     reason = f"{worker.usage_strikes} usage strikes: {', '.join(sorted({r.reason for r in struck}))}"
     conn.execute(update(workers).where(workers.c.id == worker_id)
                  .values(state="suspended", suspended_at=now, suspension_reason=reason))

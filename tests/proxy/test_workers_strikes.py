@@ -253,6 +253,16 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
     assert recorded.count("UsageDiscrepancyRecorded") == 9 and recorded.count("WorkerSuspended") == 1
 
 
+def suspend_by_proof(engine, worker_id: int, account_id: int) -> list[str]:
+    """What the proxy records for a worker caught USAGE_STRIKES_MAX times: the request ids."""
+    request_ids = [f"chatcmpl-proof-{worker_id}-{n}" for n in range(registry.USAGE_STRIKES_MAX)]
+    for request_id in request_ids:
+        with engine.begin() as conn:
+            registry.record_usage_discrepancy(conn, _discrepancy(worker_id, request_id, account_id, metering.COMPLETION_ABOVE_COUNT),
+                                              proof=True)
+    return request_ids
+
+
 def _in_transaction(engine, work):
     with engine.begin() as conn:
         return tuple(work(conn))
