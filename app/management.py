@@ -125,6 +125,7 @@ async def revoke_key(request: Request, key_id: int) -> Response:
         api_keys.revoke_key(conn, key_id)
 
     await _db(request, work, write=True)
+    request.app.state.directory.evict_key(key_id)  # this process at once; other replicas hear of it from the database
     return _json({"id": key_id, "revoked": True})
 
 
