@@ -336,8 +336,9 @@ class InferenceProxy:
             billed.prompt_tokens, billed.completion_tokens, f"usage-discrepancy:{generation.request_id}",
             generation.grant.account_id, reason,
         )
+        proof = billed.strike_reason is not None and billed.strike_reason not in registry.CROSS_ACCOUNT_REASONS
         try:
-            await asyncio.to_thread(self._strike, discrepancy, billed.strike_reason is not None)
+            await asyncio.to_thread(self._strike, discrepancy, proof)
         except Exception:  # the charge is settled already; the evidence is what is lost
             log.exception("the usage discrepancy of request %s could not be recorded", generation.request_id)
 
