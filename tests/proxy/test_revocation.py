@@ -11,7 +11,7 @@ import time
 
 import httpx
 from click.testing import CliRunner
-from sqlalchemy import select, text
+from sqlalchemy import text
 
 from app.cli import main
 from app.tokens import create_token

@@ -17,7 +17,6 @@ from datetime import timedelta
 import httpx
 import openai
 import orjson
-import pytest
 from sqlalchemy import select, update
 
 from ledger import accounts as acc
