@@ -21,6 +21,7 @@ from swagger_ui_bundle import swagger_ui_path
 from app.management import MANAGEMENT_HANDLERS
 from app.relay_response import RelayResponse
 from app.webhooks import stripe_webhook
+from ledger.db import is_postgres
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
 from proxy.directory import Directory
@@ -30,6 +31,7 @@ from proxy.health import HealthChecker
 from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
 from proxy.relay import CHAT, COMPLETIONS
+from proxy.revocations import follow_revocations
 from proxy.service import HOLD_TTL_S, InferenceProxy
 from proxy.upstream import UpstreamPool
 
@@ -162,6 +164,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
         tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())]
+        if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
+            tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
         if embedded_beat:
             from app.embedded_beat import run_embedded_beat
 

@@ -115,7 +115,8 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
         with engine().connect() as conn:
             listed = registry.list_workers(conn)
         emit(as_json, {"workers": [w.as_dict() for w in listed]},
-             "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}\t{w.url}" for w in listed))
+             "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}\t{w.url}"
+                       f"\t{w.usage_strikes} strikes{_suspension_text(w)}" for w in listed))
 
     @workers.command("drain")
     @click.argument("worker_id", type=int)
@@ -125,6 +126,17 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
         """No new requests; in-flight ones finish; `drained` within 120 s."""
         with engine().begin() as conn:
             worker = registry.drain_worker(conn, worker_id)
+        emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
+
+    @workers.command("resume")
+    @click.argument("worker_id", type=int)
+    @click.option("--reason", default="resumed by an operator", show_default=True, help="Recorded in the WorkerResumed event.")
+    @json_option
+    @handles_errors
+    def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
+        """Return a suspended worker to routing; its strikes start again from zero."""
+        with engine().begin() as conn:
+            worker = registry.resume_worker(conn, worker_id, resumed_by="operator (command line)", reason=reason)
         emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
 
     @main.command("sim-worker")
@@ -139,4 +151,7 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
         serve_sim(host, port, profile, model)
 
 
-
+def _suspension_text(worker: registry.WorkerView) -> str:
+    if worker.suspended_at is None:
+        return ""
+    return f"\tsuspended at {worker.suspended_at.isoformat()}: {worker.suspension_reason}"

@@ -125,6 +125,7 @@ async def revoke_key(request: Request, key_id: int) -> Response:
         api_keys.revoke_key(conn, key_id)
 
     await _db(request, work, write=True)
+    request.app.state.directory.evict_key(key_id)  # this process at once; other replicas hear of it from the database
     return _json({"id": key_id, "revoked": True})
 
 
@@ -149,7 +150,40 @@ async def drain_worker(request: Request, worker_id: int) -> Response:
     return _json(await _db(request, work, write=True))
 
 
-MANAGEMENT_HANDLERS = [get_account, list_keys, create_key, revoke_key, list_workers, drain_worker]
+class WorkerNotSuspended(ProxyError):
+    status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
+
+
+@post("/v1/workers/{worker_id:int}/resume", summary="Resume a suspended worker (admins): its strikes start again from zero",
+      status_code=200)
+async def resume_worker(request: Request, worker_id: int) -> Response:
+    """Body (optional): {"reason": "…"}. A draining or drained worker is not resumed (409)."""
+    who = await principal(request, ("admin",))  # an owner may not lift its own worker's suspension
+    body = await _json_object(request)
+    reason = body.get("reason", "resumed by an administrator")
+
+    def work(conn):
+        try:
+            return registry.resume_worker(conn, worker_id, resumed_by=f"admin token {who.token_id}", reason=reason).as_dict()
+        except registry.UnknownWorker:
+            raise NotFound(f"no worker {worker_id}") from None
+        except registry.WorkerNotSuspended as exc:
+            raise WorkerNotSuspended(str(exc)) from None
+
+    return _json(await _db(request, work, write=True))
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = orjson.loads(await request.body() or b"{}")
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+MANAGEMENT_HANDLERS = [get_account, list_keys, create_key, revoke_key, list_workers, drain_worker, resume_worker]
 
 
 @post("/v1/credits/checkout", summary="Start a card top-up: a Stripe Checkout session for the caller's account",

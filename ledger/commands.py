@@ -27,6 +27,7 @@ NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
 REASON_LENGTH_MAX = 500
 KEY_LENGTH_MAX = 200
 META_ENTRIES_MAX = 32
+EVIDENCE_REQUEST_IDS_MAX = 100
 PAYMENT_METHODS = ("card", "crypto")
 
 
@@ -110,6 +111,26 @@ class RecordUsageDiscrepancy:
     billed_prompt_tokens: int
     billed_completion_tokens: int
     idempotency_key: str
+    customer_account_id: int = 0  # 0: not known (an operator's record)
+    reason: str = "usage_above_count"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordWorkerSuspension:
+    worker_id: int
+    reason: str
+    strikes: int
+    request_ids: tuple[str, ...]  # the evidence
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordWorkerResumption:
+    worker_id: int
+    resumed_by: str
+    reason: str
+    strikes_cleared: int
+    idempotency_key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +151,8 @@ class ReverseEvent:
     idempotency_key: str
 
 
-Command = GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest | RecordUsageDiscrepancy | RecordInvoice | ReverseEvent
+Command = (GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest
+           | RecordUsageDiscrepancy | RecordWorkerSuspension | RecordWorkerResumption | RecordInvoice | ReverseEvent)
 
 
 class HoldView(NamedTuple):
@@ -212,11 +234,24 @@ def validate_shape(command: Command) -> None:
                 raise InvalidInput("an invoice is of kind invoice or credit_note, with a hex SHA-256")
         case RecordUsageDiscrepancy():
             require_text(command.request_id, "request id", KEY_LENGTH_MAX)
-            for name in ("worker_id", "reported_prompt_tokens", "reported_completion_tokens",
-                         "billed_prompt_tokens", "billed_completion_tokens"):
-                value = getattr(command, name)
-                if type(value) is not int or not 0 <= value <= INT64_MAX:
-                    raise InvalidInput(f"{name} must be a non-negative integer")
+            _require_counts(command, ("worker_id", "reported_prompt_tokens", "reported_completion_tokens",
+                                      "billed_prompt_tokens", "billed_completion_tokens", "customer_account_id"))
+        case RecordWorkerSuspension():
+            _require_counts(command, ("worker_id", "strikes"))
+            if type(command.request_ids) is not tuple or not 1 <= len(command.request_ids) <= EVIDENCE_REQUEST_IDS_MAX:
+                raise InvalidInput(f"a suspension names 1 to {EVIDENCE_REQUEST_IDS_MAX} requests as its evidence")
+            for request_id in command.request_ids:
+                require_text(request_id, "request id", KEY_LENGTH_MAX)
+        case RecordWorkerResumption():
+            _require_counts(command, ("worker_id", "strikes_cleared"))
+            require_text(command.resumed_by, "who resumed", KEY_LENGTH_MAX)
+
+
+def _require_counts(command: Command, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(command, name)
+        if type(value) is not int or not 0 <= value <= INT64_MAX:
+            raise InvalidInput(f"{name} must be a non-negative integer")
 
 
 def _validate_meta(meta: object) -> None:
@@ -276,6 +311,12 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
         case RecordUsageDiscrepancy():
             fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
             event, postings = ev.UsageDiscrepancyRecorded(**fields), []
+        case RecordWorkerSuspension():
+            event = ev.WorkerSuspended(command.worker_id, command.reason, command.strikes, list(command.request_ids))
+            postings = []
+        case RecordWorkerResumption():
+            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
+            event, postings = ev.WorkerResumed(**fields), []
         case RecordInvoice():
             fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
             event, postings = ev.InvoiceIssued(**fields), []

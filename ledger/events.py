@@ -107,6 +107,29 @@ class UsageDiscrepancyRecorded:
     reported_completion_tokens: int
     billed_prompt_tokens: int
     billed_completion_tokens: int
+    customer_account_id: int  # whose request it was: inflation counts only across several accounts
+    reason: str  # e.g. "completion_above_count", "prompt_above_bound"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSuspended:
+    """A worker was taken out of routing after `strikes` usage strikes; the
+    request ids are the evidence (each has its `UsageDiscrepancyRecorded`). Moves no money."""
+
+    worker_id: int
+    reason: str
+    strikes: int
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResumed:
+    """An operator returned a suspended worker to routing; its strikes start again from zero. Moves no money."""
+
+    worker_id: int
+    resumed_by: str
+    reason: str
+    strikes_cleared: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +154,7 @@ class EventReversed:
 
 
 def event_payload(event: object) -> dict:
-    """Shallow on purpose: payload values are ints, strings and one flat `meta` dict."""
+    """Shallow on purpose: payload values are ints, strings, one flat `meta` dict and lists of strings."""
     return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]
 
 

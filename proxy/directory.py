@@ -1,7 +1,9 @@
 """What the hot path reads from memory instead of the database: prices, the
 fleet, API keys. Refreshed in the background; a key lookup that misses goes
-to the database once and is cached for a short time (revocation takes effect
-within `key_cache_ttl_s`)."""
+to the database once and is cached for a short time. A revoked key is
+forgotten at once: by the process that revoked it, and on PostgreSQL by every
+other one when it hears the notification (proxy/revocations.py); the cache's
+time to live is only the fallback for a notification that never came."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from proxy import keys, prices, workers
+from proxy.schema import api_keys
 
 REFRESH_INTERVAL_S = 1.0
 KEY_CACHE_TTL_S = 1.0
@@ -49,6 +52,10 @@ class Directory:
     fleet: dict[str, list[workers.WorkerView]] = field(default_factory=dict)  # by public model name
     loads: dict[int, WorkerLoad] = field(default_factory=dict)
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
+    _secret_of_key: dict[int, str] = field(default_factory=dict)  # key id -> the cached secret, for revocations
+    # Bumped by every eviction: a lookup that was in flight meanwhile may have
+    # read the key before it was revoked, so its answer is not cached.
+    _evictions: int = 0
 
     def _read(self) -> tuple:
         with self.engine.connect() as conn:
@@ -91,11 +98,36 @@ class Directory:
         cached = self._keys.get(key)
         if cached is not None and now - cached[0] < self.key_cache_ttl_s:
             return cached[1]
+        evictions = self._evictions
         grant = await asyncio.to_thread(self._find_key, key)
+        if evictions == self._evictions:
+            self._cache_key(key, now, grant)
+        return grant
+
+    def _cache_key(self, key: str, now: float, grant: keys.KeyGrant | None) -> None:
         if len(self._keys) >= KEY_CACHE_ENTRIES_MAX:
             self._keys.clear()
+            self._secret_of_key.clear()
         self._keys[key] = (now, grant)
-        return grant
+        if grant is not None:
+            self._secret_of_key[grant.id] = key
+
+    def evict_key(self, key_id: int) -> None:
+        """The key was revoked: the next request with it reads the database."""
+        self._evictions += 1
+        secret = self._secret_of_key.pop(key_id, None)
+        if secret is not None:
+            self._keys.pop(secret, None)
+
+    def forget_keys(self) -> None:
+        """Revocations may have been missed: every key is read afresh."""
+        self._evictions += 1
+        self._keys.clear()
+        self._secret_of_key.clear()
+
+    def on_revoked(self, table_name: str, row_id: int) -> None:
+        if table_name == api_keys.name:  # management tokens are never cached
+            self.evict_key(row_id)
 
     def _find_key(self, key: str) -> keys.KeyGrant | None:
         with self.engine.connect() as conn:

@@ -5,11 +5,12 @@ import hashlib
 import secrets
 from typing import NamedTuple
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, select, text, update
 
 from ledger import commands as cmd
 from ledger import spend_limits
 from ledger.accounts import require_kind
+from ledger.db import is_postgres
 from ledger.errors import InvalidInput
 from ledger.money import require_positive
 from ledger.schema import utc_now
@@ -18,6 +19,7 @@ from proxy.schema import api_keys
 KEY_PREFIX = "sk-par-"
 KEY_RANDOM_BYTES = 32
 KEY_PREFIX_SHOWN_CHARS = 12
+REVOCATION_CHANNEL = "paralon_revocations"  # payload: "<table>:<id>"
 
 
 class KeyGrant(NamedTuple):
@@ -36,10 +38,26 @@ def new_secret(prefix: str) -> str:
 
 
 def revoke_secret(conn: Connection, table, row_id: int, what: str) -> None:
-    """Revoke a stored key or token (idempotent); an unknown id is an error."""
+    """Revoke a stored key or token (idempotent); an unknown id is an error.
+
+    On PostgreSQL every `serve` process listening on REVOCATION_CHANNEL hears
+    of it when this transaction commits (never before, never if it rolls back)
+    and forgets the key at once (proxy/revocations.py)."""
     revoked = conn.execute(update(table).where(table.c.id == row_id, table.c.revoked_at.is_(None)).values(revoked_at=utc_now())).rowcount
     if not revoked and conn.execute(select(table.c.id).where(table.c.id == row_id)).first() is None:
         raise InvalidInput(f"{what} {row_id} does not exist")
+    if is_postgres(conn):  # sent again for a key already revoked: a replica that missed it forgets it now
+        conn.execute(text("SELECT pg_notify(:channel, :payload)"),
+                     {"channel": REVOCATION_CHANNEL, "payload": revocation_payload(table.name, row_id)})
+
+
+def revocation_payload(table_name: str, row_id: int) -> str:
+    return f"{table_name}:{row_id}"
+
+
+def parse_revocation(payload: str) -> tuple[str, int] | None:
+    table_name, _, row_id = payload.partition(":")
+    return (table_name, int(row_id)) if row_id.isdigit() else None
 
 
 def create_key(conn: Connection, account_id: int, *, name: str | None = None,

@@ -1,7 +1,7 @@
 """The proxy's tables: API keys, model prices, workers. Money stays in the ledger."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, LargeBinary, String, Table, text
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, LargeBinary, String, Table, text
 
 from ledger.schema import BigId, UTCDateTime, metadata
 
@@ -51,7 +51,29 @@ workers = Table(
     Column("drain_requested_at", UTCDateTime),
     Column("drained_at", UTCDateTime),
     Column("usage_strikes", Integer, nullable=False, server_default=text("0")),
+    Column("suspended_at", UTCDateTime),
+    Column("suspension_reason", String(500)),
     # Measured total decode rate, shared so every proxy replica weighs alike.
     Column("throughput_tokens_per_s", Integer),
     Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Usage reports above the proxy's count, kept as the evidence strikes are
+# decided on (each is also a `UsageDiscrepancyRecorded` event). A row is
+# `pending` until it counts towards a strike (`struck`), and `cleared` once
+# the worker is resumed or when it can never count (no strike follows from it).
+EVIDENCE_STATES = ("pending", "struck", "cleared")
+
+usage_evidence = Table(
+    "usage_evidence",
+    metadata,
+    Column("request_id", String(200), primary_key=True),
+    Column("worker_id", BigInteger, ForeignKey("workers.id"), nullable=False),
+    Column("customer_account_id", BigInteger, nullable=False),
+    Column("reason", String(200), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("recorded_at", UTCDateTime, nullable=False),
+    Column("ledger_seq", BigInteger, nullable=False),
+    CheckConstraint("state IN ('pending', 'struck', 'cleared')", name="ck_usage_evidence_state"),
+    Index("ix_usage_evidence_worker", "worker_id", "state", "reason", "recorded_at"),
 )

@@ -389,16 +389,24 @@ class InferenceProxy:
             generation.reported_prompt = prompt_tokens
 
     async def _record_discrepancy(self, generation: Generation, billed: metering.BilledUsage) -> None:
-        worker = generation.worker
-        await self.ledger.append_async(cmd.RecordUsageDiscrepancy(
-            generation.request_id, worker.id, generation.reported_prompt or 0, generation.reported_completion or 0,
+        """Every discrepancy is recorded; a strike follows only from proof on
+        this request, or from the same inflation across accounts (proxy/workers.py)."""
+        prompt_inflated = (generation.reported_prompt or 0) > generation.prompt_bound
+        reason = billed.strike_reason or (registry.PROMPT_ABOVE_BOUND if prompt_inflated else "usage_above_count")
+        discrepancy = cmd.RecordUsageDiscrepancy(
+            generation.request_id, generation.worker.id, generation.reported_prompt or 0, generation.reported_completion or 0,
             billed.prompt_tokens, billed.completion_tokens, f"usage-discrepancy:{generation.request_id}",
-        ))
-        await asyncio.to_thread(self._strike, worker.id)
+            generation.grant.account_id, reason,
+        )
+        proof = billed.strike_reason is not None and billed.strike_reason not in registry.CROSS_ACCOUNT_REASONS
+        try:
+            await asyncio.to_thread(self._strike, discrepancy, proof)
+        except Exception:  # the charge is settled already; the evidence is what is lost
+            log.exception("the usage discrepancy of request %s could not be recorded", generation.request_id)
 
-    def _strike(self, worker_id: int) -> None:
+    def _strike(self, discrepancy: cmd.RecordUsageDiscrepancy, proof: bool) -> None:
         with self.ledger.engine.begin() as conn:
-            registry.add_usage_strike(conn, worker_id)
+            registry.record_usage_discrepancy(conn, discrepancy, proof=proof)
 
     def settle(self, generation: Generation, *, charge: bool = True) -> asyncio.Task:
         """Settle once, in a task of its own (nothing the caller does can cancel

@@ -1,25 +1,42 @@
 """The worker registry: who serves which model where, and in what state.
 
 State (active, draining, drained, suspended) is written only by an operator's
-drain or by the usage check; heartbeats write health columns and nothing
-else, so a heartbeat can never undo a drain."""
+drain or resume, or by the usage check; heartbeats write health columns and
+nothing else, so a heartbeat can never undo a drain.
+
+Strikes (DESIGN.md, Metering rules): nothing a caller sends may get an honest
+worker suspended, so a strike needs proof on one request (more completion
+reported than the proxy relayed, malformed choices), or the same inflation on
+requests of several customer accounts. The evidence is read from the database,
+so every replica decides on all of it; a suspension and a resumption change
+the worker and append their event in one transaction."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger.accounts import require_kind
-from ledger.errors import InvalidInput
+from ledger.errors import InvalidInput, LedgerError
 from ledger.schema import utc_now
-from proxy.schema import workers
+from ledger.store import CREATED, AppendResult, append_batch
+from proxy.schema import usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
 DRAIN_DEADLINE_S = 120
 USAGE_STRIKES_MAX = 3
+# A report above the prompt bound may be the caller's doing (a field the engine
+# obeys, a template the bound misjudges): it is a strike only once requests of
+# this many different accounts show it within the window.
+PROMPT_ABOVE_BOUND = "prompt_above_bound"
+PROMPT_INFLATION_ACCOUNTS_MIN = 3
+PROMPT_INFLATION_WINDOW_S = 3600
+# Reasons whose evidence counts only across accounts; any other reason either
+# proves dishonesty on its own (`proof=True`) or is only recorded.
+CROSS_ACCOUNT_REASONS = (PROMPT_ABOVE_BOUND,)
 
 
 class WorkerView(NamedTuple):
@@ -37,10 +54,12 @@ class WorkerView(NamedTuple):
     drain_requested_at: datetime | None
     last_heartbeat_at: datetime | None
     usage_strikes: int
+    suspended_at: datetime | None
+    suspension_reason: str | None
 
     def as_dict(self) -> dict:
         data = self._asdict()
-        for name in ("created_at", "drain_requested_at", "last_heartbeat_at"):
+        for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at"):
             data[name] = data[name].isoformat() if data[name] else None
         return data
 
@@ -50,6 +69,10 @@ _COLUMNS = [workers.c[name] for name in WorkerView._fields]
 
 class UnknownWorker(InvalidInput):
     code = "unknown_worker"
+
+
+class WorkerNotSuspended(InvalidInput):
+    code = "worker_not_suspended"
 
 
 def require_url(url: str) -> str:
@@ -135,12 +158,99 @@ def record_throughput(conn: Connection, worker_id: int, tokens_per_s: int, *, on
     conn.execute(statement.values(throughput_tokens_per_s=tokens_per_s))
 
 
-def add_usage_strike(conn: Connection, worker_id: int) -> bool:
-    """One more inflated usage report; True when the worker is now suspended."""
+class StrikeOutcome(NamedTuple):
+    recorded: bool  # False: this request's discrepancy was recorded before
+    struck: bool
+    suspended: bool
+
+
+def record_usage_discrepancy(conn: Connection, discrepancy: cmd.RecordUsageDiscrepancy, *, proof: bool) -> StrikeOutcome:
+    """Record a usage report above the proxy's count (its event and its
+    evidence) and the strike and suspension it leads to, in the caller's
+    transaction. `proof`: this request alone shows the worker dishonest.
+    Recording the same request again changes nothing."""
+    worker_id, request_id = discrepancy.worker_id, discrepancy.request_id
+    _lock_worker(conn, worker_id)
+    if conn.execute(select(usage_evidence.c.request_id).where(usage_evidence.c.request_id == request_id)).first():
+        return StrikeOutcome(False, False, False)
+    appended = _append(conn, discrepancy)
+    if appended.status != CREATED:
+        return StrikeOutcome(False, False, False)
+    now = utc_now()
+    state = "struck" if proof else "pending" if discrepancy.reason in CROSS_ACCOUNT_REASONS else "cleared"
+    conn.execute(usage_evidence.insert().values(
+        request_id=request_id, worker_id=worker_id, customer_account_id=discrepancy.customer_account_id,
+        reason=discrepancy.reason, state=state, recorded_at=now, ledger_seq=appended.seq))
+    if state == "cleared":
+        return StrikeOutcome(True, False, False)
+    if state == "pending" and not _strike_across_accounts(conn, worker_id, discrepancy.reason, now):
+        return StrikeOutcome(True, False, False)
+    return StrikeOutcome(True, True, _add_strike(conn, worker_id, request_id, now))
+
+
+def _strike_across_accounts(conn: Connection, worker_id: int, reason: str, now: datetime) -> bool:
+    """When pending evidence of this reason spans enough accounts within the
+    window, it becomes one strike (and counts for no other)."""
+    pending = (usage_evidence.c.worker_id == worker_id, usage_evidence.c.state == "pending",
+               usage_evidence.c.reason == reason,
+               usage_evidence.c.recorded_at >= now - timedelta(seconds=PROMPT_INFLATION_WINDOW_S))
+    accounts = conn.execute(select(func.count(usage_evidence.c.customer_account_id.distinct())).where(*pending)).scalar_one()
+    if accounts < PROMPT_INFLATION_ACCOUNTS_MIN:
+        return False
+    conn.execute(update(usage_evidence).where(*pending).values(state="struck"))
+    return True
+
+
+def _add_strike(conn: Connection, worker_id: int, request_id: str, now: datetime) -> bool:
+    """One more strike; True when it suspends the worker."""
     conn.execute(update(workers).where(workers.c.id == worker_id).values(usage_strikes=workers.c.usage_strikes + 1))
-    suspended = conn.execute(
-        update(workers)
-        .where(workers.c.id == worker_id, workers.c.state == "active", workers.c.usage_strikes >= USAGE_STRIKES_MAX)
-        .values(state="suspended")
-    ).rowcount
-    return bool(suspended)
+    worker = get_worker(conn, worker_id)
+    if worker.state != "active" or worker.usage_strikes < USAGE_STRIKES_MAX:
+        return False
+    struck = conn.execute(  # the latest evidence, in the order it was recorded
+        select(usage_evidence.c.request_id, usage_evidence.c.reason)
+        .where(usage_evidence.c.worker_id == worker_id, usage_evidence.c.state == "struck")
+        .order_by(usage_evidence.c.recorded_at.desc(), usage_evidence.c.request_id.desc())
+        .limit(cmd.EVIDENCE_REQUEST_IDS_MAX)
+    ).all()[::-1]
+    reason = f"{worker.usage_strikes} usage strikes: {', '.join(sorted({r.reason for r in struck}))}"
+    conn.execute(update(workers).where(workers.c.id == worker_id)
+                 .values(state="suspended", suspended_at=now, suspension_reason=reason))
+    _append(conn, cmd.RecordWorkerSuspension(worker_id, reason, worker.usage_strikes, tuple(r.request_id for r in struck),
+                                             f"worker-suspended:{worker_id}:{request_id}"))
+    return True
+
+
+def resume_worker(conn: Connection, worker_id: int, *, resumed_by: str, reason: str) -> WorkerView:
+    """Return a suspended worker to routing with no strikes; its event says who and why.
+    A draining or drained worker stays as it is (an error)."""
+    worker = _lock_worker(conn, worker_id)
+    if worker.state != "suspended":
+        raise WorkerNotSuspended(f"worker {worker_id} is {worker.state}, not suspended: only a suspended worker is resumed")
+    suspended_at = worker.suspended_at.isoformat() if worker.suspended_at else "unrecorded"
+    command = cmd.RecordWorkerResumption(worker_id, resumed_by, reason, worker.usage_strikes,
+                                         f"worker-resumed:{worker_id}:{suspended_at}")
+    cmd.validate_shape(command)
+    conn.execute(update(workers).where(workers.c.id == worker_id)
+                 .values(state="active", usage_strikes=0, suspended_at=None, suspension_reason=None))
+    conn.execute(update(usage_evidence).where(usage_evidence.c.worker_id == worker_id, usage_evidence.c.state != "cleared")
+                 .values(state="cleared"))  # evidence from before the resumption counts no more
+    _append(conn, command)
+    return get_worker(conn, worker_id)
+
+
+def _lock_worker(conn: Connection, worker_id: int) -> WorkerView:
+    """Strikes of one worker are decided one at a time, across replicas."""
+    row = conn.execute(select(*_COLUMNS).where(workers.c.id == worker_id).with_for_update()).first()
+    if row is None:
+        raise UnknownWorker(f"worker {worker_id} does not exist")
+    return WorkerView(*row)
+
+
+def _append(conn: Connection, command: cmd.Command) -> AppendResult:
+    """A ledger event in the caller's transaction, with the worker's change it records."""
+    cmd.validate_shape(command)
+    result = append_batch(conn, [command])[0]
+    if isinstance(result, LedgerError):
+        raise result
+    return result

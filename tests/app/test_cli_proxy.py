@@ -10,8 +10,11 @@ from sqlalchemy import func, select
 
 from app.cli import main
 from ledger.db import make_engine
+from ledger.schema import ledger_events
 from proxy.keys import key_sha256
 from proxy.schema import api_keys, model_prices, workers
+from tests.ledger.helpers import money_snapshot
+from tests.proxy.test_workers_strikes import suspend_by_proof
 
 
 @pytest.fixture
@@ -98,3 +101,73 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(paralon, rows, args):
     error = json.loads(result.stderr)["error"]
     assert error["code"] and error["message"]
     assert rows() == before
+
+
+def _suspended_worker(paralon, database_url) -> tuple[int, list[str]]:
+    customer, owner = _accounts(paralon)
+    worker_id = paralon("workers", "add", "--owner", str(owner), "--url", "http://10.0.0.5:8000", "--model", "m", "--json")["id"]
+    engine = make_engine(database_url)
+    try:
+        return worker_id, suspend_by_proof(engine, worker_id, customer)
+    finally:
+        engine.dispose()
+
+
+def _worker_events(database_url) -> list[tuple[str, dict]]:
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        rows = conn.execute(select(ledger_events.c.event_type, ledger_events.c.payload)
+                            .where(ledger_events.c.event_type.in_(("WorkerSuspended", "WorkerResumed"))).order_by(ledger_events.c.seq))
+        found = [(r.event_type, json.loads(r.payload)) for r in rows]
+    engine.dispose()
+    return found
+
+
+def test_a_suspended_worker_shows_why_and_is_resumed_with_an_event(paralon, database_url):
+    worker_id, evidence = _suspended_worker(paralon, database_url)
+    [listed] = paralon("workers", "list", "--json")["workers"]
+    assert (listed["state"], listed["usage_strikes"]) == ("suspended", 3)
+    assert listed["suspension_reason"] == "3 usage strikes: completion_above_count" and listed["suspended_at"]
+    assert "suspended at" in paralon("workers", "list").stdout
+    engine = make_engine(database_url)
+    before = money_snapshot(engine)["balances"]
+
+    resumed = paralon("workers", "resume", str(worker_id), "--reason", "the owner replaced its engine", "--json")
+    assert (resumed["state"], resumed["usage_strikes"], resumed["suspended_at"], resumed["suspension_reason"]) == ("active", 0, None, None)
+    assert _worker_events(database_url) == [
+        ("WorkerSuspended", {"worker_id": worker_id, "reason": listed["suspension_reason"], "strikes": 3,
+                             "request_ids": evidence}),
+        ("WorkerResumed", {"worker_id": worker_id, "resumed_by": "operator (command line)",
+                           "reason": "the owner replaced its engine", "strikes_cleared": 3}),
+    ]
+    assert money_snapshot(engine)["balances"] == before, "no money moves"
+    engine.dispose()
+    assert paralon("ledger", "verify", "--json")["ok"] is True
+
+
+@pytest.mark.parametrize("args", [
+    ("workers", "resume", "999999", "--json"),                          # no such worker
+    ("workers", "resume", "{worker}", "--reason", "", "--json"),         # a reason is text
+    ("workers", "resume", "{worker}", "--reason", "x" * 501, "--json"),
+    ("workers", "resume", "{worker}", "--reason", "a\x00b", "--json"),
+    ("workers", "resume", "{active}", "--json"),                        # only a suspended worker is resumed
+])
+def test_resume_refuses_bad_input_in_one_line_and_writes_nothing(paralon, database_url, args):
+    worker_id, _ = _suspended_worker(paralon, database_url)
+    owner = paralon("accounts", "create", "--kind", "owner", "--name", "another farm", "--json")["id"]
+    active = paralon("workers", "add", "--owner", str(owner), "--url", "http://10.0.0.6:8000", "--model", "m", "--json")["id"]
+    engine = make_engine(database_url)
+    before = (money_snapshot(engine), paralon("workers", "list", "--json"))
+    result = paralon(*[a.format(worker=worker_id, active=active) for a in args], expect=2)
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (money_snapshot(engine), paralon("workers", "list", "--json")) == before
+    engine.dispose()
+
+
+def test_a_drained_worker_is_not_resumed(paralon, database_url):
+    worker_id, _ = _suspended_worker(paralon, database_url)
+    assert paralon("workers", "drain", str(worker_id), "--json")["state"] == "draining"
+    refused = json.loads(paralon("workers", "resume", str(worker_id), "--json", expect=2).stderr)["error"]
+    assert refused["code"] == "worker_not_suspended"
+    assert paralon("workers", "list", "--json")["workers"][0]["state"] == "draining"
+    assert [event for event, _ in _worker_events(database_url)] == ["WorkerSuspended"]

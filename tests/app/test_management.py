@@ -160,3 +160,60 @@ def test_invoices_usage_and_earnings_are_scoped_to_the_token(served):
     assert earned[0]["worker"] == fleet.worker_ids[0]
     assert earned[0]["earnings_nano_usd"] == fleet.balance(fleet.owner_ids[0]).balance_nano_usd
     assert _call(proxy, "GET", "/v1/earnings", tokens["customer"]).status_code == 403
+
+
+def test_only_an_admin_resumes_a_suspended_worker_and_the_owner_sees_why(served):
+    from ledger.schema import ledger_events
+    from tests.ledger.helpers import money_snapshot
+    from tests.proxy.test_workers_strikes import suspend_by_proof
+
+    fleet, proxy, tokens, other_worker = served
+    worker_id = fleet.worker_ids[0]
+    evidence = suspend_by_proof(fleet.engine, worker_id, fleet.customer_id)
+    [seen] = _call(proxy, "GET", "/v1/workers", tokens["owner"]).json()["data"]
+    assert (seen["id"], seen["state"], seen["usage_strikes"]) == (worker_id, "suspended", 3)
+    assert seen["suspension_reason"] == "3 usage strikes: completion_above_count" and seen["suspended_at"]
+    before = money_snapshot(fleet.engine)
+
+    for role in ("owner", "customer", "accountant"):  # an owner may not lift its own worker's suspension
+        assert _call(proxy, "POST", f"/v1/workers/{worker_id}/resume", tokens[role]).status_code == 403
+    assert _call(proxy, "POST", f"/v1/workers/{worker_id}/resume", None).status_code == 401
+    assert _call(proxy, "POST", "/v1/workers/999999/resume", tokens["admin"]).status_code == 404
+    assert _call(proxy, "POST", f"/v1/workers/{other_worker}/resume", tokens["admin"]).status_code == 409, "it is active"
+    for bad in ({"reason": ""}, {"reason": 7}, [1]):
+        assert _call(proxy, "POST", f"/v1/workers/{worker_id}/resume", tokens["admin"], json=bad).status_code == 400
+    assert fleet.worker(worker_id).state == "suspended" and money_snapshot(fleet.engine) == before, "nothing written"
+
+    resumed = _call(proxy, "POST", f"/v1/workers/{worker_id}/resume", tokens["admin"], json={"reason": "engine upgraded"})
+    assert resumed.status_code == 200
+    assert (resumed.json()["state"], resumed.json()["usage_strikes"], resumed.json()["suspension_reason"]) == ("active", 0, None)
+    assert _call(proxy, "POST", f"/v1/workers/{worker_id}/resume", tokens["admin"]).status_code == 409, "once"
+    with fleet.engine.connect() as conn:
+        events = {r.event_type: json.loads(r.payload) for r in conn.execute(
+            select(ledger_events.c.event_type, ledger_events.c.payload).where(ledger_events.c.event_type.like("Worker%")))}
+    assert events["WorkerSuspended"]["request_ids"] == evidence
+    with fleet.engine.connect() as conn:
+        admin_token_id = conn.execute(select(management_tokens.c.id)
+                                      .where(management_tokens.c.token_sha256 == key_sha256(tokens["admin"]))).scalar_one()
+    assert events["WorkerResumed"] == {"worker_id": worker_id, "resumed_by": f"admin token {admin_token_id}",
+                                       "reason": "engine upgraded", "strikes_cleared": 3}
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+    answer = wait_for_answer(client)  # routed to again once the replica reads its state
+    [settled] = fleet.settlements()
+    assert settled["request_id"] == answer.id and settled["owner_account_id"] == fleet.owner_ids[0]
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == 10_000_000_000 - settled["charge_nano_usd"]
+    fleet.assert_books_close()
+
+
+def wait_for_answer(client, timeout_s: float = 15.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
