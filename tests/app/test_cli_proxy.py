@@ -127,7 +127,7 @@ def test_a_suspended_worker_shows_why_and_is_resumed_with_an_event(paralon, data
     worker_id, evidence = _suspended_worker(paralon, database_url)
     [listed] = paralon("workers", "list", "--json")["workers"]
     assert (listed["state"], listed["usage_strikes"]) == ("suspended", 3)
-    assert listed["suspension_reason"] == "3 usage strikes: completion_above_count" and listed["suspended_at"]
+    assert listed["suspension_reason"] == "3 usage strikes: completion_above_bound" and listed["suspended_at"]
     assert "suspended at" in paralon("workers", "list").stdout
     engine = make_engine(database_url)
     before = money_snapshot(engine)["balances"]

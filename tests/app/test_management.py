@@ -172,7 +172,7 @@ def test_only_an_admin_resumes_a_suspended_worker_and_the_owner_sees_why(served)
     evidence = suspend_by_proof(fleet.engine, worker_id, fleet.customer_id)
     [seen] = _call(proxy, "GET", "/v1/workers", tokens["owner"]).json()["data"]
     assert (seen["id"], seen["state"], seen["usage_strikes"]) == (worker_id, "suspended", 3)
-    assert seen["suspension_reason"] == "3 usage strikes: completion_above_count" and seen["suspended_at"]
+    assert seen["suspension_reason"] == "3 usage strikes: completion_above_bound" and seen["suspended_at"]
     before = money_snapshot(fleet.engine)
 
     for role in ("owner", "customer", "accountant"):  # an owner may not lift its own worker's suspension

@@ -192,8 +192,8 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
 
 def test_more_completion_than_relayed_is_proof_on_each_request(database_url):
     """One account is enough when the request itself proves it: the worker
-    reports three times the tokens the proxy relayed."""
-    worker = ThreadedServer(build_app("instant", MODEL, inflate_usage=3)).start()
+    reports ten times the tokens the proxy relayed, above any byte-level count of them."""
+    worker = ThreadedServer(build_app("instant", MODEL, inflate_usage=10)).start()
     fleet = make_fleet(database_url, [worker.url])
     contents = {}
     with serving(database_url) as proxy:
@@ -242,13 +242,13 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
     assert record(_discrepancy(worker_id, "new-3", 104)) == (True, False, False)
     assert record(_discrepancy(worker_id, "new-4", 105)) == (True, True, False)
     assert record(_discrepancy(worker_id, "new-5", 101)) == (True, False, False), "evidence counts for one strike"
-    assert record(_discrepancy(worker_id, "proof-1", 101, reason="completion_above_count"), proof=True) == (True, True, False)
-    assert record(_discrepancy(worker_id, "proof-2", 101, reason="completion_above_count"), proof=True) == (True, True, True)
+    assert record(_discrepancy(worker_id, "proof-1", 101, reason="completion_above_bound"), proof=True) == (True, True, False)
+    assert record(_discrepancy(worker_id, "proof-2", 101, reason="completion_above_bound"), proof=True) == (True, True, True)
     with engine.connect() as conn:
         stored = registry.get_worker(conn, worker_id)
         recorded = conn.execute(select(ledger_events.c.event_type)).scalars().all()
     assert (stored.state, stored.usage_strikes) == ("suspended", 3)
-    assert stored.suspension_reason == "3 usage strikes: completion_above_count, prompt_above_bound"
+    assert stored.suspension_reason == "3 usage strikes: completion_above_bound, prompt_above_bound"
     assert recorded.count("UsageDiscrepancyRecorded") == 9 and recorded.count("WorkerSuspended") == 1
 
 
