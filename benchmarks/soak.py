@@ -370,8 +370,10 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=2.0, help="simulated workers run this much faster than the cards")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    # A SIGTERM stops like Ctrl-C does: through the finally blocks below.
+    # SIGTERM and SIGINT (even where a shell started it ignoring SIGINT) stop
+    # the run through the finally blocks below, which stop every child.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
 
     log_dir = Path(tempfile.mkdtemp(prefix="paralon-soak-"))
     processes = Processes(log_dir)
@@ -379,6 +381,9 @@ def main() -> None:
         url = scratch.url.render_as_string(hide_password=False)
         try:
             result = soak(args, url, processes)
+        except KeyboardInterrupt:
+            log("interrupted: every process started here is stopped, the scratch database dropped")
+            raise SystemExit(130) from None
         finally:
             processes.stop_all()
     result["logs"] = str(log_dir)
