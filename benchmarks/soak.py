@@ -79,6 +79,8 @@ SMALL_CUSTOMER_SHARE = 0.15
 BALANCE_SAMPLE_INTERVAL_S = 2.0
 # After the callers stop: every hold must have expired and been swept by then.
 HOLDS_SETTLE_WAIT_S = HOLD_TTL_S + 60
+CUT_SHORT = ("cut_off", "error_after_tokens", "caller_left")
+DATABASE_URL_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
 SERVE_ARGS = ["-c", "from app.cli import main; main()"]
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search_docs", "description": "Search the documentation.",
@@ -137,12 +139,6 @@ class Outcome:
     tokens: int = 0  # counted by the caller
     text_bytes: int = 0
     usage_completion_tokens: int | None = None  # what the proxy said it billed
-
-
-@dataclass
-class Caller:
-    key: str
-    label: str  # rich, limited, small
 
 
 def chat_body(rng: random.Random, turn: int) -> dict:
@@ -216,7 +212,13 @@ async def ask_once(client: httpx.AsyncClient, url: str, body: dict, headers: dic
     return Outcome("completed", answer["id"], len(text.split()), len(text.encode()), answer["usage"]["completion_tokens"])
 
 
-async def caller_loop(index: int, callers: dict[str, list[Caller]], replica_urls: list[str], deadline: float,
+def pick_group(draw: float) -> str:
+    if draw < LIMITED_KEY_SHARE:
+        return "limited"
+    return "small" if draw < LIMITED_KEY_SHARE + SMALL_CUSTOMER_SHARE else "rich"
+
+
+async def caller_loop(index: int, keys_by_group: dict[str, list[str]], replica_urls: list[str], deadline: float,
                       outcomes: list[Outcome]) -> None:
     rng = random.Random(index)
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
@@ -224,11 +226,9 @@ async def caller_loop(index: int, callers: dict[str, list[Caller]], replica_urls
         for turn in itertools.count():
             if time.monotonic() >= deadline:
                 return
-            draw = rng.random()
-            group = "limited" if draw < LIMITED_KEY_SHARE else "small" if draw < LIMITED_KEY_SHARE + SMALL_CUSTOMER_SHARE else "rich"
-            caller = rng.choice(callers[group])
+            key = rng.choice(keys_by_group[pick_group(rng.random())])
             url = replica_urls[(index + turn) % len(replica_urls)] + "/v1/chat/completions"
-            headers = {"authorization": f"Bearer {caller.key}"}
+            headers = {"authorization": f"Bearer {key}"}
             body = chat_body(rng, turn)
             if rng.random() < STREAM_SHARE:
                 leave_after = rng.randint(1, body["max_tokens"]) if rng.random() < EARLY_LEAVE_SHARE else None
@@ -267,13 +267,13 @@ async def balance_watch(engine, customer_ids: list[int], deadline: float, lowest
         await asyncio.sleep(BALANCE_SAMPLE_INTERVAL_S)
 
 
-async def run_traffic(args, processes, replicas, workers, callers, customer_ids, engine) -> tuple[list[Outcome], Counter, dict]:
+async def run_traffic(args, processes, replicas, workers, keys_by_group, customer_ids, engine) -> tuple[list[Outcome], Counter, dict]:
     deadline = time.monotonic() + args.minutes * 60
     outcomes: list[Outcome] = []
     kills: Counter = Counter()
     lowest: dict[int, int] = {}
     replica_urls = [health.rsplit("/health", 1)[0] for _, health in replicas]
-    tasks = [caller_loop(i, callers, replica_urls, deadline, outcomes) for i in range(args.clients)]
+    tasks = [caller_loop(i, keys_by_group, replica_urls, deadline, outcomes) for i in range(args.clients)]
     tasks.append(chaos_loop(processes, replicas, workers, args.chaos_interval_s, deadline, kills))
     tasks.append(balance_watch(engine, customer_ids, deadline, lowest))
     await asyncio.gather(*tasks)
@@ -349,7 +349,7 @@ def report(outcomes: list[Outcome], settled: list[dict], limited_key_id: int, li
         "difference_by_outcome": {kind: entry for kind, entry in sorted(by_outcome.items()) if entry["difference"]},
         "tokens_billed_for_requests_no_caller_saw": unseen,
         "completed_with_usage_unlike_the_callers_count": usage_mismatch,
-        "bytes_delivered_cut_short": sum(o.text_bytes for o in outcomes if o.kind in ("cut_off", "error_after_tokens", "caller_left")),
+        "bytes_delivered_cut_short": sum(o.text_bytes for o in outcomes if o.kind in CUT_SHORT),
         "limit_overshoot_nano_usd": max(0, limited_spent - limit_nano_usd),
         "limited_key": {"limit_nano_usd": limit_nano_usd, "spent_nano_usd": limited_spent},
         "customers_below_zero_nano_usd": sum(min(0, v) for v in final_available.values()),
@@ -363,7 +363,7 @@ def _interrupt(signum, frame) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", DATABASE_URL_DEFAULT))
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--chaos-interval-s", type=float, default=180.0)
     parser.add_argument("--clients", type=int, default=24)
@@ -406,8 +406,7 @@ def soak(args, url: str, processes: Processes) -> dict:
     small = [add_customer(engine, f"small customer {i}", SMALL_CREDITS_USD) for i in range(SMALL_CUSTOMERS)]
     with engine.connect() as conn:
         customer_ids = list(conn.execute(select(accounts.c.id).where(accounts.c.kind == cmd.CUSTOMER)).scalars())
-    callers = {"rich": [Caller(fleet.key, "rich")], "limited": [Caller(limited_key, "limited")],
-               "small": [Caller(key, "small") for _, _, key in small]}
+    keys_by_group = {"rich": [fleet.key], "limited": [limited_key], "small": [key for _, _, key in small]}
 
     serve_env = {**os.environ, "PARALON_DATABASE_URL": url, "PARALON_HOLD_TTL_S": str(HOLD_TTL_S),
                  "PARALON_HOLD_SWEEP_INTERVAL_MS": str(HOLD_SWEEP_INTERVAL_MS),
@@ -420,7 +419,7 @@ def soak(args, url: str, processes: Processes) -> dict:
         replicas.append((name, health))
 
     log(f"soak: {args.minutes} min, {args.clients} callers, chaos every {args.chaos_interval_s} s; logs in {processes.log_dir}")
-    outcomes, kills, lowest = asyncio.run(run_traffic(args, processes, replicas, workers, callers, customer_ids, engine))
+    outcomes, kills, lowest = asyncio.run(run_traffic(args, processes, replicas, workers, keys_by_group, customer_ids, engine))
     log(f"callers stopped after {len(outcomes)} requests; waiting for holds to expire and be swept ...")
     held_left = wait_for_holds(engine, customer_ids)
     with engine.connect() as conn:
