@@ -18,9 +18,11 @@ request, grouped by how each request ended.
     python benchmarks/soak.py --json [--minutes 30] [--chaos-interval-s 180]
 
 Prints one JSON line: requests (by outcome), tokens_delivered, tokens_billed,
-difference (billed - delivered) and where it comes from, the spend limit's
-overshoot and any customer below zero, verify_ok (`paralon ledger verify`),
-and the kill counts. No timing thresholds: it reports, it does not judge.
+difference (billed - delivered), where it comes from, and what is left of it
+beyond the documented rule (a caller who leaves is billed what was produced),
+limit_overshoot_nano_usd (the limited key's spend beyond its limit plus any
+customer below zero available), verify_ok (`paralon ledger verify`), and the
+kill counts. No timing thresholds: it reports, it does not judge.
 Every process it starts is stopped on exit, Ctrl-C and errors included.
 """
 from __future__ import annotations
@@ -340,6 +342,10 @@ def report(outcomes: list[Outcome], settled: list[dict], limited_key_id: int, li
     billed = sum(billed_by_request.values())
     limited_spent = sum(s["charge_nano_usd"] for s in settled if s["meta"].get("api_key_id") == limited_key_id)
     usage_mismatch = sum(1 for o in outcomes if o.kind == "completed" and o.usage_completion_tokens != o.tokens)
+    key_overshoot = max(0, limited_spent - limit_nano_usd)
+    below_zero = -sum(min(0, v) for v in final_available.values())
+    # DESIGN.md: a caller who leaves is billed what the worker produced, which can be a little more than it read.
+    documented = by_outcome["caller_left"]["difference"] if "caller_left" in by_outcome else 0
     return {
         "requests": dict(sorted(Counter(o.kind for o in outcomes).items())),
         "requests_total": len(outcomes),
@@ -347,12 +353,13 @@ def report(outcomes: list[Outcome], settled: list[dict], limited_key_id: int, li
         "tokens_billed": billed,
         "difference": billed - delivered,
         "difference_by_outcome": {kind: entry for kind, entry in sorted(by_outcome.items()) if entry["difference"]},
+        "difference_beyond_the_documented_rule": billed - delivered - documented,
         "tokens_billed_for_requests_no_caller_saw": unseen,
         "completed_with_usage_unlike_the_callers_count": usage_mismatch,
         "bytes_delivered_cut_short": sum(o.text_bytes for o in outcomes if o.kind in CUT_SHORT),
-        "limit_overshoot_nano_usd": max(0, limited_spent - limit_nano_usd),
-        "limited_key": {"limit_nano_usd": limit_nano_usd, "spent_nano_usd": limited_spent},
-        "customers_below_zero_nano_usd": sum(min(0, v) for v in final_available.values()),
+        "limit_overshoot_nano_usd": key_overshoot + below_zero,
+        "limited_key": {"limit_nano_usd": limit_nano_usd, "spent_nano_usd": limited_spent, "overshoot_nano_usd": key_overshoot},
+        "customers_below_zero_nano_usd": below_zero,
         "lowest_available_seen_nano_usd": min(lowest.values()) if lowest else None,
     }
 
