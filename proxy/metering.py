@@ -235,15 +235,16 @@ def billable_usage(reported_prompt: int | None, reported_completion: int | None,
                    prompt_bound: int, output: OutputCount) -> BilledUsage:
     """The worker's report where it is within the proxy's bounds, else the bound.
     A missing completion report bills the chunks relayed (llama.cpp streams no
-    usage, one token per chunk), a missing prompt report the prompt's bound."""
+    usage, one token per chunk), a missing prompt report the prompt's bound.
+    Nothing above a bound is ever billed; the tolerance only decides when a
+    report above it is evidence against the worker."""
     completion_bound = output.completion_bound()
     tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, completion_bound * COMPLETION_TOLERANCE_PERCENT // 100)
     completion, prompt, over_reported, strike_reason = output.relayed_chunks, prompt_bound, False, None
     if reported_completion is not None:
+        completion = min(reported_completion, completion_bound)
         if reported_completion > completion_bound + tolerance:
-            completion, over_reported, strike_reason = completion_bound, True, STRIKE_COMPLETION_ABOVE_BOUND
-        else:
-            completion = reported_completion
+            over_reported, strike_reason = True, STRIKE_COMPLETION_ABOVE_BOUND
     if reported_prompt is not None:
         if reported_prompt > prompt_bound:
             over_reported = True

@@ -2,7 +2,8 @@
 duplicate, inflate or die, driven through a real `paralon serve` with the
 official SDK. What the caller received is counted here, independently of the
 proxy; billing must never exceed it (UTF-8 bytes of text, tool-call names and
-arguments, and reasoning, plus COMPLETION_TOLERANCE_TOKENS per request), nor
+arguments, and reasoning, plus the documented allowance for stop tokens and
+tool-call markup that engines strip, `received_bound`), nor
 what the worker reported; a report above that bound is evidence against the
 worker, and three of them suspend it."""
 from __future__ import annotations
@@ -41,7 +42,6 @@ from tests.proxy.hostile_worker import (
     start_hostile_worker,
 )
 
-COMPLETION_TOLERANCE_TOKENS = 2
 INPUT_NANO_USD_PER_TOKEN, OUTPUT_NANO_USD_PER_TOKEN = 150, 600  # make_fleet's $0.15 and $0.60 per MTok
 MAX_TOKENS = 500
 STRIKES_TO_SUSPEND = 3
@@ -88,6 +88,7 @@ class Received:
     reasoning_bytes: int = 0
     chunks: int = 0
     chunks_with_repeated_index: int = 0
+    tool_call_names: int = 0  # tool-call names received (the start of each call)
     usage: object = None  # the usage the proxy reported to the caller
     status: int = 200
     error_after_tokens: openai.APIError | None = None
@@ -118,6 +119,14 @@ class Received:
             function = getattr(call, "function", None)
             if function is not None:
                 self.tool_bytes += len((function.name or "").encode()) + len((function.arguments or "").encode())
+                self.tool_call_names += bool(function.name)
+
+    def received_bound(self) -> int:
+        """Tokens no byte-level tokenizer exceeds for what was received, with
+        the proxy's documented allowance for what engines strip: the stop
+        token(s) of an answer and the markup around each tool call."""
+        return (self.output_bytes + metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH
+                + self.tool_call_names * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
 def stream_chat(client: openai.OpenAI, messages: list[dict], **options) -> Received:
@@ -202,7 +211,7 @@ class Books:
 
 def assert_billed_within_what_was_received(got: Received, settlement: dict, record) -> None:
     billed = settlement["meta"]
-    assert billed["completion_tokens"] <= got.output_bytes + COMPLETION_TOLERANCE_TOKENS, (
+    assert billed["completion_tokens"] <= got.received_bound(), (
         f"billed {billed['completion_tokens']} completion tokens for {got.output_bytes} bytes received")
     assert billed["completion_tokens"] <= record.reported_completion_tokens, "never more than the worker reported"
     assert billed["prompt_tokens"] <= record.reported_prompt_tokens, "never more than the worker reported"
@@ -212,7 +221,9 @@ def assert_billed_within_what_was_received(got: Received, settlement: dict, reco
 
 def reported_above_the_bound(got: Received, record) -> bool:
     prompt_bound = metering.prompt_tokens_bound("chat", record.body)
-    return (record.reported_completion_tokens > got.output_bytes + COMPLETION_TOLERANCE_TOKENS
+    bound = got.received_bound()
+    tolerance = max(metering.COMPLETION_TOLERANCE_TOKENS_MIN, bound * metering.COMPLETION_TOLERANCE_PERCENT // 100)
+    return (record.reported_completion_tokens > bound + tolerance
             or record.reported_prompt_tokens > prompt_bound)
 
 
@@ -233,8 +244,11 @@ def test_a_dishonest_worker_is_billed_at_most_what_the_caller_received(database_
     with serving(database_url) as proxy:
         clients = [openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0) for _, key in callers]
         received = {}
-        for i, client in enumerate(clients):
-            marker = f"{behaviour} request {i}"
+        # Prompt inflation alone proves nothing on one request (a caller might
+        # have caused it): each strike takes it on requests of three accounts.
+        rounds = STRIKES_TO_SUSPEND if behaviour == INFLATE_PROMPT else 1
+        for i, client in [(i, c) for _ in range(rounds) for i, c in enumerate(clients)]:
+            marker = f"{behaviour} request {len(received)} from {i}"
             received[marker] = stream_chat(client, [{"role": "user", "content": f"Tell me about mats ({marker})."}])
         if behaviour not in WITHIN_THE_BOUND:
             eventually(lambda: fleet.worker(worker_id).state == "suspended", SETTLED_WAIT_S)

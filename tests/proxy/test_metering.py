@@ -179,7 +179,7 @@ def test_a_report_that_is_not_a_count_is_no_report(usage):
     "reported, bound, relayed, billed",
     [
         ((40, 100), 50, 200, (40, 100, False, None)),  # honest
-        ((40, 215), 50, 200, (40, 215, False, None)),  # within the tolerance above the bound
+        ((40, 215), 50, 200, (40, 208, False, None)),  # within the tolerance above the bound: billed at it, no evidence
         ((40, 300), 50, 200, (40, 208, True, metering.STRIKE_COMPLETION_ABOVE_BOUND)),
         ((90, 100), 50, 200, (50, 100, True, None)),  # prompt above its bound: a discrepancy, no proof
         ((None, None), 50, 200, (50, 7, False, None)),  # no report: the chunks relayed and the bound
