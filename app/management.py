@@ -98,12 +98,7 @@ async def list_keys(request: Request, account_id: int | None = None) -> Response
 @post("/v1/keys", summary="Create an API key (shown once)", status_code=201)
 async def create_key(request: Request) -> Response:
     who = await principal(request, ("customer",))
-    try:
-        body = orjson.loads(await request.body() or b"{}")
-    except orjson.JSONDecodeError:
-        raise InvalidRequest("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+    body = await _json_object(request)
     limit_text = body.get("spend_limit_usd")
     try:
         limit = usd_to_nano_usd(str(limit_text)) if limit_text is not None else None
