@@ -45,12 +45,16 @@ def bytea_array(values) -> str:
     return "{" + ",".join(['"\\\\x' + v.hex() + '"' for v in values]) + "}"
 
 
+def _quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def texts(values) -> str:
-    return "{" + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]) + "}"
+    return "{" + ",".join(map(_quoted, values)) + "}"
 
 
 def nullable_texts(values) -> str:
-    return "{" + ",".join(["NULL" if v is None else texts([v])[1:-1] for v in values]) + "}"
+    return "{" + ",".join(["NULL" if v is None else _quoted(v) for v in values]) + "}"
 
 
 Spec = tuple[tuple[str, Callable], ...]
@@ -119,7 +123,7 @@ RETURNING id, idempotency_key
 
 # Everything an append writes once its events are decided, as one statement on
 # PostgreSQL (data-modifying CTEs): one round trip instead of four.
-_PG_WRITE_APPENDED = """
+_PG_WRITE_APPENDED_TEMPLATE = """
 WITH events AS (
     INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, prev_hash, hash, recorded_at)
     SELECT u.*, %(recorded_at)s FROM unnest(%(seq)s::bigint[], %(event_type)s::text[], %(payload)s::text[],
@@ -132,20 +136,17 @@ WITH events AS (
     SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
     FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
     WHERE b.account_id = u.account_id
-)
+){limits}
 UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1
 """
+_PG_WRITE_APPENDED = _PG_WRITE_APPENDED_TEMPLATE.format(limits="")
 # The same, when the batch settled holds that reserve against spend limits.
-_PG_WRITE_APPENDED_WITH_LIMITS = _PG_WRITE_APPENDED.replace("""
-)
-UPDATE ledger_head""", """
-), limits AS (
+_PG_WRITE_APPENDED_WITH_LIMITS = _PG_WRITE_APPENDED_TEMPLATE.format(limits=""", limits AS (
     UPDATE spend_limit_usage AS l
     SET spent_nano_usd = l.spent_nano_usd + u.spent, holds_closed_nano_usd = l.holds_closed_nano_usd + u.closed
     FROM unnest(%(limit_id)s::bigint[], %(limit_spent)s::bigint[], %(limit_closed)s::bigint[]) AS u(limit_id, spent, closed)
     WHERE l.limit_id = u.limit_id
-)
-UPDATE ledger_head""")
+)""")
 
 
 def write_appended(conn: Connection, event_rows: list[tuple], posting_rows: list[tuple], balances: dict[int, int],

@@ -378,13 +378,17 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = EXP
 def expired_captures(conn: Connection, now: datetime | None = None, limit: int = EXPIRE_BATCH_SIZE_MAX) -> list[cmd.SettleRequest]:
     """The settlements due for holds past their expiry that recorded delivered
     usage: each charges what its request had delivered when last recorded and
-    closes the hold (or finds it settled already: the key is the request's)."""
+    closes the hold (or finds it settled already: the key is the request's).
+    The rows stay locked until the caller's transaction ends, so append the
+    settlements in it: a renewal or the request's own settlement racing the
+    sweeper then waits, and finds the hold settled."""
     rows = conn.execute(
         select(holds.c.id, holds.c.capture_nano_usd, holds.c.capture_owner_account_id, holds.c.capture_request_id,
                holds.c.capture_meta)
         .where(holds.c.expires_at < (now or utc_now()), holds.c.capture_nano_usd > 0)
         .order_by(holds.c.expires_at)
         .limit(limit)
+        .with_for_update(skip_locked=True)
     ).all()
     return [_capture_settlement(r.id, r.capture_owner_account_id, r.capture_nano_usd, r.capture_request_id,
                                 orjson.loads(r.capture_meta)) for r in rows]

@@ -100,20 +100,19 @@ def sweep_expired_holds(engine: Engine) -> SweepResult:
     releases the hold rather than retry it forever."""
     with engine.begin() as conn:
         released = hl.expire_holds(conn)
-    with engine.connect() as conn:
+    with engine.begin() as conn:  # durable: these move money
         due = hl.expired_captures(conn)
-    if not due:
-        return SweepResult(released, 0)
-    with engine.begin() as conn:
-        results = append_batch(conn, due)
-    settled = 0
+        results = append_batch(conn, due) if due else []
+    settled, unsettleable = 0, []
     for command, result in zip(due, results):
         if isinstance(result, AppendResult):
             settled += result.status == CREATED
         elif not isinstance(result, HoldNotActive):
             log.error("expired hold %s could not settle at its recorded usage (%s); released", command.hold_id, result)
-            with engine.begin() as conn:
-                released += hl.release_hold(conn, command.hold_id)
+            unsettleable.append(command.hold_id)
+    for hold_id in unsettleable:
+        with engine.begin() as conn:
+            released += hl.release_hold(conn, hold_id)
     return SweepResult(released, settled)
 
 

@@ -27,6 +27,11 @@ class KeyGrant(NamedTuple):
     account_id: int
     spend_limit_nano_usd: int | None
 
+    @property
+    def spend_limit_id(self) -> int | None:
+        """The ledger's spend limit this key reserves against (its own id), if it has one."""
+        return self.id if self.spend_limit_nano_usd is not None else None
+
 
 def key_sha256(secret: str) -> bytes:
     """How API keys and management tokens are stored: 256 random bits need no slow hash."""

@@ -13,7 +13,7 @@ import orjson
 from ledger.money import nano_usd_to_usd_text
 from proxy import metering, sse
 from proxy import workers as registry
-from proxy.errors import ProxyError, UpstreamFailed
+from proxy.errors import NotReady, ProxyError, UpstreamFailed
 from proxy.keys import KeyGrant
 from proxy.prices import Price
 from proxy.upstream import UpstreamError, UpstreamResponse
@@ -51,6 +51,9 @@ class Generation:
     first_token_at: float = 0.0
     upstream_done: bool = False  # [DONE] came before any token: an empty completion
     overran: bool = False  # the worker sent more tokens than the hold pays for
+    hold_lost: bool = False  # the sweeper closed the hold while this ran (it could not be renewed in time)
+    recorded_capture_nano_usd: int = 0  # the delivered usage last recorded against the hold
+    settle_failed: bool = False  # a non-streaming answer whose charge could not be written is withheld
     finished: bool = False
     settling: asyncio.Task | None = None
     cost_nano_usd: int = 0
@@ -187,7 +190,7 @@ class Generation:
                     out = self.transform(data)
                     if out is not None:
                         yield out
-                    elif self.overran:
+                    if self.overran or self.hold_lost:
                         break  # stop the worker; what it produced is billed below
                 else:
                     raise UpstreamFailed("the worker's stream ended without [DONE]")
@@ -236,6 +239,8 @@ class Generation:
                 elif choice.get("text"):
                     message.content.append(choice["text"])
                 finish_reason = choice.get("finish_reason") or finish_reason
+        if self.settle_failed:
+            raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
         if error is not None:
             raise UpstreamFailed(error["message"])
         if self.kind == CHAT:

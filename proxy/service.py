@@ -16,7 +16,7 @@ import orjson
 
 from ledger import commands as cmd
 from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
-from ledger.holds import HoldRenewal, PlaceHold, settlement_key
+from ledger.holds import HoldRenewal, PlaceHold, settlement_key, validate_renewal
 from ledger.schema import utc_now
 from ledger.service import Ledger
 from proxy import forwarded_fields, generations, metering, routing, sse
@@ -138,7 +138,7 @@ class InferenceProxy:
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         plan = metering.plan_hold(price, prompt_bound, max_tokens)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, f"hold:{request_id}", self.hold_ttl_s,
-                                 plan.minimum_nano_usd, spend_limit_id=grant.id if grant.spend_limit_nano_usd is not None else None)
+                                 plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id)
         generation = Generation(
             proxy=self, kind=kind, request_id=request_id, model=model, price=price, grant=grant, hold_id=0,
             hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens,
@@ -166,10 +166,7 @@ class InferenceProxy:
 
     def _release_when_placed(self, hold_task: asyncio.Future) -> None:
         if not hold_task.cancelled() and hold_task.exception() is None:
-            hold_id = hold_task.result().hold_id
-            task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.ledger.release_hold, hold_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(asyncio.to_thread(self.ledger.release_hold, hold_task.result().hold_id))
 
     def _candidates(self, fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
         routable = [w for w in fleet if w.state == "active" and w.healthy]
@@ -273,14 +270,30 @@ class InferenceProxy:
         generation.cost_nano_usd = generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens)
         try:
             await self._settle_delivered(generation, billed)
-        except LedgerError:
-            log.exception("request %s could not be settled; its hold is released", generation.request_id)
-            generation.cost_nano_usd = 0
+        except Exception:  # a refusal, or the database away: the charge is not lost either way
+            await self._settle_later(generation, billed)
+        finally:
+            self._live.pop(generation.hold_id, None)
+        if billed.discrepant:  # evidence is recorded off the path to [DONE]
+            self._in_background(self._record_discrepancy(generation, billed))
+
+    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """The settlement could not be written (the database or the writer is
+        away). Delivered tokens are never given away: a streaming caller has
+        them, so the hold keeps the full charge as its recorded usage and the
+        sweeper settles it once it expires. A non-streaming caller has received
+        nothing: the hold is released and the answer withheld."""
+        if not generation.streaming:
+            log.exception("request %s could not be settled; nothing was delivered, its hold is released", generation.request_id)
+            generation.cost_nano_usd, generation.settle_failed = 0, True
             await self._release(generation)
             return
-        self._live.pop(generation.hold_id, None)
-        if billed.discrepant:
-            await self._record_discrepancy(generation, billed)
+        log.exception("request %s could not be settled now; the sweeper settles its hold", generation.request_id)
+        final = self._renewal(generation, billed)
+        try:
+            await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
+        except Exception:  # the hold keeps the usage recorded at the last renewal
+            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=True)
 
     def _settlement_meta(self, generation: Generation, billed: metering.BilledUsage) -> dict:
         return {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
@@ -312,7 +325,7 @@ class InferenceProxy:
         try:
             hold = await self.ledger.place_hold_async(PlaceHold(
                 grant.account_id, rest, f"hold:{rid}:rest", self.hold_ttl_s, minimum_nano_usd=1,
-                spend_limit_id=grant.id if grant.spend_limit_nano_usd is not None else None))
+                spend_limit_id=grant.spend_limit_id))
         except (InsufficientFunds, SpendLimitReached):
             log.warning("request %s: %s nano-USD delivered after its hold closed are not covered any more", rid, rest)
             return
@@ -355,18 +368,41 @@ class InferenceProxy:
                 log.warning("could not renew %d hold(s)", len(renewals), exc_info=True)
                 continue
             for renewal in renewals:
-                if renewal.hold_id not in active:
-                    self._live.pop(renewal.hold_id, None)
+                if renewal.hold_id not in active:  # the sweeper took it: stop, and charge the rest at the end
+                    lost = self._live.pop(renewal.hold_id, None)
+                    if lost is not None:
+                        lost.hold_lost = True
 
-    def _renewal(self, generation: Generation) -> HoldRenewal:
+    def _renewal(self, generation: Generation, billed: metering.BilledUsage | None = None) -> HoldRenewal:
         """What a stream's caller has received is delivered; a non-streaming
-        caller has received nothing until the answer is complete."""
+        caller has received nothing until the answer is complete. The usage is
+        written only when it changed; a prompt the worker has not reported yet
+        (llama.cpp) is not charged on a crash rather than charged at its bound."""
+        renewal = HoldRenewal(generation.hold_id, self.hold_ttl_s)
         if not (generation.streaming and generation.worker is not None and generation.counted_tokens):
-            return HoldRenewal(generation.hold_id, self.hold_ttl_s)
-        billed = generation.delivered_usage()
+            return renewal
+        billed = billed or generation.delivered_usage()
+        if generation.reported_prompt is None:
+            billed = billed._replace(prompt_tokens=0)
         capture = min(generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens), generation.hold_nano_usd)
-        return HoldRenewal(generation.hold_id, self.hold_ttl_s, capture, generation.worker.owner_account_id,
-                           generation.request_id, self._settlement_meta(generation, billed))
+        if capture == generation.recorded_capture_nano_usd:
+            return renewal
+        with_usage = renewal._replace(capture_nano_usd=capture, owner_account_id=generation.worker.owner_account_id,
+                                      request_id=generation.request_id, meta=self._settlement_meta(generation, billed))
+        try:
+            validate_renewal(with_usage)
+        except LedgerError:  # never lose the renewal over its usage record
+            log.exception("request %s: its delivered usage cannot be recorded", generation.request_id)
+            return renewal
+        generation.recorded_capture_nano_usd = capture
+        return with_usage
+
+    def _in_background(self, work) -> asyncio.Task:
+        """A task nothing the caller does can cancel, awaited at shutdown."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _ask_prompt_tokens(self, generation: Generation) -> None:
         """llama-cpp-python streams no usage. Ask it for one token of the same
@@ -392,7 +428,7 @@ class InferenceProxy:
         """Every discrepancy is recorded; a strike follows only from proof on
         this request, or from the same inflation across accounts (proxy/workers.py)."""
         prompt_inflated = (generation.reported_prompt or 0) > generation.prompt_bound
-        reason = billed.strike_reason or (registry.PROMPT_ABOVE_BOUND if prompt_inflated else "usage_above_count")
+        reason = billed.strike_reason or (registry.PROMPT_ABOVE_BOUND if prompt_inflated else registry.USAGE_ABOVE_BOUND_UNPROVEN)
         discrepancy = cmd.RecordUsageDiscrepancy(
             generation.request_id, generation.worker.id, generation.reported_prompt or 0, generation.reported_completion or 0,
             billed.prompt_tokens, billed.completion_tokens, f"usage-discrepancy:{generation.request_id}",
@@ -413,10 +449,7 @@ class InferenceProxy:
         it): bill what was delivered, or, with charge=False (a non-streaming
         caller whose worker failed has received nothing), release the hold."""
         if generation.settling is None:
-            work = self.finish(generation) if charge else self.abandon(generation)
-            generation.settling = asyncio.get_running_loop().create_task(work)
-            self._background.add(generation.settling)
-            generation.settling.add_done_callback(self._background.discard)
+            generation.settling = self._in_background(self.finish(generation) if charge else self.abandon(generation))
         return generation.settling
 
     async def abandon(self, generation: Generation) -> None:

@@ -37,6 +37,9 @@ PROMPT_INFLATION_WINDOW_S = 3600
 # Reasons whose evidence counts only across accounts; any other reason either
 # proves dishonesty on its own (`proof=True`) or is only recorded.
 CROSS_ACCOUNT_REASONS = (PROMPT_ABOVE_BOUND,)
+# A report above the bound that a caller could have caused (a stream that did
+# not finish): recorded as evidence, never a strike.
+USAGE_ABOVE_BOUND_UNPROVEN = "usage_above_bound_unproven"
 
 
 class WorkerView(NamedTuple):

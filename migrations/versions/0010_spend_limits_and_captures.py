@@ -71,7 +71,7 @@ BEGIN
       FROM accounts a JOIN account_balances b ON b.account_id = a.id LEFT JOIN customer_holds c ON c.account_id = a.id
      WHERE a.id = ANY(p_account);
     acc_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(acc_ids), 0)]);
-    IF p_limit IS NOT NULL AND array_position(p_limit, NULL) IS DISTINCT FROM n + 1 THEN  -- some request names a limit
+    IF cardinality(array_remove(p_limit, NULL)) > 0 THEN  -- some request names a limit
         PERFORM 1 FROM spend_limit_holds l WHERE l.limit_id = ANY(p_limit) ORDER BY l.limit_id FOR UPDATE;
         SELECT array_agg(l.limit_id ORDER BY l.limit_id),
                array_agg(l.limit_nano_usd - u.spent_nano_usd - (l.holds_placed_nano_usd - u.holds_closed_nano_usd) ORDER BY l.limit_id)
@@ -158,8 +158,9 @@ def upgrade() -> None:
     spent = dict(bind.exec_driver_sql(_SPENT_BY_KEY[bind.dialect.name]).all())
     for key_id, limit in bind.exec_driver_sql("SELECT id, spend_limit_nano_usd FROM api_keys WHERE spend_limit_nano_usd IS NOT NULL").all():
         bind.execute(sa.text("INSERT INTO spend_limit_holds (limit_id, limit_nano_usd) VALUES (:i, :l)"), {"i": key_id, "l": limit})
+        # A key the old read model let overshoot its limit starts exhausted, not overspent.
         bind.execute(sa.text("INSERT INTO spend_limit_usage (limit_id, spent_nano_usd) VALUES (:i, :s)"),
-                     {"i": key_id, "s": int(spent.get(key_id) or 0)})
+                     {"i": key_id, "s": min(int(spent.get(key_id) or 0), limit)})
     op.drop_table("api_key_spend")
     bind.execute(sa.text("DELETE FROM consumer_positions WHERE consumer = :c"), {"c": SPEND_CONSUMER})
     if bind.dialect.name == "postgresql":

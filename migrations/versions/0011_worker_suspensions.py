@@ -1,7 +1,7 @@
 """Suspensions with their reason and time, and the evidence strikes are decided on.
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-11-30
 """
 import sqlalchemy as sa

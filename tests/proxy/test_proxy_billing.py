@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from datetime import timedelta
 
 import httpx
 import openai
@@ -270,4 +271,97 @@ def test_a_caller_leaving_after_the_last_token_is_still_billed_once(database_url
     worker.stop()
     assert all(s["meta"]["completion_tokens"] == 3 for s in settled)
     wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0)
+    fleet.assert_books_close()
+
+
+def _stream_words(url: str, fleet, body: dict, after_words: int, meanwhile) -> tuple[int, list[dict]]:
+    """Stream, call `meanwhile()` once `after_words` words arrived, read to the end;
+    returns (words received, the chunks)."""
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=_headers(fleet), timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(orjson.loads(line[6:]))
+                if sum(1 for c in chunks for ch in c.get("choices", []) if ch["delta"].get("content")) == after_words:
+                    meanwhile()
+    words = sum(1 for c in chunks for ch in c.get("choices", []) if ch["delta"].get("content"))
+    return words, chunks
+
+
+def test_a_hold_the_sweeper_took_mid_stream_is_charged_in_full_without_a_second_charge(database_url):
+    """Given a stream whose hold the sweeper settles at its recorded usage
+    while the stream still runs (its proxy could not renew it in time), the
+    stream stops, and its own settlement charges exactly the rest: the two
+    charges add up to what the caller received, the owner gets 80% of each."""
+    from ledger.holds import expired_captures
+    from ledger.schema import utc_now
+    from ledger.store import append_batch
+
+    worker = sim_worker("h200", time_scale=0.5)  # about 85 tokens a second
+    fleet = make_fleet(database_url, [worker.url])
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+
+    def sweep_as_if_expired():
+        time.sleep(1.5)  # at least one renewal has recorded what was delivered
+        with fleet.engine.begin() as conn:
+            due = expired_captures(conn, now=utc_now() + timedelta(hours=1))
+            assert len(due) == 1 and all(not isinstance(r, Exception) for r in append_batch(conn, due))
+
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True,
+                "stream_options": {"include_usage": True}}
+        words, chunks = _stream_words(proxy.url, fleet, body, 5, sweep_as_if_expired)
+        generation = httpx.get(f"{proxy.url}/v1/generations/{chunks[-1]['id']}", headers=_headers(fleet), timeout=10).json()
+    worker.stop()
+    assert 5 < words < 2000, "cut once its hold was gone"
+    settled = fleet.settlements()
+    assert len(settled) == 2, "the sweeper's settlement, then the rest"
+    first, rest = settled
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    total = first["charge_nano_usd"] + rest["charge_nano_usd"]
+    assert total == prompt_tokens * 150 + words * 600 == generation["cost_nano_usd"]
+    assert first["meta"]["completion_tokens"] + rest["meta"]["completion_tokens"] == words
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == before - total
+    assert fleet.balance(fleet.customer_id).held_nano_usd == 0
+    fleet.assert_books_close()
+
+
+_REFUSE_SETTLEMENTS = {
+    "sqlite": ["CREATE TRIGGER refuse_settlements BEFORE INSERT ON ledger_events WHEN NEW.event_type = 'RequestSettled' "
+               "BEGIN SELECT RAISE(ABORT, 'settlements refused'); END"],
+    "postgresql": ["CREATE FUNCTION refuse_settlements() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                   "IF NEW.event_type = 'RequestSettled' THEN RAISE EXCEPTION 'settlements refused'; END IF; RETURN NEW; END $$",
+                   "CREATE TRIGGER refuse_settlements BEFORE INSERT ON ledger_events FOR EACH ROW EXECUTE FUNCTION refuse_settlements()"],
+}
+
+
+def test_a_stream_whose_charge_cannot_be_written_is_settled_later_by_the_sweeper(database_url):
+    """Given the database refusing a stream's settlement when it ends, the
+    delivered tokens are not given away: the hold keeps the full charge and
+    the sweeper settles it once it expires. A non-streaming caller in the same
+    position gets 503 and pays nothing."""
+    worker = sim_worker("h200", time_scale=2.0)
+    fleet = make_fleet(database_url, [worker.url])
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+
+    def refuse_settlements() -> None:
+        with fleet.engine.begin() as conn:
+            for statement in _REFUSE_SETTLEMENTS[fleet.engine.dialect.name]:
+                conn.exec_driver_sql(statement)
+
+    with serving(database_url, PARALON_HOLD_TTL_S="2", PARALON_HOLD_SWEEP_INTERVAL_MS="200") as proxy:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "stream": True,
+                "stream_options": {"include_usage": True}}
+        words, chunks = _stream_words(proxy.url, fleet, body, 20, refuse_settlements)
+        whole = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": False}, headers=_headers(fleet), timeout=30)
+        assert fleet.settlements() == [], "refused while the trigger stands"
+        with fleet.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER refuse_settlements" + (" ON ledger_events" if fleet.engine.dialect.name == "postgresql" else ""))
+        wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0, timeout_s=15)
+    worker.stop()
+    assert whole.status_code == 503 and "withheld" in whole.json()["error"]["message"]
+    [settled] = fleet.settlements()
+    assert settled["request_id"] == chunks[0]["id"] and words == 40
+    assert settled["charge_nano_usd"] == chunks[-1]["usage"]["prompt_tokens"] * 150 + 40 * 600
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == before - settled["charge_nano_usd"]
     fleet.assert_books_close()

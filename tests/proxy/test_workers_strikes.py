@@ -238,7 +238,7 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
                 recorded_at=recorded_at - timedelta(seconds=registry.PROMPT_INFLATION_WINDOW_S + 1)))
     assert record(_discrepancy(worker_id, "new-1", 103)) == (True, False, False)
     assert record(_discrepancy(worker_id, "new-1", 103)) == (False, False, False), "the same request again"
-    assert record(_discrepancy(worker_id, "new-2", 104, reason="usage_above_count")) == (True, False, False)
+    assert record(_discrepancy(worker_id, "new-2", 104, reason=registry.USAGE_ABOVE_BOUND_UNPROVEN)) == (True, False, False)
     assert record(_discrepancy(worker_id, "new-3", 104)) == (True, False, False)
     assert record(_discrepancy(worker_id, "new-4", 105)) == (True, True, False)
     assert record(_discrepancy(worker_id, "new-5", 101)) == (True, False, False), "evidence counts for one strike"
