@@ -21,6 +21,8 @@ The proxy sets `model`, `stream`, `stream_options` and `max_tokens` itself.
 """
 from __future__ import annotations
 
+from proxy import metering
+
 # Counted by the prompt bound.
 PROMPT_FIELDS = frozenset({
     "messages",  # chat: every message shape is counted, image/audio/file parts are refused
@@ -50,5 +52,54 @@ FORWARDED_FIELDS = PROMPT_FIELDS | SAMPLING_FIELDS
 
 
 def upstream_fields(body: dict) -> dict:
-    """The caller's body without the fields a worker must not see."""
-    return {name: value for name, value in body.items() if name in FORWARDED_FIELDS}
+    """The caller's body without the fields a worker must not see, its
+    messages holding only what the prompt bound counts. Built once per request."""
+    forwarded = {name: value for name, value in body.items() if name in FORWARDED_FIELDS}
+    if isinstance(forwarded.get("messages"), list):
+        forwarded["messages"] = [kept for kept in map(_message, forwarded["messages"]) if kept is not None]
+    return forwarded
+
+
+# Inside `messages` too, a worker gets only what the prompt bound counted:
+# chat templates render keys they are given (a `thinking` key, say), which
+# would put uncounted tokens in an honest worker's prompt report. A chat
+# body's shape was validated by metering.prompt_tokens_bound before it is
+# built; what is not of that shape (messages sent to /v1/completions) is dropped.
+
+def _message(message: object) -> dict | None:
+    if not isinstance(message, dict):
+        return None
+    kept = {key: message[key] for key in ("role",) + metering.MESSAGE_STRING_KEYS if isinstance(message.get(key), str)}
+    content = message.get("content")
+    if "content" in message and (content is None or isinstance(content, str)):
+        kept["content"] = content
+    elif isinstance(content, list):
+        kept["content"] = [part for part in map(_content_part, content) if part is not None]
+    if isinstance(message.get("tool_calls"), list):
+        kept["tool_calls"] = [call for call in map(_tool_call, message["tool_calls"]) if call is not None]
+    if isinstance(message.get("function_call"), dict):
+        kept["function_call"] = _function(message["function_call"])
+    return kept
+
+
+def _content_part(part: object) -> dict | None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in metering.TEXT_PART_TYPES:
+        return None
+    key = metering.content_part_text_key(kind)
+    return {"type": kind, key: part.get(key)}
+
+
+def _tool_call(call: object) -> dict | None:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return None
+    kept = {key: call[key] for key in metering.TOOL_CALL_STRING_KEYS if isinstance(call.get(key), str)}
+    kept["function"] = _function(call["function"])
+    return kept
+
+
+def _function(function: dict) -> dict:
+    kept = {key: function[key] for key in metering.FUNCTION_KEYS if key in function}
+    if not isinstance(kept.get("name", ""), str):
+        del kept["name"]  # counted as its bytes only when it is a string
+    return kept

@@ -11,16 +11,21 @@ byte-level tokenizer never makes more tokens than the UTF-8 bytes it is given.
   as a template's `tojson` may render them: spaced separators, indented up to
   four spaces (`json_bytes_bound`).
 - The completion: the bytes the caller actually received (text, reasoning,
-  tool-call names and arguments), plus an allowance per finished choice for
-  the stop token and the tags a reasoning parser strips, and per tool call
-  for the markup a tool parser strips. How the worker chunks its output does
-  not move it: splitting, repeating or padding adds only the bytes relayed.
+  tool-call names and arguments), plus allowances for what engines generate
+  but never relay: the longest stop string asked for (held back while it may
+  still match, finished or not), the stop token and the tags a reasoning
+  parser strips once the choice finished, and the markup a tool parser strips
+  per tool call of a function the caller offered (at most
+  TOOL_CALLS_PER_ANSWER_MAX). How the worker chunks its output does not move
+  it: splitting, repeating or padding adds only the bytes relayed.
 
 Workers are paid by the tokens they report, so the report is billed when it
 is within the bound, else the bound. A completion reported above the bound of
-output the proxy counted itself, or choices the proxy had to drop, are
-evidence against the worker; a prompt reported above its bound is only a
-discrepancy (a caller can cause that with a template we do not know)."""
+a finished answer the proxy counted itself, or choices the proxy had to drop,
+are evidence against the worker. An answer that did not finish (the caller
+left, the worker failed, max_tokens cut it) is never proof: the engine may
+hold back text it has already counted. A prompt reported above its bound is
+only a discrepancy (a caller can cause that with a template we do not know)."""
 from __future__ import annotations
 
 import json
@@ -42,9 +47,12 @@ TEMPLATE_TOKENS_PER_REASONING = 24  # <think>...</think> around reasoning sent b
 TEMPLATE_TOKENS_PER_CONTENT_PART = 2  # the separator an engine joins text parts with
 TEMPLATE_TOKENS_WITH_TOOLS = 512  # the tools preamble ("You may call one or more functions...")
 TEMPLATE_TOKENS_PER_TOOL = 8  # the line around each tool definition
+TEMPLATE_TOKENS_WITH_TOKEN_IDS = 2  # BOS (and EOS) an engine may add around token ids it did not tokenise
 # Completion: tokens an engine produces but never relays as text.
 COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a reasoning parser strips
 COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL = 24  # tool-call markup a tool parser strips
+# Far more parallel calls than any agent framework makes; each beyond it is dropped, never relayed.
+TOOL_CALLS_PER_ANSWER_MAX = 64
 COMPLETION_TOLERANCE_TOKENS_MIN = 2
 COMPLETION_TOLERANCE_PERCENT = 5
 MAX_TOKENS_LIMIT = 1_000_000
@@ -52,6 +60,14 @@ TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
 
 STRIKE_COMPLETION_ABOVE_BOUND = "completion_above_bound"
 STRIKE_MALFORMED_CHOICES = "malformed_choices"
+
+# The keys of a message, a tool call and a content part that the prompt bound
+# counts: only these reach a worker (forwarded_fields.py), for a template may
+# render any key it is given. Keys counted as their string's bytes are
+# forwarded only when they hold a string.
+MESSAGE_STRING_KEYS = ("name", "tool_call_id", "reasoning_content", "reasoning", "refusal")
+TOOL_CALL_STRING_KEYS = ("id", "type")
+FUNCTION_KEYS = ("name", "arguments")  # the name as its bytes, the arguments as sent or re-rendered
 
 
 def _bytes(value: object) -> int:
@@ -82,11 +98,16 @@ def _content_bytes(content: object, param: str) -> int:
         kind = part.get("type")
         if kind not in TEXT_PART_TYPES:
             raise InvalidRequest(f"content parts of type {kind!r} are not supported yet: send text parts only", param=param)
-        text = part.get("text") if kind != "refusal" else part.get("refusal")
+        text = part.get(content_part_text_key(kind))
         if not isinstance(text, str):
             raise InvalidRequest(f"a {kind} part needs its text as a string", param=param)
         total += TEMPLATE_TOKENS_PER_CONTENT_PART + len(text.encode())
     return total
+
+
+def content_part_text_key(kind: str) -> str:
+    """The key of a text part whose bytes are counted (and forwarded)."""
+    return "refusal" if kind == "refusal" else "text"
 
 
 def _arguments_bytes(arguments: object) -> int:
@@ -122,7 +143,7 @@ def _message_tokens_bound(message: object, index: int) -> int:
         raise InvalidRequest("each message needs a role", param=param)
     role = message["role"]
     total = TEMPLATE_TOKENS_PER_MESSAGE + len(role.encode()) + _content_bytes(message.get("content"), param + ".content")
-    total += _bytes(message.get("name")) + _bytes(message.get("tool_call_id"))
+    total += sum(_bytes(message.get(key)) for key in ("name", "tool_call_id", "refusal"))
     if role == "tool" or role == "function":
         total += TEMPLATE_TOKENS_PER_TOOL_REPLY
     reasoning = _bytes(message.get("reasoning_content")) + _bytes(message.get("reasoning"))
@@ -167,7 +188,7 @@ def prompt_tokens_bound(kind: str, body: dict) -> int:
     if isinstance(prompt, str):
         return TEMPLATE_TOKENS_PER_REQUEST + len(prompt.encode())
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return len(prompt)
+        return TEMPLATE_TOKENS_WITH_TOKEN_IDS + len(prompt)
     raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
@@ -180,6 +201,18 @@ def requested_max_tokens(kind: str, body: dict) -> int | None:
     if type(value) is not int or not 1 <= value <= MAX_TOKENS_LIMIT:
         raise InvalidRequest(f"max_tokens must be an integer from 1 to {MAX_TOKENS_LIMIT}", param="max_tokens")
     return value
+
+
+def offered_tool_names(body: dict | None) -> frozenset[str]:
+    """The function names a request offered (`tools`, or the deprecated `functions`)."""
+    names = []
+    for field_name in ("tools", "functions"):
+        tools = (body or {}).get(field_name)
+        for tool in tools if isinstance(tools, list) else ():
+            function = tool.get("function", tool) if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                names.append(function["name"])
+    return frozenset(names)
 
 
 def stop_bytes_max(body: dict | None) -> int:
@@ -215,13 +248,17 @@ class OutputCount:
     relayed_chunks: int = 0  # chunks that carried at least one byte of output
     finished: bool = False  # a finish_reason was relayed (n is 1: however often a worker sends one)
     stop_bytes: int = 0  # the longest stop string asked for, generated but not relayed
-    tool_call_indexes: set[int] = field(default_factory=set)  # tool calls whose name was relayed
+    tool_calls_opened: int = 0  # tool calls relayed, indexed 0, 1, 2, ... (never above TOOL_CALLS_PER_ANSWER_MAX)
+    tool_call_indexes: set[int] = field(default_factory=set)  # of those, calls to an offered function
     dropped: int = 0  # malformed or duplicate choices and tool-call entries, never relayed
 
     def completion_bound(self) -> int:
-        """No byte-level tokenizer makes more tokens than this of what was relayed."""
-        finish = COMPLETION_ALLOWANCE_TOKENS_PER_FINISH + self.stop_bytes if self.finished else 0
-        return self.relayed_bytes + finish + len(self.tool_call_indexes) * COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
+        """No byte-level tokenizer makes more tokens than this of what was relayed.
+        A stop string is held back while it may still match, so it is allowed
+        whether or not the answer finished."""
+        finish = COMPLETION_ALLOWANCE_TOKENS_PER_FINISH if self.finished else 0
+        return (self.relayed_bytes + finish + self.stop_bytes
+                + len(self.tool_call_indexes) * COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
 class BilledUsage(NamedTuple):
@@ -237,14 +274,17 @@ def billable_usage(reported_prompt: int | None, reported_completion: int | None,
     A missing completion report bills the chunks relayed (llama.cpp streams no
     usage, one token per chunk), a missing prompt report the prompt's bound.
     Nothing above a bound is ever billed; the tolerance only decides when a
-    report above it is evidence against the worker."""
+    report above it is a discrepancy, and it is proof against the worker only
+    when the answer finished: until then an engine holds back text it has
+    counted (a partial stop string, the bytes of an unfinished character)."""
     completion_bound = output.completion_bound()
     tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, completion_bound * COMPLETION_TOLERANCE_PERCENT // 100)
     completion, prompt, over_reported, strike_reason = output.relayed_chunks, prompt_bound, False, None
     if reported_completion is not None:
         completion = min(reported_completion, completion_bound)
         if reported_completion > completion_bound + tolerance:
-            over_reported, strike_reason = True, STRIKE_COMPLETION_ABOVE_BOUND
+            over_reported = True
+            strike_reason = STRIKE_COMPLETION_ABOVE_BOUND if output.finished else None
     if reported_prompt is not None:
         if reported_prompt > prompt_bound:
             over_reported = True

@@ -42,6 +42,7 @@ class Generation:
     streaming: bool = False  # the caller receives tokens as they come (what it has received is delivered)
     worker: registry.WorkerView | None = None
     upstream_body: dict | None = None
+    tool_names: frozenset[str] = frozenset()  # the functions the request offered (use_worker)
     response: UpstreamResponse | None = None
     upstream: object = None  # the upstream event iterator
     pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
@@ -84,8 +85,8 @@ class Generation:
             self.output.relayed_bytes += relayed_bytes
             if not self.first_token_at:
                 self.first_token_at = time.perf_counter()
-        if choice.get("finish_reason") and not self.output.finished:
-            self.output.finished, self.output.stop_bytes = True, metering.stop_bytes_max(self.upstream_body)
+        if choice.get("finish_reason"):
+            self.output.finished = True
         chunk["id"], chunk["model"] = self.request_id, self.model
         self.created = chunk.get("created") or self.created
         if usage and self.wants_continuous_usage:
@@ -140,7 +141,8 @@ class Generation:
         return total
 
     def _tool_call_bytes(self, delta: dict) -> int:
-        """Names and arguments relayed; entries that are not objects are dropped."""
+        """Names and arguments relayed. Entries that are not objects, that skip
+        an index or open more than TOOL_CALLS_PER_ANSWER_MAX calls are dropped."""
         tool_calls = delta["tool_calls"]
         if type(tool_calls) is not list:
             self.output.dropped += 1
@@ -149,19 +151,31 @@ class Generation:
         kept, total = [], 0
         for call in tool_calls:
             index = call.get("index", 0) if isinstance(call, dict) else None
-            if type(index) is not int:
+            if not self._opens_or_continues(index):
                 self.output.dropped += 1
                 continue
             kept.append(call)
             function = call.get("function")
             if isinstance(function, dict):
-                name = _str_bytes(function.get("name"))
-                total += name + _str_bytes(function.get("arguments"))
-                if name:
+                name = function.get("name")
+                total += _str_bytes(name) + _str_bytes(function.get("arguments"))
+                if type(name) is str and name in self.tool_names:  # a name not offered is relayed, without the allowance
                     self.output.tool_call_indexes.add(index)
         if len(kept) != len(tool_calls):
             delta["tool_calls"] = kept
         return total
+
+    def _opens_or_continues(self, index: object) -> bool:
+        """A call already open, or the next one: engines number calls 0, 1, 2, ..."""
+        output = self.output
+        if type(index) is not int or not 0 <= index <= output.tool_calls_opened:
+            return False
+        if index < output.tool_calls_opened:
+            return True
+        if output.tool_calls_opened >= metering.TOOL_CALLS_PER_ANSWER_MAX:
+            return False
+        output.tool_calls_opened += 1
+        return True
 
     def delivered_usage(self) -> metering.BilledUsage:
         """What is billable of what has been relayed so far: the worker's latest
@@ -171,9 +185,16 @@ class Generation:
                                          prompt_bound=self.prompt_bound, output=self.output)
         return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
 
+    def use_worker(self, worker: registry.WorkerView | None, upstream_body: dict) -> None:
+        """The attempt about to start, and what the proxy counts of its body once
+        rather than per chunk: the functions offered, the stop strings asked for."""
+        self.worker, self.upstream_body = worker, upstream_body
+        self.tool_names = metering.offered_tool_names(upstream_body)
+        self.output.stop_bytes = metering.stop_bytes_max(upstream_body)
+
     def forget_output(self) -> None:
         """A failed attempt before the first token: the next worker starts from nothing."""
-        self.output = metering.OutputCount()
+        self.output = metering.OutputCount(stop_bytes=self.output.stop_bytes)
         self.reported_prompt = self.reported_completion = None
 
     async def events(self):

@@ -192,9 +192,10 @@ class InferenceProxy:
 
     async def _start_upstream(self, generation: Generation, body: dict, candidates: list[registry.WorkerView]) -> None:
         last_error: Exception | None = None
+        forwarded = forwarded_fields.upstream_fields(body)  # once per request, whichever worker answers
         for worker in self._route(body, generation.model, candidates)[:UPSTREAM_ATTEMPTS_MAX]:
             try:
-                await self._try_worker(generation, body, worker)
+                await self._try_worker(generation, forwarded, worker)
                 return
             except _Retry as exc:
                 last_error = exc
@@ -215,13 +216,12 @@ class InferenceProxy:
         generation.forget_output()
         generation.first_token_at, generation.upstream_done = 0.0, False
 
-    async def _try_worker(self, generation: Generation, body: dict, worker: registry.WorkerView) -> None:
-        upstream_body = forwarded_fields.upstream_fields(body)
-        upstream_body.update(
-            model=worker.served_model or worker.model, stream=True, max_tokens=generation.max_tokens,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
-        )
-        generation.worker, generation.upstream_body = worker, upstream_body
+    async def _try_worker(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> None:
+        upstream_body = {
+            **forwarded, "model": worker.served_model or worker.model, "stream": True, "max_tokens": generation.max_tokens,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        generation.use_worker(worker, upstream_body)
         self.directory.loads[worker.id].in_flight += 1
         try:
             generation.response = await self.upstream.post(worker.url + PATHS[generation.kind], orjson.dumps(upstream_body))

@@ -14,7 +14,7 @@ from ledger import commands as cmd
 from ledger.schema import accounts
 from proxy import metering
 from proxy.errors import InvalidRequest
-from proxy.forwarded_fields import FORWARDED_FIELDS
+from proxy.forwarded_fields import FORWARDED_FIELDS, upstream_fields
 from proxy.prices import Price
 from proxy.relay import CHAT, COMPLETIONS, Generation
 from proxy.sim_worker import _chat_prompt, count_prompt_tokens
@@ -33,9 +33,15 @@ SET_BY_THE_PROXY = {"model", "stream", "stream_options", "max_tokens"}
 
 
 def _generation(kind: str = CHAT, max_tokens: int = 1000, prompt_bound: int = 50, **body) -> Generation:
-    return Generation(proxy=None, kind=kind, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None,
-                      hold_id=1, hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=False,
-                      wants_continuous_usage=False, started_at=None, upstream_body=body or None)
+    generation = Generation(proxy=None, kind=kind, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None,
+                            hold_id=1, hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens,
+                            wants_usage=False, wants_continuous_usage=False, started_at=None)
+    generation.use_worker(None, body)
+    return generation
+
+
+def _tools(*names: str) -> list[dict]:
+    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in names]
 
 
 def _relay(generation: Generation, *chunks: dict) -> list[dict]:
@@ -120,7 +126,7 @@ def test_malformed_choices_are_dropped_and_are_evidence_even_with_an_honest_repo
 
 
 def test_tool_call_entries_that_are_not_objects_are_dropped():
-    generation = _generation()
+    generation = _generation(tools=_tools("get_time"))
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
     relayed = _relay(generation, _delta(tool_calls=[call, "junk", 3]), FINISH)
     assert relayed[0]["choices"][0]["delta"]["tool_calls"] == [call]
@@ -130,10 +136,85 @@ def test_tool_call_entries_that_are_not_objects_are_dropped():
 
 
 def test_a_tool_call_gets_its_markup_allowance_once_however_often_its_name_is_repeated():
-    generation = _generation()
+    generation = _generation(tools=_tools("f"))
     named = {"index": 0, "function": {"name": "f"}}
     _relay(generation, *[_delta(tool_calls=[named])] * 10, FINISH)
     assert generation.output.completion_bound() == 10 + FINISH_ALLOWANCE_TOKENS + metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
+
+
+def test_a_thousand_tool_calls_in_one_chunk_are_billed_their_bytes_and_struck():
+    """No tools offered: no markup allowance, and calls beyond the most an answer may hold are dropped."""
+    generation = _generation()
+    calls = [{"index": i, "function": {"name": "a"}} for i in range(1000)]
+    [relayed, _] = _relay(generation, _delta(tool_calls=calls), FINISH, _usage(12, 25_000))
+    assert relayed["choices"][0]["delta"]["tool_calls"] == calls[:metering.TOOL_CALLS_PER_ANSWER_MAX]
+    assert generation.output.dropped == 1000 - metering.TOOL_CALLS_PER_ANSWER_MAX
+    received_bytes = metering.TOOL_CALLS_PER_ANSWER_MAX * len("a")
+    assert generation.delivered_usage() == (12, received_bytes + FINISH_ALLOWANCE_TOKENS, True,
+                                            metering.STRIKE_COMPLETION_ABOVE_BOUND)
+
+
+def test_offered_tools_get_the_markup_allowance_for_at_most_the_calls_an_answer_may_hold():
+    generation = _generation(tools=_tools("a"))
+    _relay(generation, _delta(tool_calls=[{"index": i, "function": {"name": "a"}} for i in range(1000)]), FINISH)
+    most = metering.TOOL_CALLS_PER_ANSWER_MAX
+    assert generation.output.completion_bound() == (most + FINISH_ALLOWANCE_TOKENS
+                                                    + most * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
+
+
+def test_a_tool_call_that_skips_an_index_is_dropped_and_is_evidence():
+    generation = _generation(tools=_tools("f"))
+    first, skipping = {"index": 0, "function": {"name": "f"}}, {"index": 2, "function": {"name": "f"}}
+    relayed = _relay(generation, _delta(tool_calls=[first]), _delta(tool_calls=[skipping]), FINISH, _usage(12, 1))
+    assert [c["choices"][0]["delta"].get("tool_calls") for c in relayed] == [[first], [], None]
+    assert generation.output.tool_call_indexes == {0} and generation.output.dropped == 1
+    assert generation.delivered_usage() == (12, 1, True, metering.STRIKE_MALFORMED_CHOICES)
+
+
+def test_three_parallel_calls_of_offered_functions_are_billed_as_reported():
+    generation = _generation(tools=_tools("get_weather", "get_time"), parallel_tool_calls=True)
+    chunks = []
+    for i, (name, arguments) in enumerate([("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}'),
+                                           ("get_weather", '{"city": "Oslo"}')]):
+        chunks.append(_delta(tool_calls=[{"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name}}]))
+        chunks.append(_delta(tool_calls=[{"index": i, "function": {"arguments": arguments}}]))
+    relayed_bytes = len("get_weather" '{"city": "Paris"}' "get_time" '{"tz": "CET"}' "get_weather" '{"city": "Oslo"}')
+    # An engine's count: the markup around each call and the stop token, within the allowances.
+    honest = relayed_bytes // 3 + 3 * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL + 2
+    _relay(generation, *chunks, FINISH, _usage(40, honest))
+    assert generation.output.relayed_bytes == relayed_bytes and generation.output.tool_call_indexes == {0, 1, 2}
+    assert generation.delivered_usage() == (40, honest, False, None)
+
+
+def test_a_tool_name_that_was_not_offered_is_relayed_without_the_allowance_and_without_a_strike():
+    """Models hallucinate names: an honest worker relays them, and is not struck for them."""
+    generation = _generation(tools=_tools("get_weather"))
+    call = {"index": 0, "id": "call_0", "type": "function", "function": {"name": "get_wether", "arguments": "{}"}}
+    [relayed, _] = _relay(generation, _delta(tool_calls=[call]), FINISH, _usage(12, 5))
+    assert relayed["choices"][0]["delta"]["tool_calls"] == [call]
+    assert generation.output.completion_bound() == len("get_wether{}") + FINISH_ALLOWANCE_TOKENS
+    assert generation.delivered_usage() == (12, 5, False, None)
+
+
+def test_a_stop_string_held_back_when_the_caller_leaves_is_allowed_and_no_strike():
+    """vLLM holds back up to len(stop) - 1 characters while they may still
+    match, and counts them: a caller with a 4 KB stop string that leaves
+    mid-stream must not make an honest report exceed the bound."""
+    stop = "x" * 4096
+    generation = _generation(max_tokens=10_000, stop=[stop])
+    _relay(generation, *(_delta(content=w) for w in WORDS), _usage(12, 20 + len(stop) - 1))
+    assert not generation.output.finished
+    assert generation.delivered_usage() == (12, 20 + len(stop) - 1, False, None)
+
+
+@pytest.mark.parametrize("finished, strike_reason", [(False, None), (True, metering.STRIKE_COMPLETION_ABOVE_BOUND)])
+def test_a_report_above_the_bound_is_proof_only_when_the_answer_finished(finished, strike_reason):
+    """A caller that leaves, a worker that fails or max_tokens cuts the answer:
+    what the engine holds back is not proof against it. Billed at the bound either way."""
+    generation = _generation()
+    _relay(generation, *(_delta(content=w) for w in WORDS), *([FINISH] if finished else []), _usage(12, 500))
+    bound = 80 + (FINISH_ALLOWANCE_TOKENS if finished else 0)
+    assert generation.delivered_usage() == (12, bound, True, strike_reason)
 
 
 def test_the_finish_allowance_is_given_once():
@@ -226,7 +307,40 @@ def test_the_prompt_bound_counts_what_a_template_renders_of_tools_and_schemas():
 
 def test_the_completions_prompt_bound():
     assert metering.prompt_tokens_bound("completions", {"prompt": "abc"}) == metering.TEMPLATE_TOKENS_PER_REQUEST + 3
-    assert metering.prompt_tokens_bound("completions", {"prompt": [1, 2, 3]}) == 3
+    # Token ids are not tokenised, but an engine may still put BOS (and EOS) around them.
+    assert metering.prompt_tokens_bound("completions", {"prompt": [1, 2, 3]}) == 3 + metering.TEMPLATE_TOKENS_WITH_TOKEN_IDS
+    assert metering.TEMPLATE_TOKENS_WITH_TOKEN_IDS >= 1
+
+
+@pytest.mark.parametrize("key", metering.MESSAGE_STRING_KEYS)
+def test_every_message_key_that_is_forwarded_is_counted(key):
+    message = {"role": "assistant", "content": "x"}
+    without = metering.prompt_tokens_bound("chat", {"messages": [message]})
+    with_key = metering.prompt_tokens_bound("chat", {"messages": [{**message, key: "é" * 100}]})
+    assert with_key - without >= 200
+    assert upstream_fields({"messages": [{**message, key: "é" * 100}]})["messages"][0][key] == "é" * 100
+
+
+def test_only_the_keys_the_prompt_bound_counts_are_forwarded_inside_messages():
+    counted = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+    ]
+    padded = [
+        {**counted[0], "thinking": "y" * 5000},
+        {**counted[1], "content": [{**counted[1]["content"][0], "cache_control": {"type": "ephemeral"}, "x": "y" * 500}]},
+        {**counted[2], "thinking": "y" * 5000, "tool_calls": [{**counted[2]["tool_calls"][0], "index": 0, "extra": "y",
+                                                               "function": {**counted[2]["tool_calls"][0]["function"],
+                                                                            "description": "y" * 500}}]},
+        {**counted[3], "tool_call_id": {"not": "a string"}, "metadata": {"a": 1}},
+    ]
+    without_the_id = {key: value for key, value in counted[3].items() if key != "tool_call_id"}
+    assert upstream_fields({"messages": padded, "foo": 1})["messages"] == [*counted[:3], without_the_id]
+    assert metering.prompt_tokens_bound("chat", {"messages": padded}) >= metering.prompt_tokens_bound(
+        "chat", {"messages": counted}) - len("call_1")
 
 
 @pytest.mark.parametrize("bad, param", [
@@ -402,6 +516,34 @@ def test_an_unknown_body_field_never_reaches_the_worker(postgres_url):
     [received] = recorder.bodies
     assert set(received) == {"messages", "temperature", "top_k"} | SET_BY_THE_PROXY
     assert (received["temperature"], received["top_k"], received["messages"]) == (0.5, 40, body["messages"])
+    _assert_charged_once(fleet, 9, 3)
+
+
+def test_keys_inside_messages_that_the_bound_does_not_count_never_reach_the_worker(postgres_url):
+    """A `thinking` key is rendered by gpt-oss-style templates: forwarded, it
+    would put uncounted tokens in an honest worker's prompt report."""
+    recorder = HandWrittenWorker(_stream([_delta(content=w) for w in WORDS[:3]], 9, 3))
+    worker = ThreadedServer(recorder).start()
+    fleet = make_fleet(postgres_url, [worker.url])
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Time?", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": None, "thinking": "t" * 4000, "tool_calls": [{**call, "index": 0, "x": "y" * 100}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00", "thinking": "t" * 4000},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 10, "stream": True, "tools": _tools("get_time")}
+    try:
+        with serving(postgres_url) as proxy:
+            response = _post(proxy, fleet, body)
+    finally:
+        worker.stop()
+    assert response.status_code == 200
+    [received] = recorder.bodies
+    assert received["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Time?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
     _assert_charged_once(fleet, 9, 3)
 
 
