@@ -246,7 +246,7 @@ class OutputCount:
     """What the proxy relayed of one request's output, as the caller received it."""
     relayed_bytes: int = 0  # UTF-8 bytes of text, reasoning, tool-call names and arguments
     relayed_chunks: int = 0  # chunks that carried at least one byte of output
-    finished: bool = False  # a finish_reason was relayed (n is 1: however often a worker sends one)
+    finished: bool = False  # a finish_reason was relayed, or the worker ended the stream ([DONE])
     stop_bytes: int = 0  # the longest stop string asked for, generated but not relayed
     tool_calls_opened: int = 0  # tool calls relayed, indexed 0, 1, 2, ... (never above TOOL_CALLS_PER_ANSWER_MAX)
     tool_call_indexes: set[int] = field(default_factory=set)  # of those, calls to an offered function

@@ -206,7 +206,8 @@ class Generation:
             self.pending = []
             if not self.upstream_done:
                 async for data in self.upstream:
-                    if data == sse.DONE:
+                    if data == sse.DONE:  # the worker ended its answer (with or without a finish_reason)
+                        self.output.finished = True
                         break
                     out = self.transform(data)
                     if out is not None:

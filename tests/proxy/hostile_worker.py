@@ -38,10 +38,11 @@ DUPLICATE_CHOICES = "duplicate_choices"  # every choice sent twice with index 0
 INFLATE_COMPLETION = "inflate_completion"  # completion reported x INFLATION_FACTOR
 INFLATE_PROMPT = "inflate_prompt"  # prompt reported x INFLATION_FACTOR
 INFLATE_BOTH = "inflate_both"
+INFLATE_WITHOUT_FINISH = "inflate_without_finish"  # completion inflated, no finish_reason ever, then [DONE]
 PROMPT_AT_BOUND = "prompt_at_bound"  # prompt reported at exactly the proxy's public upper bound
 DIES_MID_STREAM = "dies_mid_stream"  # honest usage, connection closed without [DONE] after DIE_AFTER_WORDS
 BEHAVIOURS = (HONEST, SPLIT_CHOICES, TOOL_CALL_PADDING, REASONING_PADDING, EMPTY_PADDING, REPEATS, DUPLICATE_CHOICES,
-              INFLATE_COMPLETION, INFLATE_PROMPT, INFLATE_BOTH, PROMPT_AT_BOUND, DIES_MID_STREAM)
+              INFLATE_COMPLETION, INFLATE_PROMPT, INFLATE_BOTH, INFLATE_WITHOUT_FINISH, PROMPT_AT_BOUND, DIES_MID_STREAM)
 
 WORDS_PER_ANSWER = 20
 PIECES_PER_WORD = 10  # for the chunk-splitting behaviours: 1 real token, 10 reported
@@ -160,7 +161,7 @@ class HostileWorker:
         prompt, completion = record.honest_prompt_tokens, padded_completion
         if self.behaviour in (INFLATE_PROMPT, INFLATE_BOTH):
             prompt *= INFLATION_FACTOR
-        if self.behaviour in (INFLATE_COMPLETION, INFLATE_BOTH):
+        if self.behaviour in (INFLATE_COMPLETION, INFLATE_BOTH, INFLATE_WITHOUT_FINISH):
             completion = honest_completion * INFLATION_FACTOR
         if self.behaviour == PROMPT_AT_BOUND:
             prompt = proxy_public_prompt_bound(record.body)
@@ -207,6 +208,8 @@ class HostileWorker:
                 await _write(send, _sse({**base, "choices": choices, "usage": usage}))
             await asyncio.sleep(0)
         finish_reason = "tool_calls" if tokens and tokens[0][0] == "tool_name" else "stop"
+        if self.behaviour == INFLATE_WITHOUT_FINISH:  # as if the answer never ended, to dodge the proof
+            finish_reason = None
         usage = self.reported_usage(record, honest_count, padded_count)
         last = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}],
                 "usage": usage}

@@ -30,6 +30,7 @@ from tests.proxy.hostile_worker import (
     EMPTY_PADDING,
     HONEST,
     INFLATE_BOTH,
+    INFLATE_WITHOUT_FINISH,
     INFLATE_COMPLETION,
     INFLATE_PROMPT,
     PROMPT_AT_BOUND,
@@ -51,7 +52,7 @@ CUSTOMER_CREDITS_USD = "10"
 # Chunks or choices with the same index in one chunk are malformed whatever usage comes with them.
 MALFORMED = {SPLIT_CHOICES, DUPLICATE_CHOICES}
 # Each of these reports more than the bound: completion tokens above the bytes relayed, or the prompt above its bound.
-ABOVE_THE_BOUND = {TOOL_CALL_PADDING, EMPTY_PADDING, INFLATE_COMPLETION, INFLATE_PROMPT, INFLATE_BOTH}
+ABOVE_THE_BOUND = {TOOL_CALL_PADDING, EMPTY_PADDING, INFLATE_COMPLETION, INFLATE_PROMPT, INFLATE_BOTH, INFLATE_WITHOUT_FINISH}
 # A byte bound cannot tell these from an honest worker: the caller really received that many bytes.
 WITHIN_THE_BOUND = {REASONING_PADDING, REPEATS, PROMPT_AT_BOUND}
 SEARCH_TOOL = {"type": "function", "function": {
