@@ -163,7 +163,10 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
     fleet = make_fleet(database_url, [worker.url])
     per_strike = registry.PROMPT_INFLATION_ACCOUNTS_MIN
     customers = more_customers(fleet, per_strike * registry.USAGE_STRIKES_MAX)
-    contents, strikes_seen = {}, []
+    contents = {}
+    # What the strike count must reach after each request: none after the first
+    # account's two requests, then one more every PROMPT_INFLATION_ACCOUNTS_MIN accounts.
+    expected = [0] + [(n + 1) // per_strike for n in range(len(customers))]
     with serving(database_url) as a, serving(database_url) as b:
         # The first account asks on both replicas: the same account twice does not count twice.
         asking = [(customers[0][1], a), *((key, (b, a)[n % 2]) for n, (_, key) in enumerate(customers))]
@@ -172,13 +175,14 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
             response = chat(replica, key, content)
             assert response.status_code == 200
             contents[response.json()["id"]] = content
-            strikes_seen.append(fleet.worker(fleet.worker_ids[0]).usage_strikes)
+            # Evidence is recorded just after the answer, off its path: wait for it, then check it is not more.
+            wait_for(lambda: len(discrepancies(fleet)) == n + 1)
+            assert fleet.worker(fleet.worker_ids[0]).usage_strikes == expected[n], f"after request {n}"
         for replica in (a, b):  # both stop routing to it once they read its state
             wait_until_unroutable(replica, fleet)
             refused = chat(replica, fleet.key, "after the suspension")
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker_available"
     worker.stop()
-    assert strikes_seen == [0] + [(n + 1) // per_strike for n in range(len(customers))]
     stored = fleet.worker(fleet.worker_ids[0])
     assert (stored.state, stored.usage_strikes) == ("suspended", registry.USAGE_STRIKES_MAX)
     assert stored.suspended_at is not None and registry.PROMPT_ABOVE_BOUND in stored.suspension_reason
