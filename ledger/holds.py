@@ -6,6 +6,7 @@ rest), released without a charge, or expired by the sweeper.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from ledger.errors import (
 from ledger.money import require_positive
 from ledger.schema import holds, utc_now
 from ledger.store import CREATED, EXISTS
+
+log = logging.getLogger(__name__)
 
 HOLD_TTL_S_DEFAULT = 15 * 60
 HOLD_TTL_S_MAX = 24 * 3600
@@ -274,6 +277,19 @@ def validate_renewal(renewal: HoldRenewal) -> None:
                                                renewal.request_id, renewal.meta or {}))
 
 
+def _valid_or_plain(renewal: HoldRenewal) -> HoldRenewal:
+    """A renewal whose usage record is invalid still renews its hold: one bad
+    record must not let a running request, or a whole batch, lose its hold."""
+    try:
+        validate_renewal(renewal)
+        return renewal
+    except InvalidInput:
+        if renewal.capture_nano_usd == 0:
+            raise
+        log.exception("hold %s: its usage record is invalid and is not written", renewal.hold_id)
+        return HoldRenewal(renewal.hold_id, renewal.ttl_s)
+
+
 def _capture_settlement(hold_id: int, owner_account_id, capture_nano_usd: int, request_id, meta: dict) -> cmd.SettleRequest:
     return cmd.SettleRequest(hold_id, owner_account_id, capture_nano_usd, request_id, settlement_key(request_id), meta)
 
@@ -299,8 +315,7 @@ def renew_holds(conn: Connection, renewals: list[HoldRenewal], now: datetime | N
     closed meanwhile (settled, or taken by the sweeper)."""
     if not renewals:
         return set()
-    for renewal in renewals:
-        validate_renewal(renewal)
+    renewals = [_valid_or_plain(r) for r in renewals]
     skip_flush_wait(conn)
     now = now or utc_now()
     metas = [ev.canonical_json(r.meta) if r.capture_nano_usd else None for r in renewals]

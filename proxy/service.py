@@ -16,7 +16,7 @@ import orjson
 
 from ledger import commands as cmd
 from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
-from ledger.holds import HoldRenewal, PlaceHold, settlement_key, validate_renewal
+from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.schema import utc_now
 from ledger.service import Ledger
 from proxy import forwarded_fields, generations, metering, routing, sse
@@ -387,15 +387,9 @@ class InferenceProxy:
         capture = min(generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens), generation.hold_nano_usd)
         if capture == generation.recorded_capture_nano_usd:
             return renewal
-        with_usage = renewal._replace(capture_nano_usd=capture, owner_account_id=generation.worker.owner_account_id,
-                                      request_id=generation.request_id, meta=self._settlement_meta(generation, billed))
-        try:
-            validate_renewal(with_usage)
-        except LedgerError:  # never lose the renewal over its usage record
-            log.exception("request %s: its delivered usage cannot be recorded", generation.request_id)
-            return renewal
         generation.recorded_capture_nano_usd = capture
-        return with_usage
+        return renewal._replace(capture_nano_usd=capture, owner_account_id=generation.worker.owner_account_id,
+                                request_id=generation.request_id, meta=self._settlement_meta(generation, billed))
 
     def _in_background(self, work) -> asyncio.Task:
         """A task nothing the caller does can cancel, awaited at shutdown."""

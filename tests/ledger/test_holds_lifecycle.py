@@ -128,3 +128,18 @@ def test_the_sweeper_settles_an_expired_hold_at_its_recorded_usage_and_releases_
         ledger.append(cmd.SettleRequest(delivered.hold_id, owner, capture + 1, "req-crashed", settlement_key("req-crashed")))
     with engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_a_renewal_whose_usage_record_is_invalid_still_renews_its_hold(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), ttl_s=10))
+    good = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), ttl_s=10))
+    with engine.begin() as conn:
+        renewed = renew_holds(conn, [HoldRenewal(hold.hold_id, 60, USD, owner, "req-bad", {"ratio": 0.5}),  # not an integer
+                                     HoldRenewal(good.hold_id, 60, USD, owner, "req-good", {"completion_tokens": 3})])
+    assert renewed == {hold.hold_id, good.hold_id}, "one bad record loses neither hold"
+    with engine.begin() as conn:
+        assert expire_holds(conn, now=utc_now() + timedelta(seconds=30)) == 0
+        captures = dict(conn.execute(select(holds.c.id, holds.c.capture_nano_usd)).all())
+    assert captures == {hold.hold_id: 0, good.hold_id: USD}
