@@ -69,14 +69,14 @@ class Settings:
         )
 
     def stripe(self):
-        from app.stripe_payments import StripeSettings
+        from app.payments.stripe import StripeSettings
 
         return StripeSettings(self.stripe_secret_key, self.stripe_webhook_secret, self.stripe_api_base,
                               self.checkout_min_usd * 100, self.checkout_max_usd * 100,
                               f"{self.public_url}/checkout/done?session_id={{CHECKOUT_SESSION_ID}}", f"{self.public_url}/checkout/cancelled")
 
     def crypto(self):
-        from app.crypto_deposits import CryptoSettings, parse_tokens, read_seed
+        from app.payments.crypto import CryptoSettings, parse_tokens, read_seed
 
         return CryptoSettings(self.chain_rpc_url, parse_tokens(self.crypto_tokens), self.crypto_confirmations,
                               read_seed(self.crypto_seed), self.crypto_start_block)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
-from tests.proxy.harness import MODEL, ServeProcess, free_port, make_fleet  # noqa: E402
+from tests.support.harness import MODEL, ServeProcess, free_port, make_fleet  # noqa: E402
 
 MAX_TOKENS = 64  # per request, give or take MAX_TOKENS_SPREAD
 MAX_TOKENS_SPREAD = 16

@@ -58,7 +58,7 @@ from ledger.schema import accounts, ledger_events  # noqa: E402
 from ledger.service import append_now  # noqa: E402
 from proxy import keys  # noqa: E402
 from proxy import workers as registry  # noqa: E402
-from tests.proxy.harness import MODEL, free_port, make_fleet  # noqa: E402
+from tests.support.harness import MODEL, free_port, make_fleet  # noqa: E402
 
 WORKER_PROFILES = ("h200", "rtx-pro-6000", "2x4090", "2x5090")
 SMALL_CUSTOMERS = 3

@@ -33,7 +33,7 @@ from proxy.errors import (
     UpstreamFailed,
 )
 from proxy.keys import KeyGrant
-from proxy.relay import CHAT, COMPLETIONS, Generation
+from proxy.generation import CHAT, COMPLETIONS, Generation
 from proxy.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from ledger.errors import InvalidInput
 from ledger.schema import ledger_events
 from ledger.service import append_now
 from ledger.verify import verify
-from tests.proxy.harness import make_fleet
+from tests.support.harness import make_fleet
 
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 

@@ -17,7 +17,7 @@ from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings, issue_for_top_up
 from ledger import commands as cmd
 from ledger.service import append_now
-from tests.proxy.harness import celery_redis_url, free_port, make_fleet, wait_for
+from tests.support.harness import celery_redis_url, free_port, make_fleet, wait_for
 
 
 class Inbox:

@@ -11,7 +11,7 @@ from invoices.schema import earnings_daily, usage_daily
 from ledger import commands as cmd
 from ledger.holds import PlaceHold
 from ledger.service import Ledger
-from tests.proxy.harness import make_fleet
+from tests.support.harness import make_fleet
 
 
 def _tables(engine) -> tuple[list, list]:

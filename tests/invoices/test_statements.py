@@ -30,7 +30,7 @@ from ledger.money import nano_usd_to_usd_text
 from ledger.schema import accounts
 from ledger.service import Ledger, append_now
 from tests.invoices.test_invoices import OUTPUT, _png
-from tests.proxy.harness import make_fleet
+from tests.support.harness import make_fleet
 
 C1, C2, C3, C4 = 1_234_567, 2_000_001, 777, 999  # charges, nano-USD
 GB = 10**9
@@ -207,7 +207,7 @@ def test_the_cli_issues_shows_and_lists_statements(history):
 
 
 def test_months_and_the_beat_schedule():
-    from app.celery_app import celery
+    from app.jobs.celery import celery
 
     assert st.parse_month("2026-12").end == at("2027-01-01T00:00:00")
     assert st.previous_month(at("2027-01-01T00:30:00")).text == "2026-12"
@@ -242,7 +242,7 @@ def _rows(response) -> list[dict]:
 def test_the_ledger_export_totals_match_the_statement(history):
     import httpx
 
-    from tests.proxy.harness import serving
+    from tests.support.harness import serving
 
     fleet, settings = history
     tokens = _tokens(fleet)
@@ -310,7 +310,7 @@ def test_a_celery_worker_issues_the_month_once_per_account(history):
 
     from celery import Celery
 
-    from tests.proxy.harness import celery_redis_url, wait_for
+    from tests.support.harness import celery_redis_url, wait_for
 
     fleet, settings = history
     redis_url, queue = celery_redis_url(14), f"paralon-test-{uuid.uuid4().hex[:8]}"

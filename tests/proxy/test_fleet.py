@@ -8,7 +8,7 @@ import httpx
 import openai
 
 from proxy import workers as registry
-from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 
 def _worker_of(proxy, fleet, request_id: str) -> int:

@@ -29,9 +29,9 @@ from ledger import commands as cmd
 from ledger.money import usd_to_nano_usd
 from ledger.schema import accounts
 from ledger.verify import verify
-from proxy.sim_profiles import get_profile
-from proxy.sim_worker import SimWorker, build_app, count_prompt_tokens
-from tests.proxy.harness import MODEL, ServeProcess, ThreadedServer, make_fleet
+from proxy.sim.profiles import get_profile
+from proxy.sim.worker import SimWorker, build_app, count_prompt_tokens
+from tests.support.harness import MODEL, ServeProcess, ThreadedServer, make_fleet
 
 # make_fleet's default prices: $0.15 and $0.60 per million tokens.
 INPUT_NANO_USD_PER_TOKEN = 150

@@ -22,8 +22,8 @@ from ledger.money import usd_to_nano_usd
 from ledger.schema import accounts, ledger_events
 from ledger.service import append_now
 from proxy import keys, metering
-from tests.proxy.harness import MODEL, make_fleet, serving, wait_for
-from tests.proxy.hostile_worker import (
+from tests.support.harness import MODEL, make_fleet, serving, wait_for
+from tests.support.hostile_worker import (
     DIE_AFTER_WORDS,
     DIES_MID_STREAM,
     DUPLICATE_CHOICES,

@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from ledger.verify import verify
-from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker
-from tests.proxy.llamacpp_server import running_llamacpp_server
-from tests.proxy.tiny_gguf import write_tiny_model
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker
+from tests.support.llamacpp_server import running_llamacpp_server
+from tests.support.tiny_gguf import write_tiny_model
 
 if os.environ.get("PARALON_REQUIRE_SERVICES") != "1":  # CI must run it, never skip it
     pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is installed by `make venv`")

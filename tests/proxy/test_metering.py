@@ -16,9 +16,9 @@ from proxy import metering
 from proxy.errors import InvalidRequest
 from proxy.forwarded_fields import FORWARDED_FIELDS, upstream_fields
 from proxy.prices import Price
-from proxy.relay import CHAT, COMPLETIONS, Generation
-from proxy.sim_worker import _chat_prompt, count_prompt_tokens
-from tests.proxy.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
+from proxy.generation import CHAT, COMPLETIONS, Generation
+from proxy.sim.worker import _chat_prompt, count_prompt_tokens
+from tests.support.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
 
 PRICE = Price(150, 600)  # what make_fleet sets: $0.15 and $0.60 per million tokens
 CREDITS_NANO_USD = 10 * 10**9

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy import metering
-from tests.proxy.tiny_gguf import IM_END, IM_START, write_tiny_model
+from tests.support.tiny_gguf import IM_END, IM_START, write_tiny_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

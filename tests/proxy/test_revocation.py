@@ -18,7 +18,7 @@ from app.tokens import create_token
 from ledger.money import usd_to_nano_usd
 from proxy import keys
 from proxy.revocations import LISTENER_APPLICATION_NAME
-from tests.proxy.harness import MODEL, Fleet, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, Fleet, make_fleet, serving, sim_worker, wait_for
 
 KEY_CACHE_TTL_MS = "60000"
 CREDITS_USD = "10"  # make_fleet's

@@ -16,8 +16,8 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] is not installed")
 
-from tests.proxy.llamacpp_server import running_llamacpp_server  # noqa: E402
-from tests.proxy.tiny_gguf import write_tiny_model  # noqa: E402
+from tests.support.llamacpp_server import running_llamacpp_server  # noqa: E402
+from tests.support.tiny_gguf import write_tiny_model  # noqa: E402
 
 ALIAS = "tiny-llama"
 N_CTX = 512

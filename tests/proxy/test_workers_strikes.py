@@ -27,8 +27,8 @@ from ledger.service import append_now
 from proxy import keys, metering
 from proxy import workers as registry
 from proxy.schema import usage_evidence
-from proxy.sim_worker import build_app
-from tests.proxy.harness import MODEL, Fleet, ThreadedServer, make_fleet, serving, wait_for
+from proxy.sim.worker import build_app
+from tests.support.harness import MODEL, Fleet, ThreadedServer, make_fleet, serving, wait_for
 
 CREDITS_USD = "10"
 INPUT_NANO_USD_PER_TOKEN, OUTPUT_NANO_USD_PER_TOKEN = 150, 600  # make_fleet's prices

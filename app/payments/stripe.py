@@ -19,7 +19,7 @@ import stripe
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
-from app import outbox
+from app.jobs import outbox
 from app.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError

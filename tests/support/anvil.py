@@ -11,7 +11,7 @@ from pathlib import Path
 
 from web3 import Web3
 
-from tests.proxy.harness import free_port
+from tests.support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ANVIL = ROOT / "node_modules" / ".bin" / "anvil"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from app.crypto_deposits import CryptoSettings, Token, deposit_address, derive_address, scan_once
+from app.payments.crypto import CryptoSettings, Token, deposit_address, derive_address, scan_once
 from ledger import accounts as acc
 from ledger.errors import UnknownAccount, WrongAccountKind
 from ledger.verify import verify
-from tests.app.anvil import deploy_stablecoin, mine, revert, running_anvil, send, snapshot
-from tests.proxy.harness import make_fleet
+from tests.support.anvil import deploy_stablecoin, mine, revert, running_anvil, send, snapshot
+from tests.support.harness import make_fleet
 
 SEED = "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about"
 CONFIRMATIONS = 3
@@ -109,7 +109,7 @@ def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
 
     from app.cli import main
     from app.tokens import create_token
-    from tests.proxy.harness import serving
+    from tests.support.harness import serving
 
     fleet, w3, token, _, _ = chain
     env = {"PARALON_DATABASE_URL": fleet.database_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
@@ -147,7 +147,7 @@ def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
 
     from celery import Celery
 
-    from tests.proxy.harness import celery_redis_url
+    from tests.support.harness import celery_redis_url
 
     redis_url = celery_redis_url(13)
     fleet, w3, token, _, settings = chain

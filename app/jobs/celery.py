@@ -48,7 +48,7 @@ def crypto_scan() -> dict:
     """One bounded scan of the chain for deposits (a no-op when crypto is not configured)."""
     import dataclasses
 
-    from app.crypto_deposits import connect, scan_once
+    from app.payments.crypto import connect, scan_once
 
     with _database() as (engine, settings):  # an engine connects only when used
         crypto = settings.crypto()
@@ -73,7 +73,7 @@ def _database():
 
 @celery.task(name="paralon.dispatch_outbox")
 def dispatch_outbox() -> int:
-    from app import outbox
+    from app.jobs import outbox
 
     with _database() as (engine, _):
         return outbox.dispatch(engine)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.relay import Generation
+from proxy.generation import Generation
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 

@@ -19,7 +19,7 @@ def add(conn: Connection, task: str, *args) -> None:
 
 def dispatch(engine: Engine) -> int:
     """Send what committed tasks are waiting; returns how many were sent."""
-    from app.celery_app import celery
+    from app.jobs.celery import celery
 
     with engine.connect() as conn:
         waiting = conn.execute(select(outbox).where(outbox.c.dispatched_at.is_(None)).order_by(outbox.c.id).limit(DISPATCH_BATCH_MAX)).all()

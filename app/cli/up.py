@@ -15,8 +15,8 @@ import httpx
 from sqlalchemy import Engine, select
 
 from app.migrate import migrate
-from app.celery_app import celery
-from app.server import run_server
+from app.jobs.celery import celery
+from app.http.server import run_server
 from app.settings import Settings
 from ledger import commands as cmd
 from ledger.accounts import create_account

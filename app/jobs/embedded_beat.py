@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from celery.schedules import maybe_schedule
 
-from app.celery_app import celery
+from app.jobs.celery import celery
 
 TICK_S = 1.0
 NEVER = datetime(2000, 1, 1, tzinfo=UTC)

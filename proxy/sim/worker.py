@@ -67,7 +67,7 @@ from typing import Any
 
 import orjson
 
-from proxy.sim_profiles import SimProfile, get_profile
+from proxy.sim.profiles import SimProfile, get_profile
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

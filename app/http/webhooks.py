@@ -8,7 +8,7 @@ import logging
 import orjson
 from litestar import Request, Response, post
 
-from app import stripe_payments
+from app.payments import stripe as stripe_payments
 from ledger.errors import LedgerError
 
 log = logging.getLogger(__name__)

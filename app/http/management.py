@@ -184,7 +184,7 @@ MANAGEMENT_HANDLERS = [get_account, list_keys, create_key, revoke_key, list_work
 @post("/v1/credits/checkout", summary="Start a card top-up: a Stripe Checkout session for the caller's account",
       status_code=201)
 async def create_checkout(request: Request) -> Response:
-    from app.stripe_payments import create_checkout as start_checkout
+    from app.payments.stripe import create_checkout as start_checkout
 
     who = await principal(request, ("customer",))
     try:
@@ -207,7 +207,7 @@ MANAGEMENT_HANDLERS.append(create_checkout)
 
 @get("/v1/credits/crypto/address", summary="The caller's own stablecoin deposit address")
 async def crypto_address(request: Request) -> Response:
-    from app.crypto_deposits import connect, deposit_address
+    from app.payments.crypto import connect, deposit_address
 
     who = await principal(request, ("customer",))
     settings = request.app.state.crypto

@@ -5,7 +5,7 @@ import logging
 
 import uvicorn
 
-from app.api import create_app
+from app.http.inference import create_app
 from app.runtime import tune_garbage_collector
 from app.settings import Settings
 from ledger.db import make_engine

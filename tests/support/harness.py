@@ -24,7 +24,7 @@ from ledger.schema import ledger_events
 from ledger.service import append_now
 from proxy import keys, prices
 from proxy import workers as registry
-from proxy.sim_worker import build_app
+from proxy.sim.worker import build_app
 
 MODEL = "paralon-test"
 START_TIMEOUT_S = 30.0

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from tests.proxy.harness import MODEL, ThreadedServer
+from tests.support.harness import MODEL, ThreadedServer
 
 HONEST = "honest"
 SPLIT_CHOICES = "split_choices"  # each word as 10 choices, all index 0, in one chunk

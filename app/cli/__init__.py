@@ -153,7 +153,7 @@ def stripe() -> None:
 @handles_errors
 def stripe_process_pending(as_json: bool) -> None:
     """Process stored webhook events that were not processed yet."""
-    from app.stripe_payments import process_pending
+    from app.payments.stripe import process_pending
 
     done = process_pending(_engine())
     _emit(as_json, {"processed": [{"event_id": e, "outcome": o} for e, o in done]},
@@ -170,7 +170,7 @@ def crypto() -> None:
 @json_option
 @handles_errors
 def crypto_deposit_address(account_id: int, as_json: bool) -> None:
-    from app.crypto_deposits import connect, deposit_address
+    from app.payments.crypto import connect, deposit_address
 
     settings = Settings.from_env().crypto()
     address = deposit_address(_engine(), settings, account_id)
@@ -188,7 +188,7 @@ def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
     import dataclasses
     import time
 
-    from app.crypto_deposits import connect, scan_once
+    from app.payments.crypto import connect, scan_once
 
     settings = Settings.from_env().crypto()
     engine, w3 = _engine(), connect(settings)
@@ -204,7 +204,7 @@ def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker_cmd(celery_args) -> None:
     """A Celery worker (PARALON_CELERY_BROKER_URL); extra arguments go to Celery."""
-    from app.celery_app import celery
+    from app.jobs.celery import celery
 
     celery.worker_main(["worker", "--loglevel=INFO", *celery_args])
 
@@ -213,7 +213,7 @@ def worker_cmd(celery_args) -> None:
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def beat_cmd(celery_args) -> None:
     """The scheduler (exactly one per deployment): the deposit scan, and later the monthly statements."""
-    from app.celery_app import celery
+    from app.jobs.celery import celery
 
     celery.start(["beat", "--loglevel=INFO", *celery_args])
 
@@ -515,12 +515,12 @@ def holds_expire(as_json: bool) -> None:
 @handles_errors
 def demo_cmd() -> None:
     """A short scripted tour of the ledger on the configured database."""
-    from app.demo import run_demo
+    from app.cli.demo import run_demo
 
     settings = Settings.from_env()
     run_demo(make_engine(settings.database_url), settings)
 
 
-from app.cli_proxy import register as _register_proxy_commands  # noqa: E402
+from app.cli.proxy import register as _register_proxy_commands  # noqa: E402
 
 _register_proxy_commands(main, _emit, handles_errors, json_option)

@@ -11,8 +11,8 @@ from sqlalchemy import func, select
 
 from app.schema import stripe_checkout_sessions, stripe_events
 from app.tokens import create_token
-from tests.app.stripe_standin import StripeStandIn, session_event, signed
-from tests.proxy.harness import ThreadedServer, make_fleet, serving, wait_for
+from tests.support.stripe_standin import StripeStandIn, session_event, signed
+from tests.support.harness import ThreadedServer, make_fleet, serving, wait_for
 
 SECRET = "whsec_test_secret"
 
@@ -139,7 +139,7 @@ def test_an_event_stored_but_not_processed_is_picked_up_by_the_cli(stripe_setup)
     from click.testing import CliRunner
 
     from app.cli import main
-    from app.stripe_payments import receive_webhook
+    from app.payments.stripe import receive_webhook
 
     fleet, proxy, _, token, _ = stripe_setup
     session = _checkout(proxy, token, "7.50").json()
@@ -163,7 +163,7 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
     from ledger.errors import InsufficientFunds
     from ledger.holds import PlaceHold
     from ledger.service import Ledger, append_now
-    from tests.app.stripe_standin import refund_event
+    from tests.support.stripe_standin import refund_event
 
     fleet, proxy, _, token, _ = stripe_setup
     session = _paid(fleet, proxy, token, "25.00", "pi_1")
@@ -199,7 +199,7 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
 @pytest.mark.parametrize("outcome", ["won", "lost"])
 @pytest.mark.parametrize("close_first", [False, True])
 def test_a_dispute_freezes_then_releases_or_forfeits_in_any_order(stripe_setup, outcome, close_first):
-    from tests.app.stripe_standin import dispute_event
+    from tests.support.stripe_standin import dispute_event
 
     fleet, proxy, _, token, _ = stripe_setup
     paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_d"))
@@ -239,7 +239,7 @@ def test_malformed_bodies_are_refused_and_store_nothing(stripe_setup):
 def test_every_credit_gets_an_invoice_and_every_refund_a_credit_note(stripe_setup):
     """The outbox issues them after the commits: invoice PAR-…, credit note PARCN-… correcting it."""
     from invoices.service import list_invoices
-    from tests.app.stripe_standin import refund_event
+    from tests.support.stripe_standin import refund_event
 
     fleet, proxy, _, token, _ = stripe_setup
     paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_cn"))

@@ -16,7 +16,7 @@ from eth_account import Account
 from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
 
-from app import outbox
+from app.jobs import outbox
 from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
 from ledger.accounts import create_system_account

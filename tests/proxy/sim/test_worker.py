@@ -22,8 +22,8 @@ import orjson
 import pytest
 import uvicorn
 
-from proxy.sim_profiles import PROFILES, get_profile
-from proxy.sim_worker import HttpError, SimWorker, SlotQueue, build_app
+from proxy.sim.profiles import PROFILES, get_profile
+from proxy.sim.worker import HttpError, SimWorker, SlotQueue, build_app
 
 MODEL = "sim-model"
 STARTUP_TIMEOUT_S = 10.0

@@ -18,9 +18,9 @@ from litestar.static_files import create_static_files_router
 from litestar.types import ASGIApp
 from swagger_ui_bundle import swagger_ui_path
 
-from app.management import MANAGEMENT_HANDLERS
-from app.relay_response import RelayResponse
-from app.webhooks import stripe_webhook
+from app.http.management import MANAGEMENT_HANDLERS
+from app.http.relay_response import RelayResponse
+from app.http.webhooks import stripe_webhook
 from ledger.db import is_postgres
 from ledger.money import nano_usd_to_usd_text
 from ledger.service import Ledger
@@ -30,7 +30,7 @@ from proxy.generations import find_generation
 from proxy.health import HealthChecker
 from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
-from proxy.relay import CHAT, COMPLETIONS
+from proxy.generation import CHAT, COMPLETIONS
 from proxy.revocations import follow_revocations
 from proxy.service import HOLD_TTL_S, InferenceProxy
 from proxy.upstream import UpstreamPool
@@ -167,7 +167,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
             tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
         if embedded_beat:
-            from app.embedded_beat import run_embedded_beat
+            from app.jobs.embedded_beat import run_embedded_beat
 
             tasks.append(asyncio.create_task(run_embedded_beat()))
         try:

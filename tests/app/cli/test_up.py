@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 
-from tests.proxy.harness import free_port, wait_for
+from tests.support.harness import free_port, wait_for
 
 
 def _answers(url: str) -> bool:

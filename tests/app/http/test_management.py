@@ -21,7 +21,7 @@ from ledger import accounts as acc
 from ledger.db import make_engine
 from ledger.schema import accounts
 from proxy import workers as registry
-from tests.proxy.harness import MODEL, make_fleet, serving, sim_worker
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
     @handles_errors
     def serve(host: str, port: int) -> None:
         """Run the OpenAI-compatible proxy (docs at /docs)."""
-        from app.server import run_server
+        from app.http.server import run_server
 
         run_server(Settings.from_env(), host, port)
 
@@ -35,7 +35,7 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
     @handles_errors
     def up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
         """The embedded default: SQLite, two simulated workers, a demo customer and key, the proxy."""
-        from app.up import run_up
+        from app.cli.up import run_up
 
         run_up(host, port, worker_ports)
 
@@ -146,7 +146,7 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
     @click.option("--model", default="paralon-demo", show_default=True)
     def sim_worker(host: str, port: int, profile: str, model: str) -> None:
         """A simulated GPU worker speaking vLLM's OpenAI API."""
-        from proxy.sim_worker import serve as serve_sim
+        from proxy.sim.worker import serve as serve_sim
 
         serve_sim(host, port, profile, model)
 
