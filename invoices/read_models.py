@@ -13,10 +13,11 @@ from sqlalchemy import Connection, Engine, Integer, delete, func, select
 from sqlalchemy.dialects import sqlite
 
 from invoices.schema import account_postings, earnings_daily, usage_daily
-from ledger import bulk, log
+from ledger import log
 from ledger.db import is_postgres
 from ledger.log import StoredEvent, consumer_position
 from ledger.schema import UTCDateTime, consumer_positions, ledger_events
+from ledger.storage import pg_arrays
 
 CONSUMER = "read_models.usage_earnings"
 PAGES_PER_RUN_MAX = 100
@@ -116,12 +117,12 @@ def _insert(conn: Connection, table, names: tuple, rows: list[tuple]) -> None:
 
 
 def _pg_array(column_type) -> tuple[str, Callable]:
-    """The array type a column travels as, and how its values are written (ledger.bulk's literals)."""
+    """The array type a column travels as, and how its values are written (ledger.storage.pg_arrays' literals)."""
     if isinstance(column_type, UTCDateTime):
-        return "timestamptz", lambda values: bulk.texts([v.isoformat() for v in values])
+        return "timestamptz", lambda values: pg_arrays.texts([v.isoformat() for v in values])
     if isinstance(column_type, Integer):
-        return "bigint", bulk.ints
-    return "text", bulk.texts
+        return "bigint", pg_arrays.ints
+    return "text", pg_arrays.texts
 
 
 def _pg_unnest_insert(table, names: tuple, rows: list[tuple]) -> tuple[str, dict]:

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select
 
-from ledger import bulk
 from ledger import commands as cmd
+from ledger.db import storage_of
 from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
+from ledger.limits import ACCOUNT_NAME_CHARS_MAX, EMAIL_CHARS_MAX
 from ledger.schema import account_balances, accounts, customer_holds, utc_now
+from ledger.storage.base import in_chunks
 
-NAME_LENGTH_MAX = 200
-EMAIL_LENGTH_MAX = 320
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 
 
@@ -34,9 +34,9 @@ def create_account(conn: Connection, kind: str, name: str, email: str | None = N
     if kind not in (cmd.CUSTOMER, cmd.OWNER):
         raise InvalidInput(f"an account is a {cmd.CUSTOMER} or an {cmd.OWNER}, not {kind!r}")
     name = (name or "").strip()
-    if not name or len(name) > NAME_LENGTH_MAX:
-        raise InvalidInput(f"a name of 1 to {NAME_LENGTH_MAX} characters is required")
-    if email is not None and (len(email) > EMAIL_LENGTH_MAX or not _EMAIL.match(email)):
+    if not name or len(name) > ACCOUNT_NAME_CHARS_MAX:
+        raise InvalidInput(f"a name of 1 to {ACCOUNT_NAME_CHARS_MAX} characters is required")
+    if email is not None and (len(email) > EMAIL_CHARS_MAX or not _EMAIL.match(email)):
         raise InvalidInput(f"not an email address: {email!r}")
     account_id = conn.execute(
         accounts.insert().values(kind=kind, name=name, email=email, created_at=utc_now()).returning(accounts.c.id)
@@ -76,18 +76,18 @@ def read_books(conn: Connection, account_ids: list[int]) -> dict[int, BalanceVie
     One statement is one snapshot: a settlement committing meanwhile is seen
     whole (credits lowered and its hold closed, both in one row) or not at all."""
     views = {}
-    for chunk in bulk.in_chunks(account_ids):
-        for r in conn.execute(_books_query().where(bulk.one_of(conn, accounts.c.id, chunk))):
+    for chunk in in_chunks(account_ids):
+        for r in conn.execute(_books_query().where(storage_of(conn).one_of(accounts.c.id, chunk))):
             views[r[0]] = BalanceView(r[0], r[1], r[2], int(r[3]), r[4])
     return views
 
 
 def lock_customer_holds(conn: Connection, account_ids: list[int]) -> None:
     """Serialise hold placement per customer (id order, so two batches never deadlock)."""
-    for chunk in bulk.in_chunks(account_ids):
+    for chunk in in_chunks(account_ids):
         conn.execute(
             select(customer_holds.c.account_id)
-            .where(bulk.one_of(conn, customer_holds.c.account_id, chunk))
+            .where(storage_of(conn).one_of(customer_holds.c.account_id, chunk))
             .order_by(customer_holds.c.account_id)
             .with_for_update()
         ).all()

@@ -19,16 +19,23 @@ from ledger.errors import (
     NotReversible,
     WrongAccountKind,
 )
-from ledger.money import AMOUNT_NANO_USD_MAX, require_positive, split_charge
+from ledger.limits import (
+    AMOUNT_NANO_USD_MAX,
+    EVIDENCE_REQUEST_IDS_MAX,
+    IDEMPOTENCY_KEY_CHARS_MAX,
+    INT64_MAX,
+    META_ENTRIES_MAX,
+    REASON_CHARS_MAX,
+    SHA256_HEX_CHARS,
+)
+from ledger.money import require_positive, split_charge
 
 CUSTOMER, OWNER, PLATFORM, EXTERNAL = "customer", "owner", "platform", "external"
 # Kinds whose balance is money held for someone and may never go below zero.
 NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
-REASON_LENGTH_MAX = 500
-KEY_LENGTH_MAX = 200
-META_ENTRIES_MAX = 32
-EVIDENCE_REQUEST_IDS_MAX = 100
 PAYMENT_METHODS = ("card", "crypto")
+# What an append answers: a new event, or the one a retry with the same key already made.
+CREATED, EXISTS = "created", "exists"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +191,6 @@ def command_digest(command: Command) -> bytes:
     return ev.content_digest(type(command).__name__, fields)
 
 
-INT64_MAX = 2**63 - 1
-
 
 def require_text(value: object, what: str, length_max: int) -> None:
     """Text every store keeps as given: no NUL (PostgreSQL refuses it), no lone surrogates."""
@@ -201,21 +206,21 @@ def require_text(value: object, what: str, length_max: int) -> None:
 
 def validate_shape(command: Command) -> None:
     """Checks that need no database: run before a command is queued."""
-    require_text(command.idempotency_key, "idempotency key", KEY_LENGTH_MAX)
+    require_text(command.idempotency_key, "idempotency key", IDEMPOTENCY_KEY_CHARS_MAX)
     if hasattr(command, "reason"):
-        require_text(command.reason, "a reason", REASON_LENGTH_MAX)
+        require_text(command.reason, "a reason", REASON_CHARS_MAX)
     match command:
         case GrantCredits():
             require_positive(command.amount_nano_usd)
         case FreezeCredits() | ForfeitFrozenCredits():
             require_positive(command.amount_nano_usd)
-            require_text(command.external_reference, "an external reference", REASON_LENGTH_MAX)
+            require_text(command.external_reference, "an external reference", REASON_CHARS_MAX)
         case PurchaseCredits() | RefundCredits():
             require_positive(command.amount_nano_usd)
             if command.payment_method not in PAYMENT_METHODS:
                 raise InvalidInput(f"payment method must be one of {', '.join(PAYMENT_METHODS)}")
-            require_text(command.external_reference, "an external reference", REASON_LENGTH_MAX)
-            require_text(command.counter_account, "a counter-account", KEY_LENGTH_MAX)
+            require_text(command.external_reference, "an external reference", REASON_CHARS_MAX)
+            require_text(command.counter_account, "a counter-account", IDEMPOTENCY_KEY_CHARS_MAX)
         case AdjustBalance():
             if type(command.delta_nano_usd) is not int or command.delta_nano_usd == 0:
                 raise InvalidAmount("an adjustment must be a non-zero integer number of nano-USD")
@@ -223,17 +228,17 @@ def validate_shape(command: Command) -> None:
                 raise InvalidAmount("adjustment exceeds the amount limit")
         case SettleRequest():
             require_positive(command.charge_nano_usd, "charge")
-            require_text(command.request_id, "request id", KEY_LENGTH_MAX)
+            require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
             _validate_meta(command.meta)
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")
         case RecordInvoice():
-            require_text(command.number, "an invoice number", KEY_LENGTH_MAX)
-            if command.kind not in ("invoice", "credit_note") or len(command.pdf_sha256) != 64:
+            require_text(command.number, "an invoice number", IDEMPOTENCY_KEY_CHARS_MAX)
+            if command.kind not in ("invoice", "credit_note") or len(command.pdf_sha256) != SHA256_HEX_CHARS:
                 raise InvalidInput("an invoice is of kind invoice or credit_note, with a hex SHA-256")
         case RecordUsageDiscrepancy():
-            require_text(command.request_id, "request id", KEY_LENGTH_MAX)
+            require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
             _require_counts(command, ("worker_id", "reported_prompt_tokens", "reported_completion_tokens",
                                       "billed_prompt_tokens", "billed_completion_tokens", "customer_account_id"))
         case RecordWorkerSuspension():
@@ -241,10 +246,10 @@ def validate_shape(command: Command) -> None:
             if type(command.request_ids) is not tuple or not 1 <= len(command.request_ids) <= EVIDENCE_REQUEST_IDS_MAX:
                 raise InvalidInput(f"a suspension names 1 to {EVIDENCE_REQUEST_IDS_MAX} requests as its evidence")
             for request_id in command.request_ids:
-                require_text(request_id, "request id", KEY_LENGTH_MAX)
+                require_text(request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
         case RecordWorkerResumption():
             _require_counts(command, ("worker_id", "strikes_cleared"))
-            require_text(command.resumed_by, "who resumed", KEY_LENGTH_MAX)
+            require_text(command.resumed_by, "who resumed", IDEMPOTENCY_KEY_CHARS_MAX)
 
 
 def _require_counts(command: Command, names: tuple[str, ...]) -> None:
@@ -258,13 +263,13 @@ def _validate_meta(meta: object) -> None:
     if type(meta) is not dict or len(meta) > META_ENTRIES_MAX:
         raise InvalidInput(f"settlement metadata is a mapping of at most {META_ENTRIES_MAX} entries")
     for name, value in meta.items():
-        require_text(name, "a metadata name", KEY_LENGTH_MAX)
+        require_text(name, "a metadata name", IDEMPOTENCY_KEY_CHARS_MAX)
         if type(value) is int:
             if abs(value) > INT64_MAX:
                 raise InvalidInput(f"metadata {name!r} does not fit in 64 bits")
         elif type(value) is str:
             if value:
-                require_text(value, f"metadata {name!r}", REASON_LENGTH_MAX)
+                require_text(value, f"metadata {name!r}", REASON_CHARS_MAX)
         else:
             raise InvalidInput(f"metadata {name!r} must be an integer or a string")
 

@@ -10,6 +10,10 @@ class InvalidInput(LedgerError):
     code = "invalid_input"
 
 
+class BadDatabaseUrl(InvalidInput):
+    code = "bad_database_url"
+
+
 class InvalidAmount(InvalidInput):
     code = "invalid_amount"
 

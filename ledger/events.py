@@ -6,12 +6,15 @@ idempotency key, time, hash chain) plus its postings, which sum to zero.
 from __future__ import annotations
 
 import hashlib
-import orjson
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from datetime import UTC, datetime
+from typing import NamedTuple
 
-GENESIS_HASH = bytes(32)
+import orjson
+
+from ledger.limits import SHA256_BYTES
+
+GENESIS_HASH = bytes(SHA256_BYTES)
 
 
 class Posting(NamedTuple):

@@ -22,17 +22,21 @@ from typing import Callable, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from ledger.db import storage_of
 from ledger.errors import LedgerError, WriterClosed, WriterOverloaded
+from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
+    BATCH_SIZE_MAX_DEFAULT,
+    BATCH_WAIT_MS_DEFAULT,
+    MS_PER_S,
+    QUEUE_DEPTH_MAX_DEFAULT,
+    TRANSIENT_ATTEMPTS_MAX,
+    WRITER_CLOSE_WAIT_S,
+)
 
 log = logging.getLogger(__name__)
 
 C = TypeVar("C")
 R = TypeVar("R")
-
-BATCH_SIZE_MAX_DEFAULT = 1024
-BATCH_WAIT_MS_DEFAULT = 1.0
-QUEUE_DEPTH_MAX_DEFAULT = 50_000
-TRANSIENT_RETRIES_MAX = 3
 
 
 class GroupCommitWriter(Generic[C, R]):
@@ -48,19 +52,20 @@ class GroupCommitWriter(Generic[C, R]):
         batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
         queue_depth_max: int = QUEUE_DEPTH_MAX_DEFAULT,
         validate: Callable[[C], None] | None = None,
-        single_statement_on_postgres: bool = False,
+        autocommit: bool = False,
     ) -> None:
         if batch_size_max < 1 or batch_wait_ms < 0 or queue_depth_max < batch_size_max:
             raise ValueError("need batch_size_max >= 1, batch_wait_ms >= 0, queue_depth_max >= batch_size_max")
         self._engine = engine
+        self._storage = storage_of(engine)
         self._apply_batch = apply_batch
-        # A batch that is one statement on PostgreSQL runs without BEGIN and
-        # COMMIT: one round trip in all, the statement being its own transaction.
-        self._autocommit = single_statement_on_postgres and engine.dialect.name == "postgresql"
+        # A batch that is one statement runs without BEGIN and COMMIT: one round
+        # trip in all, the statement being its own transaction.
+        self._autocommit = autocommit
         self._conn: Connection | None = None  # kept for the thread's life: no pool check-out per batch
         self._validate = validate
         self.batch_size_max = batch_size_max
-        self.batch_wait_s = batch_wait_ms / 1000
+        self.batch_wait_s = batch_wait_ms / MS_PER_S
         self.queue_depth_max = queue_depth_max
         # Items are (command, waiter): a concurrent Future, or (loop, asyncio Future).
         self._queue: deque = deque()
@@ -99,7 +104,7 @@ class GroupCommitWriter(Generic[C, R]):
         self._put(command, (loop, future))
         return await future
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = WRITER_CLOSE_WAIT_S) -> None:
         """Finish what is queued, then stop."""
         with self._ready:
             if self._closed:
@@ -159,7 +164,7 @@ class GroupCommitWriter(Generic[C, R]):
             try:
                 results = self._apply_once(commands)
             except DBAPIError as exc:
-                if attempt < TRANSIENT_RETRIES_MAX and _is_transient(exc):
+                if attempt < TRANSIENT_ATTEMPTS_MAX and self._storage.is_transient(exc):
                     attempt += 1
                     continue  # idempotency keys make the retry safe
                 log.exception("batch of %d failed", len(commands))
@@ -198,13 +203,3 @@ def _resolve(pairs: list) -> None:
             future.set_exception(result)
         else:
             future.set_result(result)
-
-
-def _is_transient(exc: DBAPIError) -> bool:
-    """Worth one more try: serialisation failures, deadlocks, dropped connections,
-    and a unique key another process inserted meanwhile (the retry finds it and
-    answers `exists` or a conflict)."""
-    if exc.connection_invalidated:
-        return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    return sqlstate in ("40001", "40P01", "23505") or "UNIQUE constraint failed" in str(exc.orig)

@@ -13,10 +13,8 @@ from typing import Callable, Iterator
 
 from sqlalchemy import Connection, Engine, select, update
 
+from ledger.limits import LOG_PAGE_EVENTS_DEFAULT, LOG_PAGE_EVENTS_MAX
 from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
-
-PAGE_SIZE_DEFAULT = 2000
-PAGE_SIZE_MAX = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +33,9 @@ class StoredEvent:
         return json.loads(self.payload_json)
 
 
-def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT, *, with_postings: bool = True) -> list[StoredEvent]:
+def read_events(conn: Connection, after_seq: int, limit: int = LOG_PAGE_EVENTS_DEFAULT, *, with_postings: bool = True) -> list[StoredEvent]:
     """Events with seq > after_seq, in order, postings included unless a reader needs only payloads."""
-    limit = max(1, min(limit, PAGE_SIZE_MAX))
+    limit = max(1, min(limit, LOG_PAGE_EVENTS_MAX))
     rows = conn.execute(
         select(ledger_events).where(ledger_events.c.seq > after_seq).order_by(ledger_events.c.seq).limit(limit)
     ).all()
@@ -59,7 +57,7 @@ def read_events(conn: Connection, after_seq: int, limit: int = PAGE_SIZE_DEFAULT
     ]
 
 
-def iter_events(conn: Connection, page_size: int = PAGE_SIZE_DEFAULT) -> Iterator[StoredEvent]:
+def iter_events(conn: Connection, page_size: int = LOG_PAGE_EVENTS_DEFAULT) -> Iterator[StoredEvent]:
     position = 0
     while page := read_events(conn, position, page_size):
         yield from page
@@ -69,7 +67,7 @@ def iter_events(conn: Connection, page_size: int = PAGE_SIZE_DEFAULT) -> Iterato
 Handler = Callable[[Connection, list[StoredEvent]], None]
 
 
-def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int = PAGE_SIZE_DEFAULT, *,
+def consume_once(engine: Engine, consumer: str, handler: Handler, page_size: int = LOG_PAGE_EVENTS_DEFAULT, *,
                  with_postings: bool = True) -> int:
     """Hand the next page of events to `handler` and advance the position in the
     same transaction as the handler's writes: each event takes effect exactly once."""

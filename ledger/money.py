@@ -4,15 +4,19 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 
 from ledger.errors import InvalidAmount
+from ledger.limits import AMOUNT_NANO_USD_MAX
 
-NANO_USD_PER_USD = 1_000_000_000
-NANO_USD_PER_CENT = 10_000_000
+# The unit, and what it is worth.
+NANO_USD_DECIMALS = 9
+NANO_USD_PER_USD = 10**NANO_USD_DECIMALS
+CENTS_PER_USD = 100
+NANO_USD_PER_CENT = NANO_USD_PER_USD // CENTS_PER_USD
+# The owner of the GPU that served a request gets this share of its charge; the platform the rest.
 OWNER_SHARE_PERCENT = 80
-# BIGINT holds 9.2e18 nano-USD (9.2 billion USD); one amount is kept far below.
-AMOUNT_NANO_USD_MAX = 10**18
+PERCENT = 100
 
 
-def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = 9) -> int:
+def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = NANO_USD_DECIMALS) -> int:
     """Parse a decimal USD amount exactly; refuse more decimals than the unit can hold."""
     try:
         value = Decimal(str(text).strip())
@@ -33,7 +37,7 @@ def nano_usd_to_usd_text(amount_nano_usd: int) -> str:
     """Exact decimal text, nine decimals: 12500000000 -> '12.500000000'."""
     sign = "-" if amount_nano_usd < 0 else ""
     whole, frac = divmod(abs(amount_nano_usd), NANO_USD_PER_USD)
-    return f"{sign}{whole}.{frac:09d}"
+    return f"{sign}{whole}.{frac:0{NANO_USD_DECIMALS}d}"
 
 
 def require_positive(amount_nano_usd: int, what: str = "amount") -> int:
@@ -48,5 +52,5 @@ def require_positive(amount_nano_usd: int, what: str = "amount") -> int:
 
 def split_charge(charge_nano_usd: int) -> tuple[int, int]:
     """(owner share, platform share); they always add up to the charge."""
-    owner_nano_usd = charge_nano_usd * OWNER_SHARE_PERCENT // 100
+    owner_nano_usd = charge_nano_usd * OWNER_SHARE_PERCENT // PERCENT
     return owner_nano_usd, charge_nano_usd - owner_nano_usd

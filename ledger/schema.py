@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 from sqlalchemy import (
     BigInteger,
     Column,
-    DateTime,
     ForeignKey,
     Index,
     Integer,
@@ -17,36 +16,23 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.types import TypeDecorator
+
+from ledger.limits import (
+    ACCOUNT_KIND_CHARS_MAX,
+    ACCOUNT_NAME_CHARS_MAX,
+    CONSUMER_NAME_CHARS_MAX,
+    EMAIL_CHARS_MAX,
+    EVENT_TYPE_CHARS_MAX,
+    IDEMPOTENCY_KEY_CHARS_MAX,
+    SHA256_BYTES,
+    SYSTEM_CODE_CHARS_MAX,
+)
+from ledger.storage.types import BigId, UTCDateTime, exact_text, partial_index
 
 metadata = MetaData()
 
-# Idempotency keys are compared byte for byte: a linguistic collation buys
-# nothing for them and costs every index probe a locale-aware comparison.
-KeyText = String(200).with_variant(String(200, collation="C"), "postgresql")
-
-# SQLite only autoincrements an INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
-BigId = BigInteger().with_variant(Integer(), "sqlite")
-
-
-class UTCDateTime(TypeDecorator):
-    """Timezone-aware UTC in and out, on both databases (SQLite stores naive UTC)."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value, dialect):
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("naive datetime refused: times are UTC-aware")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value, dialect):
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+KeyText = exact_text(IDEMPOTENCY_KEY_CHARS_MAX)
+Sha256 = LargeBinary(SHA256_BYTES)
 
 
 def utc_now() -> datetime:
@@ -57,10 +43,10 @@ accounts = Table(
     "accounts",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("kind", String(16), nullable=False),
-    Column("name", String(200), nullable=False),
-    Column("email", String(320)),
-    Column("system_code", String(64), unique=True),  # platform and external accounts
+    Column("kind", String(ACCOUNT_KIND_CHARS_MAX), nullable=False),
+    Column("name", String(ACCOUNT_NAME_CHARS_MAX), nullable=False),
+    Column("email", String(EMAIL_CHARS_MAX)),
+    Column("system_code", String(SYSTEM_CODE_CHARS_MAX), unique=True),  # platform and external accounts
     Column("created_at", UTCDateTime, nullable=False),
 )
 
@@ -84,24 +70,23 @@ ledger_head = Table(
     metadata,
     Column("id", Integer, primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
-    Column("last_hash", LargeBinary(32), nullable=False),
+    Column("last_hash", Sha256, nullable=False),
 )
 
 ledger_events = Table(
     "ledger_events",
     metadata,
     Column("seq", BigInteger, primary_key=True, autoincrement=False),
-    Column("event_type", String(64), nullable=False),
+    Column("event_type", String(EVENT_TYPE_CHARS_MAX), nullable=False),
     Column("payload", Text, nullable=False),  # canonical JSON, exactly as hashed
     Column("idempotency_key", KeyText, nullable=False, unique=True),
-    Column("content_digest", LargeBinary(32), nullable=False),  # SHA-256 of the command
+    Column("content_digest", Sha256, nullable=False),  # of the command
     Column("reverses_seq", BigInteger),
     Column("recorded_at", UTCDateTime, nullable=False),
-    Column("prev_hash", LargeBinary(32), nullable=False),  # SHA-256, raw bytes
-    Column("hash", LargeBinary(32), nullable=False),
+    Column("prev_hash", Sha256, nullable=False),  # raw bytes
+    Column("hash", Sha256, nullable=False),
     # An event is reversed at most once; partial, so ordinary events add no index entry.
-    Index("ux_ledger_events_reverses_seq", "reverses_seq", unique=True,
-          postgresql_where=text("reverses_seq IS NOT NULL"), sqlite_where=text("reverses_seq IS NOT NULL")),
+    Index("ux_ledger_events_reverses_seq", "reverses_seq", unique=True, **partial_index("reverses_seq IS NOT NULL")),
 )
 
 # No foreign keys on the hot append tables (postings, holds): a foreign-key
@@ -137,7 +122,7 @@ holds = Table(
     # settles at this instead of being released. Zero: untouched, released.
     Column("capture_nano_usd", BigInteger, nullable=False, server_default=text("0")),
     Column("capture_owner_account_id", BigInteger),
-    Column("capture_request_id", String(200)),
+    Column("capture_request_id", String(IDEMPOTENCY_KEY_CHARS_MAX)),
     Column("capture_meta", Text),  # canonical JSON of the settlement's metadata
     Index("ix_holds_expiry", "expires_at"),
 )
@@ -178,7 +163,7 @@ customer_holds = Table(
 consumer_positions = Table(
     "consumer_positions",
     metadata,
-    Column("consumer", String(100), primary_key=True),
+    Column("consumer", String(CONSUMER_NAME_CHARS_MAX), primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
 )

@@ -9,18 +9,13 @@ from sqlalchemy import Engine
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import holds as hl
-from ledger.errors import HoldNotActive, LedgerError
-from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, GroupCommitWriter
-from ledger.store import CREATED, AppendResult, append_batch
+from ledger.db import storage_of
+from ledger.errors import HoldNotActive
+from ledger.group_commit import GroupCommitWriter
+from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, HOLD_BATCH_WAIT_MS_DEFAULT
+from ledger.store import CREATED, AppendResult, append_batch, append_one
 
 log = logging.getLogger(__name__)
-
-
-def _single(results: list):
-    result = results[0]
-    if isinstance(result, LedgerError):
-        raise result
-    return result
 
 
 class Ledger:
@@ -35,7 +30,7 @@ class Ledger:
         *,
         batch_size_max: int = BATCH_SIZE_MAX_DEFAULT,
         batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
-        hold_batch_wait_ms: float = 0.0,
+        hold_batch_wait_ms: float = HOLD_BATCH_WAIT_MS_DEFAULT,
     ) -> None:
         self.engine = engine
         self.appender: GroupCommitWriter[cmd.Command, AppendResult] = GroupCommitWriter(
@@ -44,7 +39,8 @@ class Ledger:
         )
         self.holder: GroupCommitWriter[hl.PlaceHold, hl.HoldResult] = GroupCommitWriter(
             engine, hl.place_holds, name="ledger-holds", batch_size_max=batch_size_max,
-            batch_wait_ms=hold_batch_wait_ms, validate=hl.validate_place_hold, single_statement_on_postgres=True,
+            batch_wait_ms=hold_batch_wait_ms, validate=hl.validate_place_hold,
+            autocommit=storage_of(engine).holds_in_one_statement,
         )
 
     def close(self) -> None:
@@ -120,4 +116,4 @@ def append_now(engine: Engine, command: cmd.Command) -> AppendResult:
     """One command in its own transaction, for the CLI and scripts (no writer thread)."""
     cmd.validate_shape(command)
     with engine.begin() as conn:
-        return _single(append_batch(conn, [command]))
+        return append_one(conn, command)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, select
 
-from ledger import bulk
+from ledger.db import storage_of
 from ledger.errors import InvalidInput
 from ledger.money import require_positive
 from ledger.schema import spend_limit_holds, spend_limit_usage
+from ledger.storage.base import in_chunks
 
 HELD_NANO_USD = spend_limit_holds.c.holds_placed_nano_usd - spend_limit_usage.c.holds_closed_nano_usd
 AVAILABLE_NANO_USD = spend_limit_holds.c.limit_nano_usd - spend_limit_usage.c.spent_nano_usd - HELD_NANO_USD
@@ -34,16 +35,16 @@ def read_limits(conn: Connection, limit_ids: list[int]) -> dict[int, dict]:
         .join(spend_limit_usage, spend_limit_usage.c.limit_id == spend_limit_holds.c.limit_id)
     )
     found = {}
-    for chunk in bulk.in_chunks(sorted(set(limit_ids))):
-        for r in conn.execute(query.where(bulk.one_of(conn, spend_limit_holds.c.limit_id, chunk))):
+    for chunk in in_chunks(sorted(set(limit_ids))):
+        for r in conn.execute(query.where(storage_of(conn).one_of(spend_limit_holds.c.limit_id, chunk))):
             found[r[0]] = {"limit_nano_usd": r[1], "spent_nano_usd": r[2], "held_nano_usd": int(r[3]), "available_nano_usd": int(r[4])}
     return found
 
 
 def lock_limits(conn: Connection, limit_ids: list[int]) -> None:
     """Serialise hold placement per limit (id order, so two batches never deadlock)."""
-    for chunk in bulk.in_chunks(sorted(set(limit_ids))):
+    for chunk in in_chunks(sorted(set(limit_ids))):
         conn.execute(
-            select(spend_limit_holds.c.limit_id).where(bulk.one_of(conn, spend_limit_holds.c.limit_id, chunk))
+            select(spend_limit_holds.c.limit_id).where(storage_of(conn).one_of(spend_limit_holds.c.limit_id, chunk))
             .order_by(spend_limit_holds.c.limit_id).with_for_update()
         ).all()

@@ -8,16 +8,15 @@ write. Holds are never locked here except the ones being settled.
 from __future__ import annotations
 
 import weakref
-
 from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, select
 
 from ledger import accounts as acc
-from ledger import bulk
-from ledger.db import is_postgres
 from ledger import commands as cmd
 from ledger import events as ev
+from ledger.commands import CREATED, EXISTS
+from ledger.db import storage_of
 from ledger.errors import (
     HoldNotActive,
     IdempotencyConflict,
@@ -27,17 +26,9 @@ from ledger.errors import (
     UnknownAccount,
     UnknownEvent,
 )
-from ledger.schema import (
-    account_balances,
-    accounts,
-    holds,
-    ledger_events,
-    ledger_head,
-    ledger_postings,
-    utc_now,
-)
-
-CREATED, EXISTS = "created", "exists"
+from ledger.limits import ACCOUNT_KINDS_CACHED_MAX
+from ledger.schema import accounts, holds, ledger_events, ledger_postings, utc_now
+from ledger.storage.base import HOLD_ROW_SPEND_LIMIT, AppendedBatch, KnownKeys, in_chunks
 
 
 class AppendResult(NamedTuple):
@@ -149,22 +140,31 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
         elif isinstance(event, ev.RequestSettled):
             held = book.holds[event.hold_id].amount_nano_usd
             holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
-            limit_id = book.closing.pop(event.hold_id)[bulk.HOLD_ROW_SPEND_LIMIT]
+            limit_id = book.closing.pop(event.hold_id)[HOLD_ROW_SPEND_LIMIT]
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, event_type)
 
-    bulk.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
+    storage = storage_of(conn)
+    storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
-        bulk.write_appended(conn, event_rows, posting_rows, {a: book.balances[a] for a in touched}, holds_closed,
-                            seq, prev_hash, recorded_at, limit_usage)
+        storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
+                                                   holds_closed, limit_usage, seq, prev_hash, recorded_at))
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):
         raise InvariantBroken("a command in the batch got no result")
     return results  # type: ignore[return-value]
+
+
+def append_one(conn: Connection, command: cmd.Command) -> AppendResult:
+    """One command in the caller's transaction: its result, or its typed error raised."""
+    [result] = append_batch(conn, [command])
+    if isinstance(result, LedgerError):
+        raise result
+    return result
 
 
 def _closes_hold(command: cmd.Command, book: _BatchBook) -> bool:
@@ -216,21 +216,17 @@ def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_con
     return first
 
 
+def _keys_of(items: list[tuple[int, cmd.Command, bytes]]) -> list[str]:
+    return sorted({command.idempotency_key for _, command, _ in items})
+
+
 def _known_keys(conn: Connection, items: list[tuple[int, cmd.Command, bytes]]) -> dict[int, AppendResult | LedgerError]:
     """For (index, command, digest) items whose key is already in the log: `exists`
     when the content matches, a conflict when it does not."""
-    keys = sorted({command.idempotency_key for _, command, _ in items})
-    known: dict[str, tuple[bytes, int, str]] = {}
-    for chunk in bulk.in_chunks(keys):
-        rows = conn.execute(
-            select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq, ledger_events.c.event_type)
-            .where(bulk.one_of(conn, ledger_events.c.idempotency_key, chunk))
-        )
-        known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
-    return _answers(items, known)
+    return _answers(items, storage_of(conn).read_known_keys(conn, _keys_of(items)))
 
 
-def _answers(items: list[tuple[int, cmd.Command, bytes]], known: dict[str, tuple[bytes, int, str]]) -> dict[int, AppendResult | LedgerError]:
+def _answers(items: list[tuple[int, cmd.Command, bytes]], known: KnownKeys) -> dict[int, AppendResult | LedgerError]:
     answered: dict[int, AppendResult | LedgerError] = {}
     for index, command, digest in items:
         found = known.get(command.idempotency_key)
@@ -268,8 +264,8 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
             case cmd.ReverseEvent() if c.seq in book.events:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
     book.kinds.update({a: facts.kinds[a] for a in account_ids if a in facts.kinds})
-    for chunk in bulk.in_chunks(sorted(account_ids - book.kinds.keys())):
-        found = conn.execute(select(accounts.c.id, accounts.c.kind).where(bulk.one_of(conn, accounts.c.id, chunk))).all()
+    for chunk in in_chunks(sorted(account_ids - book.kinds.keys())):
+        found = conn.execute(select(accounts.c.id, accounts.c.kind).where(storage_of(conn).one_of(accounts.c.id, chunk))).all()
         book.kinds.update(found)
         facts.remember_kinds(found)
     _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)])
@@ -280,14 +276,12 @@ class _Facts:
     """What never changes once written: the system accounts and every
     account's kind. Kept per engine so a batch need not read them again."""
 
-    KINDS_MAX = 100_000
-
     def __init__(self) -> None:
         self.system: dict[str, int] = {}
         self.kinds: dict[int, str] = {}
 
     def remember_kinds(self, rows) -> None:
-        if len(self.kinds) > self.KINDS_MAX:
+        if len(self.kinds) > ACCOUNT_KINDS_CACHED_MAX:
             self.kinds.clear()
         self.kinds.update(rows)
 
@@ -308,72 +302,53 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
     A hold closed for a command that then fails (charge above the hold, a key
     another process used meanwhile) is put back before the batch commits."""
     closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
-    for row in bulk.close_holds(conn, closable):
+    storage = storage_of(conn)
+    for row in storage.close_holds(conn, closable):
         hold_id, account_id, amount = row[:3]
         book.holds[hold_id] = cmd.HoldView(hold_id, account_id, amount, True)
         book.kinds[account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
         book.closing[hold_id] = row
     unclosed = sorted({c.hold_id for c in settles} - set(book.closing))
-    for chunk in bulk.in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
-        for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(bulk.one_of(conn, holds.c.id, chunk))):
+    for chunk in in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
+        for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(storage.one_of(holds.c.id, chunk))):
             book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, True)
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
-
-
-_PG_LOCK_HEAD = "SELECT last_seq, last_hash FROM ledger_head WHERE id = 1 FOR UPDATE"
-_PG_KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "
-                  "WHERE idempotency_key = ANY(%(keys)s::text[])")
-_PG_BALANCES = "SELECT account_id, balance_nano_usd FROM account_balances WHERE account_id = ANY(%(ids)s::bigint[])"
 
 
 def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, dict]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
     account posted to, and the active holds of customers debited outside a
-    hold (their hold rows locked). On PostgreSQL the first three are one
-    pipelined round trip. Returns (last seq, last hash, answers for late keys)."""
+    hold (their hold rows locked). Returns (last seq, last hash, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
     for event, postings, _ in prepared:
         for p in postings:
             account_ids.add(p.account_id)
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
-    if is_postgres(conn):
-        keys = sorted({command.idempotency_key for _, command, _ in keyed})
-        head_rows, key_rows, balance_rows = bulk.pipelined_rows(conn, [
-            (_PG_LOCK_HEAD, {}), (_PG_KNOWN_KEYS, {"keys": bulk.texts(keys)}), (_PG_BALANCES, {"ids": bulk.ints(sorted(account_ids))}),
-        ])
-        (head_seq, head_hash), late = head_rows[0], _answers(keyed, {r[0]: (r[1], r[2], r[3]) for r in key_rows})
-        book.balances.update(balance_rows)
-    else:
-        head_seq, head_hash = conn.execute(
-            select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
-        ).one()
-        late = _known_keys(conn, keyed)
-        for chunk in bulk.in_chunks(sorted(account_ids)):
-            book.balances.update(conn.execute(
-                select(account_balances.c.account_id, account_balances.c.balance_nano_usd)
-                .where(bulk.one_of(conn, account_balances.c.account_id, chunk))
-            ).all())
+    head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids))
+    book.balances.update(head.balances)
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)
     book.held_by_account.update({a: view.held_nano_usd for a, view in acc.read_books(conn, customers).items()})
-    return head_seq, head_hash, late
+    return head.last_seq, head.last_hash, _answers(keyed, head.known_keys)
 
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
-    for chunk in bulk.in_chunks(seqs):
-        for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(bulk.one_of(conn, ledger_events.c.seq, chunk))):
+    storage = storage_of(conn)
+    for chunk in in_chunks(seqs):
+        for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(storage.one_of(ledger_events.c.seq, chunk))):
             book.events[r.seq] = (r.event_type, [])
         for r in conn.execute(
             select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-            .where(bulk.one_of(conn, ledger_postings.c.event_seq, chunk))
+            .where(storage.one_of(ledger_postings.c.event_seq, chunk))
             .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
         ):
             book.events[r.event_seq][1].append(ev.Posting(r.account_id, r.amount_nano_usd))
 
 
 def _load_reversals(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
-    for chunk in bulk.in_chunks(seqs):
-        for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(bulk.one_of(conn, ledger_events.c.reverses_seq, chunk))):
+    storage = storage_of(conn)
+    for chunk in in_chunks(seqs):
+        for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(storage.one_of(ledger_events.c.reverses_seq, chunk))):
             book.reversals[r.reverses_seq] = r.seq

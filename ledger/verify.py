@@ -12,11 +12,11 @@ from ledger import commands as cmd
 from ledger import events as ev
 from ledger import spend_limits
 from ledger.accounts import read_books
+from ledger.limits import VERIFY_PROBLEMS_LISTED_MAX
 from ledger.log import iter_events
 from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, spend_limit_holds
 
 Progress = Callable[[int], None]  # called with the number of events just processed
-PROBLEMS_LISTED_MAX = 100
 
 
 @dataclass
@@ -34,7 +34,7 @@ class VerifyReport:
 
     def add(self, problem: str) -> None:
         self.problems_total += 1
-        if len(self.problems) < PROBLEMS_LISTED_MAX:
+        if len(self.problems) < VERIFY_PROBLEMS_LISTED_MAX:
             self.problems.append(problem)
 
 

@@ -1,17 +1,28 @@
 """Shared fixtures: every storage test runs on SQLite and on PostgreSQL.
 
-PostgreSQL tests use a database of their own, created and dropped here. On a
-laptop without PostgreSQL they skip; in CI (PARALON_REQUIRE_SERVICES=1) a
-missing server is a failure, never a skip."""
+A test gets a database of its own, already migrated: on PostgreSQL a clone
+(`CREATE DATABASE … TEMPLATE`) of a template migrated once per test process,
+on SQLite a copy of a migrated file; `empty_database_url` is for the tests of
+migrations themselves. Under pytest-xdist every worker has its own template,
+database names unique to it, and a Redis database of its own (`redis_url`).
+Whatever a session creates it drops. On a laptop without PostgreSQL or Redis
+those tests skip; in CI (PARALON_REQUIRE_SERVICES=1) a missing server is a
+failure, never a skip."""
 from __future__ import annotations
 
+import functools
 import os
+import sqlite3
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
 
 from app.migrate import migrate
 from ledger.db import make_engine
@@ -21,14 +32,35 @@ from ledger.service import Ledger
 os.environ.setdefault("PARALON_INVOICE_DIR", tempfile.mkdtemp(prefix="paralon-invoices-"))
 
 POSTGRES_ADMIN_URL = os.environ.get("PARALON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_BASE_URL = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REQUIRE_SERVICES = os.environ.get("PARALON_REQUIRE_SERVICES") == "1"
+# pytest-xdist names its workers gw0, gw1, ...; without it there is one process.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+WORKER_NUMBER = int(XDIST_WORKER.removeprefix("gw")) if XDIST_WORKER.startswith("gw") else 0
+REDIS_DB = WORKER_NUMBER + 1  # gw0 -> 1, gw1 -> 2, ...; db 0 is left to whatever else runs on the server
+PG_POOL_CONNECTIONS_TEST = 30  # the concurrency tests race dozens of threads on one engine
 
 
-def _admin_engine():
+def worker_redis_url() -> str:
+    """PARALON_TEST_REDIS_URL with this test process's own database number."""
+    return REDIS_BASE_URL.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+
+
+@functools.cache
+def _admin_engine() -> Engine:
     url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql+psycopg")
-    return create_engine(url, isolation_level="AUTOCOMMIT")
+    return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
 
 
+def _unique_name(kind: str) -> str:
+    return f"paralon_{kind}_{XDIST_WORKER or 'main'}_{uuid.uuid4().hex[:12]}"
+
+
+def _url_of(name: str) -> str:
+    return make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+@functools.cache
 def postgres_available() -> bool:
     try:
         with _admin_engine().connect() as conn:
@@ -40,13 +72,15 @@ def postgres_available() -> bool:
         return False
 
 
-def new_postgres_database() -> str:
+def new_postgres_database(template: str | None = None) -> str:
+    """A database of the caller's own, empty or cloned from `template`; returns its URL."""
     if not postgres_available():
         pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
-    name = f"paralon_test_{uuid.uuid4().hex[:12]}"
+    name = _unique_name("test")
+    clause = f' TEMPLATE "{template}"' if template else ""
     with _admin_engine().connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    return make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+        conn.execute(text(f'CREATE DATABASE "{name}"{clause}'))
+    return _url_of(name)
 
 
 def drop_postgres_database(url: str) -> None:
@@ -55,35 +89,98 @@ def drop_postgres_database(url: str) -> None:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+# A test's database is dropped while the next test runs: a drop mostly waits on
+# the server's disk, which is time the next test can use. The session waits for
+# every drop before it ends (pytest_sessionfinish).
+_dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drop-test-database")
+_drops: list = []
+
+
+def drop_postgres_database_soon(url: str) -> None:
+    _drops.append(_dropper.submit(drop_postgres_database, url))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _dropper.shutdown(wait=True)
+    for drop in _drops:
+        drop.result()  # a drop that failed fails loudly here
+
+
+def _migrated(url: str) -> None:
+    engine = make_engine(url)
+    try:
+        migrate(engine)
+    finally:
+        engine.dispose()  # a template must have no connection left when it is cloned
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> str:
+    """The name of a database migrated once for this test process, the template of every test's database."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
+    url = new_postgres_database()
+    try:
+        _migrated(url)
+        yield make_url(url).database
+    finally:
+        drop_postgres_database(url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory) -> Path:
+    """A SQLite file migrated once for this test process; tests get copies of it."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    _migrated(f"sqlite:///{path}")
+    return path
+
+
+def migrated_database_url(request, backend: str, tmp_path: Path) -> str:
+    """A migrated database for one test: a clone of this process's template."""
+    if backend == "sqlite":
+        path = tmp_path / "paralon.db"
+        with closing(sqlite3.connect(request.getfixturevalue("sqlite_template"))) as source, \
+                closing(sqlite3.connect(path)) as copy:
+            source.backup(copy)
+        return f"sqlite:///{path}"
+    url = new_postgres_database(template=request.getfixturevalue("postgres_template"))
+    request.addfinalizer(lambda: drop_postgres_database_soon(url))
+    return url
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request, tmp_path):
+def database_url(request, tmp_path) -> str:
+    """A migrated database of the test's own, on each storage."""
+    return migrated_database_url(request, request.param, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_database_url(request, tmp_path):
+    """A database with no schema at all, on each storage: for the tests of migrations."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/paralon.db"
         return
     url = new_postgres_database()
     yield url
-    drop_postgres_database(url)
+    drop_postgres_database_soon(url)
 
 
 @pytest.fixture
-def postgres_url():
-    url = new_postgres_database()
-    yield url
-    drop_postgres_database(url)
+def postgres_url(request, tmp_path) -> str:
+    """A migrated PostgreSQL database of the test's own."""
+    return migrated_database_url(request, "postgresql", tmp_path)
 
 
 @pytest.fixture
 def engine(database_url):
     engine = make_engine(database_url)
-    migrate(engine)
     yield engine
     engine.dispose()
 
 
 @pytest.fixture
 def pg_engine(postgres_url):
-    engine = make_engine(postgres_url, pool_size=30)
-    migrate(engine)
+    engine = make_engine(postgres_url, pool_size=PG_POOL_CONNECTIONS_TEST)
     yield engine
     engine.dispose()
 
@@ -93,3 +190,19 @@ def ledger(engine):
     ledger = Ledger(engine)
     yield ledger
     ledger.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """This test process's own Redis database (PARALON_TEST_REDIS_URL with db 1 for gw0, 2 for gw1, ...)."""
+    url = worker_redis_url()
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.RedisError:
+        if REQUIRE_SERVICES:
+            raise
+        pytest.skip("Redis is not reachable at PARALON_TEST_REDIS_URL")
+    finally:
+        client.close()
+    return url

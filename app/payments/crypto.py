@@ -20,9 +20,9 @@ from app.jobs import outbox
 from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
 from ledger.accounts import create_system_account
-from ledger.errors import InvalidInput, LedgerError, UnknownAccount, WrongAccountKind
+from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
 from ledger.schema import accounts, utc_now
-from ledger.store import append_batch
+from ledger.store import append_one
 
 TRANSFER_TOPIC = "0x" + Web3.keccak(text="Transfer(address,address,uint256)").hex().removeprefix("0x")
 CONFIRMATIONS_DEFAULT = 12
@@ -158,8 +158,8 @@ def _undo_reorganisation(engine: Engine, w3: Web3, chain_id: int, next_block: in
         for transfer in conn.execute(select(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id,
                                                                       crypto_transfers.c.block_number >= first_gone)).all():
             if transfer.credit_seq is not None:
-                _append(conn, cmd.ReverseEvent(transfer.credit_seq, f"chain {chain_id} reorganised: transfer {transfer.tx_hash}:{transfer.log_index} vanished",
-                                               f"crypto:reverse:{chain_id}:{transfer.tx_hash}:{transfer.log_index}:{transfer.block_hash}"))
+                append_one(conn, cmd.ReverseEvent(transfer.credit_seq, f"chain {chain_id} reorganised: transfer {transfer.tx_hash}:{transfer.log_index} vanished",
+                                                  f"crypto:reverse:{chain_id}:{transfer.tx_hash}:{transfer.log_index}:{transfer.block_hash}"))
                 report.reversed += 1
             else:
                 report.forgotten += 1
@@ -224,17 +224,9 @@ def _credit_confirmed(conn: Connection, chain_id: int, confirmed_up_to: int, cou
     ).order_by(crypto_transfers.c.block_number, crypto_transfers.c.log_index)).all()
     for t in due:
         reference = f"chain:{chain_id}:tx:{t.tx_hash}:log:{t.log_index}:token:{t.token}:raw:{t.raw_amount}"
-        result = _append(conn, cmd.PurchaseCredits(t.account_id, t.amount_nano_usd, "crypto", reference, counter,
-                                                   f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
+        result = append_one(conn, cmd.PurchaseCredits(t.account_id, t.amount_nano_usd, "crypto", reference, counter,
+                                                      f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
         conn.execute(update(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.tx_hash == t.tx_hash,
                                                     crypto_transfers.c.log_index == t.log_index).values(credit_seq=result.seq))
         outbox.add(conn, "paralon.issue_invoice", result.seq)
         report.credited += 1
-
-
-def _append(conn: Connection, command: cmd.Command):
-    result = append_batch(conn, [command])[0]
-    if isinstance(result, LedgerError):
-        raise result
-    return result
-

@@ -25,7 +25,7 @@ from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
 from ledger.money import NANO_USD_PER_CENT
 from ledger.schema import utc_now
-from ledger.store import append_batch
+from ledger.store import append_one
 
 STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
 SIGNATURE_TOLERANCE_S = 300
@@ -173,13 +173,6 @@ def _locked_session(conn, *where):
     return conn.execute(select(stripe_checkout_sessions).where(*where).with_for_update()).first()
 
 
-def _append(conn, command: cmd.Command):
-    result = append_batch(conn, [command])[0]
-    if isinstance(result, LedgerError):
-        raise result
-    return result
-
-
 def _credit_session(engine: Engine, event_id: str, session: dict) -> str:
     amount_total = session.get("amount_total")
     if type(amount_total) is not int or amount_total <= 0:
@@ -190,7 +183,7 @@ def _credit_session(engine: Engine, event_id: str, session: dict) -> str:
             return f"ignored: session {session.get('id')} was not created by this service"
         if ours.credited_cents:
             return f"already credited: session {ours.session_id}"
-        result = _append(conn, cmd.PurchaseCredits(
+        result = append_one(conn, cmd.PurchaseCredits(
             ours.account_id, amount_total * NANO_USD_PER_CENT, "card", f"stripe:session:{ours.session_id}:event:{event_id}",
             STRIPE_COUNTER_ACCOUNT, f"stripe:checkout:{ours.session_id}",
         ))
@@ -214,7 +207,7 @@ def _refund_charge(engine: Engine, event_id: str, charge: dict) -> str:
         newly_cents = refunded_total - ours.refunded_cents
         if newly_cents <= 0:
             return f"nothing new: {ours.refunded_cents} cents of charge {charge.get('id')} already refunded"
-        result = _append(conn, cmd.RefundCredits(
+        result = append_one(conn, cmd.RefundCredits(
             ours.account_id, newly_cents * NANO_USD_PER_CENT, "card", f"stripe:charge:{charge.get('id')}:event:{event_id}",
             STRIPE_COUNTER_ACCOUNT, f"stripe:refund:{charge.get('id')}:{refunded_total}",
         ))
@@ -240,8 +233,8 @@ def _dispute(engine: Engine, dispute: dict, *, closed: bool) -> str:
         row = conn.execute(select(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id).with_for_update()).first()
         if row is None:
             frozen_cents = min(amount, ours.credited_cents)
-            freeze = _append(conn, cmd.FreezeCredits(ours.account_id, frozen_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
-                                                     DISPUTED_ACCOUNT, f"stripe:dispute:{dispute_id}:freeze"))
+            freeze = append_one(conn, cmd.FreezeCredits(ours.account_id, frozen_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
+                                                        DISPUTED_ACCOUNT, f"stripe:dispute:{dispute_id}:freeze"))
             conn.execute(stripe_disputes.insert().values(dispute_id=dispute_id, session_id=ours.session_id,
                                                          amount_cents=frozen_cents, freeze_seq=freeze.seq, status="frozen"))
             row = conn.execute(select(stripe_disputes).where(stripe_disputes.c.dispute_id == dispute_id)).one()
@@ -250,9 +243,9 @@ def _dispute(engine: Engine, dispute: dict, *, closed: bool) -> str:
         if row.status != "frozen":
             return f"nothing new: dispute {dispute_id} already closed as {row.status}"
         if status == "won":
-            _append(conn, cmd.ReverseEvent(row.freeze_seq, f"dispute {dispute_id} won", f"stripe:dispute:{dispute_id}:won"))
+            append_one(conn, cmd.ReverseEvent(row.freeze_seq, f"dispute {dispute_id} won", f"stripe:dispute:{dispute_id}:won"))
         else:
-            forfeited = _append(conn, cmd.ForfeitFrozenCredits(
+            forfeited = append_one(conn, cmd.ForfeitFrozenCredits(
                 ours.account_id, row.amount_cents * NANO_USD_PER_CENT, f"stripe:dispute:{dispute_id}",
                 DISPUTED_ACCOUNT, STRIPE_COUNTER_ACCOUNT, f"stripe:dispute:{dispute_id}:lost"))
             outbox.add(conn, "paralon.issue_credit_note", forfeited.seq, ours.credit_seq)

@@ -17,7 +17,7 @@ from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings, issue_for_top_up
 from ledger import commands as cmd
 from ledger.service import append_now
-from tests.support.harness import celery_redis_url, free_port, make_fleet, wait_for
+from tests.support.harness import free_port, make_fleet, wait_for
 
 
 class Inbox:
@@ -65,8 +65,7 @@ def test_the_invoice_arrives_by_smtp_with_its_pdf_once(fleet, tmp_path):
     assert attachment.get_content() == open(invoice["pdf_path"], "rb").read()
 
 
-def test_smtp_down_then_up_sends_each_invoice_exactly_once(fleet, tmp_path):
-    redis_url = celery_redis_url(14)
+def test_smtp_down_then_up_sends_each_invoice_exactly_once(fleet, tmp_path, redis_url):
     numbers = [issue_for_top_up(fleet.engine, InvoiceSettings(tmp_path), _top_up(fleet, f"t{i}"))["number"] for i in range(3)]
     port, queue = free_port(), f"paralon-test-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,

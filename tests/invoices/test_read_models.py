@@ -78,7 +78,7 @@ def test_postings_by_account_keep_every_posting_and_its_text_exactly(database_ur
     fleet.engine.dispose()
 
 
-def test_upgrading_to_postings_by_account_rebuilds_the_read_models_from_the_first_event(database_url):
+def test_upgrading_to_postings_by_account_rebuilds_the_read_models_from_the_first_event(empty_database_url):
     from alembic import command
 
     from app.migrate import alembic_config, migrate
@@ -87,7 +87,7 @@ def test_upgrading_to_postings_by_account_rebuilds_the_read_models_from_the_firs
     from ledger.db import make_engine
     from ledger.service import append_now
 
-    engine = make_engine(database_url)
+    engine = make_engine(empty_database_url)
     config = alembic_config()
     with engine.begin() as conn:
         config.attributes["connection"] = conn

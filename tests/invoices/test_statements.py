@@ -301,7 +301,7 @@ def test_the_ledger_export_totals_match_the_statement(history):
         assert get("/v1/statements/2026-10.json", tokens["admin"]).status_code == 400, "the platform gets no statement"
 
 
-def test_a_celery_worker_issues_the_month_once_per_account(history):
+def test_a_celery_worker_issues_the_month_once_per_account(history, redis_url):
     import os
     import subprocess
     import sys
@@ -310,10 +310,10 @@ def test_a_celery_worker_issues_the_month_once_per_account(history):
 
     from celery import Celery
 
-    from tests.support.harness import celery_redis_url, wait_for
+    from tests.support.harness import wait_for
 
     fleet, settings = history
-    redis_url, queue = celery_redis_url(14), f"paralon-test-{uuid.uuid4().hex[:8]}"
+    queue = f"paralon-test-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,
            "PARALON_INVOICE_DIR": str(settings.storage_dir)}
     worker = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "worker", "-Q", queue, "--concurrency", "2"],

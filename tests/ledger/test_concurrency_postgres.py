@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy import func, select
 
 from ledger import commands as cmd
-from ledger.errors import InsufficientFunds
+from ledger import spend_limits
+from ledger.errors import InsufficientFunds, SpendLimitReached
 from ledger.holds import PlaceHold, place_holds
 from ledger.log import consume_once
 from ledger.schema import ledger_events
@@ -170,9 +171,6 @@ def _postgres_only(pg_engine):
 
 def test_40_concurrent_holds_from_separate_processes_never_overshoot_a_key_limit(pg_engine):
     """Like the balance: replicas racing for one spend limit are granted at most the limit in all."""
-    from ledger import spend_limits
-    from ledger.errors import SpendLimitReached
-
     customer = customer_with(Ledger(pg_engine), 100 * HOLD)
     with pg_engine.begin() as conn:
         spend_limits.create_limit(conn, 5, 10 * HOLD)

@@ -20,9 +20,9 @@ from ledger.errors import (
     WrongAccountKind,
 )
 from ledger.holds import PlaceHold, expire_holds, place_holds
-from ledger.store import append_batch
 from ledger.log import consume_once, consumer_position, read_events
 from ledger.schema import account_balances, accounts, utc_now
+from ledger.store import append_batch
 from ledger.verify import rebuild_balances, verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from app.migrate import migrate
 from ledger import commands as cmd
 from ledger.db import make_engine
 from ledger.errors import (
@@ -27,7 +25,6 @@ from ledger.money import split_charge
 from ledger.schema import utc_now
 from ledger.service import Ledger
 from ledger.verify import verify
-from tests.conftest import drop_postgres_database, new_postgres_database
 
 AMOUNTS = st.integers(min_value=1, max_value=5_000)
 
@@ -172,23 +169,8 @@ class LedgerMachine(RuleBasedStateMachine):
             assert view.available_nano_usd >= 0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def machine_database(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/stateful.db"
-        migrate(make_engine(url))
-        yield url
-        return
-    url = new_postgres_database()
-    engine = make_engine(url)
-    migrate(engine)
-    engine.dispose()
-    yield url
-    drop_postgres_database(url)
-
-
-def test_random_command_sequences_keep_the_ledger_equal_to_the_model(machine_database):
-    LedgerMachine.database_url = machine_database
+def test_random_command_sequences_keep_the_ledger_equal_to_the_model(database_url):
+    LedgerMachine.database_url = database_url
     run_state_machine_as_test(
         LedgerMachine,
         settings=settings(max_examples=25, stateful_step_count=30, deadline=None,

@@ -16,8 +16,8 @@ def _settlement_row(seq: int, key_id: int, charge: int) -> dict:
     return {"seq": seq, "payload": orjson.dumps(payload).decode(), "key": f"settle:r{seq}"}
 
 
-def test_upgrading_starts_each_limit_from_the_keys_settled_charges(database_url):
-    engine = make_engine(database_url)
+def test_upgrading_starts_each_limit_from_the_keys_settled_charges(empty_database_url):
+    engine = make_engine(empty_database_url)
     config = alembic_config()
     with engine.begin() as conn:
         config.attributes["connection"] = conn

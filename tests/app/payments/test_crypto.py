@@ -137,7 +137,7 @@ def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
     assert run("crypto", "deposit-address", "999999", "--json", expect=2)["error"]["code"] == "unknown_account"
 
 
-def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
+def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain, redis_url):
     """The watcher as a task: a `paralon worker` process on the local Redis
     takes `paralon.crypto_scan` and credits the confirmed deposit."""
     import os
@@ -147,9 +147,6 @@ def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
 
     from celery import Celery
 
-    from tests.support.harness import celery_redis_url
-
-    redis_url = celery_redis_url(13)
     fleet, w3, token, _, settings = chain
     address = deposit_address(fleet.engine, settings, fleet.customer_id)
     send(w3, token, address, 2_000000)

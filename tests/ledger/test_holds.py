@@ -3,11 +3,10 @@ that record delivered usage, and the sweeper that settles at that usage.
 Shared suite: SQLite and PostgreSQL."""
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from ledger import commands as cmd
 from ledger import spend_limits
@@ -17,6 +16,7 @@ from ledger.schema import holds, utc_now
 from ledger.service import Ledger, sweep_expired_holds
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.harness import wait_for
 
 USD = 1_000_000_000
 LIMIT_ID = 77
@@ -40,6 +40,11 @@ def _limited_customer_in(engine, credits_nano_usd: int, limit_nano_usd: int) -> 
 def _limit(engine) -> dict:
     with engine.connect() as conn:
         return spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
+
+
+def _every_hold_expired(engine) -> bool:
+    with engine.connect() as conn:
+        return conn.execute(select(func.max(holds.c.expires_at))).scalar() < utc_now()
 
 
 def _settle(ledger, owner, hold, charge, request_id=None):
@@ -108,13 +113,13 @@ def test_the_sweeper_settles_an_expired_hold_at_its_recorded_usage_and_releases_
     customer = _limited_customer(ledger, engine, 10 * USD, 8 * USD)
     owner = ledger.create_account(cmd.OWNER, "gpu owner")
     delivered = ledger.place_hold(PlaceHold(customer, 2 * USD, key("hold"), ttl_s=1, spend_limit_id=LIMIT_ID))
-    untouched = ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=1, spend_limit_id=LIMIT_ID))
+    ledger.place_hold(PlaceHold(customer, 3 * USD, key("hold"), ttl_s=1, spend_limit_id=LIMIT_ID))  # left untouched
     capture = 1_234_567_891
     with engine.begin() as conn:
         renew_holds(conn, [HoldRenewal(delivered.hold_id, 1, capture, owner, "req-crashed", {"completion_tokens": 9})])
     with engine.connect() as conn:
         assert expired_captures(conn, now=utc_now()) == [], "nothing is due before the expiry"
-    time.sleep(1.2)
+    wait_for(lambda: _every_hold_expired(engine), timeout_s=5)
     swept = sweep_expired_holds(engine)
     assert (swept.released, swept.settled) == (1, 1)
     assert sweep_expired_holds(engine) == (0, 0), "once"

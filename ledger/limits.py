@@ -1,0 +1,56 @@
+"""Every limit of the money core, named once, with its unit in the name.
+
+A limit that another package also needs (the served hold lifetime, the
+group-commit defaults) is imported from here, never written again.
+"""
+from __future__ import annotations
+
+# Sizes the formats fix
+SHA256_BYTES = 32
+SHA256_HEX_CHARS = 2 * SHA256_BYTES
+INT64_MAX = 2**63 - 1  # BIGINT, and what a token count or a metadata integer may reach
+
+# Amounts (nano-USD): BIGINT holds 9.2e18 nano-USD (9.2 billion USD); one amount is kept far below.
+AMOUNT_NANO_USD_MAX = 10**18
+
+# Text, in characters
+ACCOUNT_KIND_CHARS_MAX = 16
+ACCOUNT_NAME_CHARS_MAX = 200
+EMAIL_CHARS_MAX = 320  # RFC 3696's longest address
+SYSTEM_CODE_CHARS_MAX = 64
+EVENT_TYPE_CHARS_MAX = 64
+IDEMPOTENCY_KEY_CHARS_MAX = 200  # also request ids, references' names and metadata names
+REASON_CHARS_MAX = 500  # reasons, external references, metadata strings
+CONSUMER_NAME_CHARS_MAX = 100
+
+# Counts inside one command
+META_ENTRIES_MAX = 32
+EVIDENCE_REQUEST_IDS_MAX = 100
+
+# Holds
+# How long a hold lives without a renewal: every running request renews its hold
+# well within it, so it bounds only how long credits stay held after a crash.
+# The proxy serves with this default (PARALON_HOLD_TTL_S overrides it).
+HOLD_TTL_S_DEFAULT = 60
+HOLD_TTL_S_MAX = 24 * 3600
+HOLDS_EXPIRED_PER_SWEEP_MAX = 1000
+
+# Group commit
+BATCH_SIZE_MAX_DEFAULT = 1024  # commands in one transaction
+BATCH_WAIT_MS_DEFAULT = 1.0  # how long a batch waits for more once its first command arrived
+HOLD_BATCH_WAIT_MS_DEFAULT = 0.0  # holds are on the path to the first token: never wait for company
+QUEUE_DEPTH_MAX_DEFAULT = 50_000  # commands waiting before callers are refused
+TRANSIENT_ATTEMPTS_MAX = 3  # tries of one batch that fails for a transient reason
+WRITER_CLOSE_WAIT_S = 30.0  # how long closing waits for the queued commands to commit
+
+# Reading
+LOG_PAGE_EVENTS_DEFAULT = 2000
+LOG_PAGE_EVENTS_MAX = 10_000
+IN_CLAUSE_VALUES_MAX = 1000  # values in one IN (...) or one array parameter
+ACCOUNT_KINDS_CACHED_MAX = 100_000  # account kinds remembered per engine
+VERIFY_PROBLEMS_LISTED_MAX = 100  # the rest are counted
+
+# Databases
+POOL_CONNECTIONS_DEFAULT = 10  # PostgreSQL, per engine, plus as many overflow connections
+SQLITE_BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for SQLite's one write lock
+MS_PER_S = 1000

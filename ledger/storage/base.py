@@ -1,0 +1,177 @@
+"""The one seam between the ledger and its database.
+
+Everything that differs between PostgreSQL and SQLite is a method of
+`Storage`: how an engine is made, how a batch reads under the append lock and
+writes what it decided, how holds are placed, renewed and closed. The rules
+(`ledger.store`, `ledger.holds`, ...) call these methods and never ask which
+database they are on. `ledger.db` chooses the implementation once, from the
+engine's URL (`postgres.PostgresStorage`, `sqlite.SqliteStorage`).
+
+Rows cross the seam as plain tuples in the column orders named here: a batch
+of a thousand settlements should not build a thousand dicts to say what it wrote.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from datetime import datetime
+from typing import Callable, ClassVar, Iterator, NamedTuple
+
+from sqlalchemy import Connection, Engine, select
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from ledger.errors import LedgerError
+from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
+from ledger.limits import IN_CLAUSE_VALUES_MAX
+from ledger.schema import account_balances, holds, ledger_events
+
+EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
+POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
+NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id")
+# A whole hold row, as closing it returns it and reopening it takes it back.
+HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
+            "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta")
+HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
+
+KnownKeys = dict[str, tuple[bytes, int, str]]  # idempotency key -> (content digest, seq, event type)
+HoldRules = Callable[[Connection, list[PlaceHold]], list[HoldResult | LedgerError]]
+
+
+class HeadRead(NamedTuple):
+    """What an append reads once it holds the append lock."""
+
+    last_seq: int
+    last_hash: bytes
+    known_keys: KnownKeys  # of the keys asked about, those committed meanwhile
+    balances: dict[int, int]  # account id -> balance_nano_usd
+
+
+class AppendedBatch(NamedTuple):
+    """Everything a decided batch writes."""
+
+    event_rows: list[tuple]  # EVENT_COLUMNS
+    posting_rows: list[tuple]  # POSTING_COLUMNS
+    balances: dict[int, int]  # account id -> its new balance
+    holds_closed: dict[int, int]  # customer -> the full amount of the holds the batch settled
+    limit_usage: dict[int, tuple[int, int]]  # spend limit -> (spent, hold amounts closed)
+    last_seq: int
+    last_hash: bytes
+    recorded_at: datetime
+
+
+def in_chunks(values: list, size: int = IN_CLAUSE_VALUES_MAX) -> Iterator[list]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+class Storage(ABC):
+    """A database the ledger runs on. Methods that take a connection work in
+    the caller's transaction and never commit it."""
+
+    dialect: ClassVar[str]  # SQLAlchemy's name for it
+    url_backends: ClassVar[tuple[str, ...]]  # URL schemes that name it
+    # Whether `place_holds` is one statement: a group-commit batch of holds then
+    # runs without BEGIN and COMMIT, the statement being its own transaction.
+    holds_in_one_statement: ClassVar[bool]
+
+    # Engines and transactions
+    @abstractmethod
+    def engine_url(self, url: URL) -> URL:
+        """`url` with the driver Paralon ships; BadDatabaseUrl when it cannot hold a ledger."""
+
+    @abstractmethod
+    def create_engine(self, url: URL, *, pool_size: int) -> Engine:
+        """An engine whose transactions serialise as the ledger's rules expect."""
+
+    @abstractmethod
+    def skip_flush_wait(self, conn: Connection) -> None:
+        """This transaction's commit need not wait for its flush: used for
+        holds only, which a crash may lose without costing anyone anything."""
+
+    def is_transient(self, exc: DBAPIError) -> bool:
+        """Worth one more try: a dropped connection, or what `is_retryable_error` says."""
+        return exc.connection_invalidated or self.is_retryable_error(exc.orig)
+
+    @abstractmethod
+    def is_retryable_error(self, error: BaseException | None) -> bool:
+        """Serialisation failures, deadlocks, and a unique key another process
+        inserted meanwhile (the retry finds it and answers `exists` or a conflict)."""
+
+    # Reads
+    @abstractmethod
+    def one_of(self, column, values: list):
+        """The clause `column IN values`."""
+
+    def read_known_keys(self, conn: Connection, keys: list[str]) -> KnownKeys:
+        known: KnownKeys = {}
+        for chunk in in_chunks(keys):
+            rows = conn.execute(
+                select(ledger_events.c.idempotency_key, ledger_events.c.content_digest, ledger_events.c.seq,
+                       ledger_events.c.event_type)
+                .where(self.one_of(ledger_events.c.idempotency_key, chunk))
+            )
+            known.update({r[0]: (r[1], r[2], r[3]) for r in rows})
+        return known
+
+    def read_balances(self, conn: Connection, account_ids: list[int]) -> dict[int, int]:
+        balances: dict[int, int] = {}
+        for chunk in in_chunks(account_ids):
+            balances.update(conn.execute(
+                select(account_balances.c.account_id, account_balances.c.balance_nano_usd)
+                .where(self.one_of(account_balances.c.account_id, chunk))
+            ).all())
+        return balances
+
+    @abstractmethod
+    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
+        """Take the append lock, then read (after it, so every batch committed
+        before is seen) which of `keys` are in the log and these balances."""
+
+    # Appends
+    @abstractmethod
+    def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
+        """Events, postings, balances, spend limits and the head of the chain."""
+
+    # Holds
+    @abstractmethod
+    def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
+        """One result per request. `rules` places them in this process, statement
+        by statement; a database that runs the same rules itself need not call it."""
+
+    @abstractmethod
+    def insert_holds(self, conn: Connection, rows: list[tuple], now: datetime) -> dict[str, int]:
+        """rows: NEW_HOLD_COLUMNS tuples; returns hold id by idempotency key."""
+
+    @abstractmethod
+    def renew_holds(self, conn: Connection, renewals: list[HoldRenewal], metas: list[str | None], now: datetime) -> set[int]:
+        """Push back each expiry and record the capture (never lowered, never
+        above the hold; `metas` is each capture's metadata as canonical JSON).
+        Returns the ids of the holds that still existed."""
+
+    @abstractmethod
+    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[tuple]:
+        """Delete these holds; returns each one that existed as a HOLD_ROW tuple."""
+
+    def reopen_holds(self, conn: Connection, rows: list[tuple]) -> None:
+        """Put back holds closed for settlements that then failed under the append lock (rare)."""
+        if rows:
+            conn.execute(holds.insert(), [dict(zip(HOLD_ROW, row)) for row in rows])
+
+    # Reservation counters: customer -> amount, spend limit -> amount
+    @abstractmethod
+    def add_holds_placed(self, conn: Connection, placed: dict[int, int]) -> None: ...
+
+    @abstractmethod
+    def add_holds_closed(self, conn: Connection, closed: dict[int, int]) -> None:
+        """Released or expired holds stop counting against their customers."""
+
+    @abstractmethod
+    def add_limit_placed(self, conn: Connection, placed: dict[int, int]) -> None: ...
+
+    @abstractmethod
+    def add_limit_usage(self, conn: Connection, usage: dict[int, tuple[int, int]]) -> None:
+        """usage: limit id -> (spent by settlements, hold amounts closed)."""
+
+    def add_limit_closed(self, conn: Connection, closed: dict[int, int]) -> None:
+        """Released or expired holds stop counting against their limits."""
+        self.add_limit_usage(conn, {i: (0, amount) for i, amount in closed.items()})
