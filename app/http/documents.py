@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
 from litestar import Controller, Request, Response, get
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
-from app.http.guards import PRINCIPAL, requires_any_role, requires_reader
+from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
 from app.http.plumbing import json_response, read
 from app.statement_labels import statement_labels
-from app.tokens import Principal
 from invoices import exports, statements
 from proxy.errors import InvalidRequest
 
@@ -32,8 +32,8 @@ class DocumentController(Controller):
 
     @get("/invoices", guards=[requires_reader],
          summary="Invoices and credit notes of the account (filter by period and kind)")
-    async def list_invoices(self, request: Request, who: Principal, account_id: int | None = None,
-                            kind: str | None = None, to: str | None = None) -> Response:
+    async def list_invoices(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None,
+                            kind: FromQuery[str | None] = None, to: FromQuery[str | None] = None) -> Response:
         """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
         start, end = _period_bound(request.query_params.get("from"), "from"), _period_bound(to, "to")
         with about_field("kind"):
@@ -42,7 +42,7 @@ class DocumentController(Controller):
 
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
-    async def invoice_pdf(self, request: Request, who: Principal, name: str) -> Response:
+    async def invoice_pdf(self, request: Request, who: Caller, name: FromPath[str]) -> Response:
         number = name.removesuffix(".pdf")
         path = await read(request, accounts.invoice_pdf_path, who, number)
         content = await asyncio.to_thread(path.read_bytes)
@@ -50,13 +50,14 @@ class DocumentController(Controller):
                         headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
 
     @get("/statements", guards=[requires_any_role], summary="Stored monthly statements of the account (closed months)")
-    async def list_statements(self, request: Request, who: Principal, account_id: int | None = None) -> Response:
+    async def list_statements(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None) -> Response:
         listed = await read(request, statements.list_statements, accounts.scoped_account(who, account_id))
         return json_response({"data": [{k: v for k, v in s.items() if k != "pdf_path"} for s in listed]})  # paths stay inside
 
     @get("/statements/{name:str}", guards=[requires_any_role],
          summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
-    async def statement(self, request: Request, who: Principal, name: str, account_id: int | None = None) -> Response:
+    async def statement(self, request: Request, who: Caller, name: FromPath[str],
+                        account_id: FromQuery[int | None] = None) -> Response:
         account = accounts.scoped_account(who, account_id)
         month_text, _, fmt = name.rpartition(".")
         if fmt not in STATEMENT_FORMATS:
@@ -79,8 +80,8 @@ class DocumentController(Controller):
 
     @get("/exports/ledger.csv", guards=[requires_any_role],
          summary="Every posting of the account in [from, to), with the running balance, as CSV")
-    async def ledger_export(self, request: Request, who: Principal, to: str | None = None,
-                            account_id: int | None = None) -> Response:
+    async def ledger_export(self, request: Request, who: Caller, to: FromQuery[str | None] = None,
+                            account_id: FromQuery[int | None] = None) -> Response:
         """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
         the opening and closing balances and the row count come in `x-paralon-*` headers."""
         account = accounts.scoped_account(who, account_id)
@@ -100,7 +101,7 @@ class DocumentController(Controller):
             "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
 
-def _period_bound(value: str | None, name: str) -> datetime | None:
+def _period_bound(value: str | None, name: FromPath[str]) -> datetime | None:
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
     if not value:
         return None

@@ -64,8 +64,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_MS_DEFA
         upstream = UpstreamPool()
         app.state.directory = directory
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
-        tasks = [asyncio.create_task(work) for work in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s),
-                                                        app.state.proxy.keep_holds())]
+        background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())
+        tasks = [asyncio.create_task(work) for work in background]
         if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
             tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
         if embedded_beat:

@@ -8,7 +8,7 @@ import asyncio
 
 from litestar import Request
 from litestar.connection import ASGIConnection
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from sqlalchemy import Engine
@@ -80,6 +80,9 @@ def _principal(request: Request) -> Principal:
     return request.state.principal
 
 
-# What the guards found, as handler parameters: `grant` behind requires_api_key, `who` behind requires_role.
+# What the guards found, as handler parameters: `grant: KeyHolder` behind requires_api_key,
+# `who: Caller` behind requires_role.
 GRANT = {"grant": Provide(_grant, sync_to_thread=False)}
 PRINCIPAL = {"who": Provide(_principal, sync_to_thread=False)}
+KeyHolder = NamedDependency[KeyGrant]
+Caller = NamedDependency[Principal]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import orjson
 from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp
 
 from app.http.errors import UnknownGeneration
-from app.http.guards import GRANT, requires_api_key
+from app.http.guards import GRANT, KeyHolder, requires_api_key
 from app.http.plumbing import json_body, json_response, read
 from app.http.relay_response import RelayResponse
 from ledger.money import nano_usd_to_usd_text
@@ -28,11 +29,11 @@ class InferenceController(Controller):
     dependencies = GRANT
 
     @post("/chat/completions", summary="Create a chat completion (OpenAI API)", status_code=200)
-    async def chat_completions(self, request: Request, grant: KeyGrant) -> ASGIApp:
+    async def chat_completions(self, request: Request, grant: KeyHolder) -> ASGIApp:
         return await _complete(request, grant, CHAT)
 
     @post("/completions", summary="Create a completion (OpenAI API)", status_code=200)
-    async def completions(self, request: Request, grant: KeyGrant) -> ASGIApp:
+    async def completions(self, request: Request, grant: KeyHolder) -> ASGIApp:
         return await _complete(request, grant, COMPLETIONS)
 
     @get("/models", summary="Models with their prices and context length")
@@ -41,7 +42,7 @@ class InferenceController(Controller):
         return json_response({"object": "list", "data": [_model_entry(directory, model) for model in directory.models()]})
 
     @get("/generations/{request_id:str}", summary="The recorded charge of one request")
-    async def get_generation(self, request: Request, grant: KeyGrant, request_id: str) -> Response:
+    async def get_generation(self, request: Request, grant: KeyHolder, request_id: FromPath[str]) -> Response:
         found = await read(request, find_generation, request_id, grant.account_id)
         if found is None:
             raise UnknownGeneration(f"no settled request {request_id!r} for this key's account")

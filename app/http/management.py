@@ -11,11 +11,13 @@ import asyncio
 import time
 
 from litestar import Controller, Request, Response, delete, get, post
+from litestar.params import FromPath, FromQuery
 
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, about_field
 from app.http.guards import (
     PRINCIPAL,
+    Caller,
     requires_admin,
     requires_any_role,
     requires_customer,
@@ -26,7 +28,6 @@ from app.http.guards import (
 from app.http.plumbing import json_object, json_response, read, write
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
-from app.tokens import Principal
 from ledger.money import usd_to_nano_usd
 from proxy.errors import InvalidRequest
 
@@ -44,15 +45,15 @@ class AccountController(Controller):
     exception_handlers = SERVICE_EXCEPTION_HANDLERS
 
     @get("/account", guards=[requires_any_role], summary="The token's own account and its balances")
-    async def get_account(self, request: Request, who: Principal) -> Response:
+    async def get_account(self, request: Request, who: Caller) -> Response:
         return json_response(await read(request, accounts.account_view, who))
 
     @get("/keys", guards=[requires_reader], summary="API keys of the account")
-    async def list_keys(self, request: Request, who: Principal, account_id: int | None = None) -> Response:
+    async def list_keys(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None) -> Response:
         return json_response({"data": await read(request, accounts.list_keys, who, account_id)})
 
     @post("/keys", guards=[requires_customer], summary="Create an API key (shown once)", status_code=201)
-    async def create_key(self, request: Request, who: Principal) -> Response:
+    async def create_key(self, request: Request, who: Caller) -> Response:
         """Body: {"name": "…", "spend_limit_usd": "5.00"}, both optional."""
         body = await json_object(request)
         limit_usd = body.get("spend_limit_usd")
@@ -61,14 +62,14 @@ class AccountController(Controller):
         return json_response(await write(request, accounts.create_key, who, body.get("name"), limit), 201)
 
     @delete("/keys/{key_id:int}", guards=[requires_customer_or_admin], summary="Revoke an API key", status_code=200)
-    async def revoke_key(self, request: Request, who: Principal, key_id: int) -> Response:
+    async def revoke_key(self, request: Request, who: Caller, key_id: FromPath[int]) -> Response:
         await write(request, accounts.revoke_key, who, key_id)
         request.app.state.directory.evict_key(key_id)  # this process at once; other replicas hear of it from the database
         return json_response({"id": key_id, "revoked": True})
 
     @post("/credits/checkout", guards=[requires_customer], status_code=201,
           summary="Start a card top-up: a Stripe Checkout session for the caller's account")
-    async def create_checkout(self, request: Request, who: Principal) -> Response:
+    async def create_checkout(self, request: Request, who: Caller) -> Response:
         """Body: {"amount_usd": "25.00"}; an Idempotency-Key header makes retries safe."""
         body = await json_object(request)
         if "amount_usd" not in body:
@@ -80,7 +81,7 @@ class AccountController(Controller):
         return json_response(session, 201)
 
     @get("/credits/crypto/address", guards=[requires_customer], summary="The caller's own stablecoin deposit address")
-    async def crypto_address(self, request: Request, who: Principal) -> Response:
+    async def crypto_address(self, request: Request, who: Caller) -> Response:
         engine, settings = request.app.state.ledger.engine, request.app.state.crypto
 
         def work() -> dict:
@@ -90,14 +91,16 @@ class AccountController(Controller):
         return json_response(await asyncio.to_thread(work))
 
     @get("/usage", guards=[requires_reader], summary="Usage of the account from the read models, grouped by day, model or key")
-    async def usage(self, request: Request, who: Principal, group_by: str = "day", account_id: int | None = None) -> Response:
+    async def usage(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
+                    account_id: FromQuery[int | None] = None) -> Response:
         with about_field("group_by"):
             rows = await read(request, accounts.usage, accounts.scoped_account(who, account_id), group_by)
         return json_response({"data": rows})
 
     @get("/earnings", guards=[requires_owner_or_admin],
          summary="Earnings of the owner from the read models, grouped by day, worker or model")
-    async def earnings(self, request: Request, who: Principal, group_by: str = "day", account_id: int | None = None) -> Response:
+    async def earnings(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
+                       account_id: FromQuery[int | None] = None) -> Response:
         with about_field("group_by"):
             rows = await read(request, accounts.earnings, accounts.scoped_account(who, account_id), group_by)
         return json_response({"data": rows})
@@ -112,17 +115,17 @@ class WorkerController(Controller):
     exception_handlers = SERVICE_EXCEPTION_HANDLERS
 
     @get("/", guards=[requires_owner_or_admin], summary="Workers of the owner (all of them for an admin)")
-    async def list_workers(self, request: Request, who: Principal) -> Response:
+    async def list_workers(self, request: Request, who: Caller) -> Response:
         return json_response({"data": await read(request, accounts.list_workers, who)})
 
     @post("/{worker_id:int}/drain", guards=[requires_owner_or_admin], status_code=200,
           summary="Drain a worker: no new requests, in-flight ones finish")
-    async def drain_worker(self, request: Request, who: Principal, worker_id: int) -> Response:
+    async def drain_worker(self, request: Request, who: Caller, worker_id: FromPath[int]) -> Response:
         return json_response(await write(request, accounts.drain_worker, who, worker_id))
 
     @post("/{worker_id:int}/resume", guards=[requires_admin], status_code=200,
           summary="Resume a suspended worker (admins): its strikes start again from zero")
-    async def resume_worker(self, request: Request, who: Principal, worker_id: int) -> Response:
+    async def resume_worker(self, request: Request, who: Caller, worker_id: FromPath[int]) -> Response:
         """Body (optional): {"reason": "…"}. A draining or drained worker is not resumed (409)."""
         body = await json_object(request)
         reason = body.get("reason", RESUMED_REASON_DEFAULT)
