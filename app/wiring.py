@@ -14,7 +14,7 @@ from sqlalchemy import Engine
 
 from typing import TYPE_CHECKING
 
-from app.settings import Settings
+from app.settings import Settings, SettingsError
 from ledger.db import make_engine
 from ledger.service import Ledger
 
@@ -51,7 +51,22 @@ def crypto_settings(settings: Settings) -> CryptoSettings:
 
     crypto = settings.crypto
     return CryptoSettings(rpc_url=crypto.rpc_url, tokens=parse_tokens(crypto.tokens), confirmations=crypto.confirmations,
-                          seed=read_seed(_reveal(crypto.seed)), start_block=crypto.start_block)
+                          seed=_usable_seed(read_seed(_reveal(crypto.seed))), start_block=crypto.start_block)
+
+
+def _usable_seed(seed: str | None) -> str | None:
+    """A seed that derives addresses. A wrong one is refused here, in words of our
+    own: the wallet library's error quotes the mnemonic."""
+    from app.payments.crypto import derive_address  # see the module's docstring
+    from eth_utils.exceptions import ValidationError
+
+    if seed is None:
+        return None
+    try:
+        derive_address(seed, 0)
+    except ValidationError:
+        raise SettingsError("PARALON_CRYPTO_SEED is not a valid BIP-39 mnemonic (its words are not shown)") from None
+    return seed
 
 
 def invoice_settings(settings: Settings) -> InvoiceSettings:

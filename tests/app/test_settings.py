@@ -85,6 +85,14 @@ def test_a_wrong_value_is_named_before_anything_runs_and_shows_no_secret(env, tm
     assert "PARALON_SMTP_PORT" in error["message"] and _shows_a_secret(result.output + result.stderr) == []
 
 
+def test_a_wrong_seed_is_refused_without_its_words(env):
+    env.setenv("PARALON_CRYPTO_SEED", "correct horse battery staple")
+    with pytest.raises(SettingsError) as wrong:
+        wiring.crypto_settings(Settings.from_env())
+    assert "PARALON_CRYPTO_SEED" in str(wrong.value) and "horse" not in str(wrong.value)
+    assert wrong.value.__cause__ is None and wrong.value.__suppress_context__, "the library's message is not chained"
+
+
 def test_the_variables_are_readmes(env):
     documented = set(re.findall(r"`(PARALON_[A-Z0-9_]+)`", README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]))
     read = {field.validation_alias for group in Settings.model_fields.values()
