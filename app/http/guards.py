@@ -18,7 +18,6 @@ from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, Principal, fin
 from proxy.keys import KeyGrant
 
 
-
 def bearer_token(connection: ASGIConnection, missing: str) -> str:
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
