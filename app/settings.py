@@ -1,113 +1,156 @@
-"""Configuration from the environment. Secrets never have defaults."""
+"""Configuration from the environment: values only, in groups. `app.wiring`
+builds what each part takes from them.
+
+Every variable keeps its full name here (`PARALON_…`, as in README's table).
+An empty variable counts as unset. Secrets are `SecretStr` and never have
+defaults: `repr()`, logs and error messages show them as `**********`; only
+`app.wiring` unwraps them, for the part that uses them."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ledger.db import normalise_url
 from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT
 
 DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
+GROUP_COMMIT_BATCH_SIZE_MAX_LIMIT = 10_000
+GROUP_COMMIT_WAIT_MS_LIMIT = 100
+HEALTH_INTERVAL_MS_DEFAULT = 2000
+KEY_CACHE_TTL_MS_DEFAULT = 1000
+HOLD_TTL_S_DEFAULT = 60
+HOLD_SWEEP_INTERVAL_MS_DEFAULT = 10_000
+PUBLIC_URL_DEFAULT = "http://127.0.0.1:8000"
+CHECKOUT_MIN_USD_DEFAULT = 5
+CHECKOUT_MAX_USD_DEFAULT = 10_000
+CHECKOUT_USD_LIMIT = 1_000_000
+CRYPTO_CONFIRMATIONS_DEFAULT = 12
+CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
+INVOICE_DIR_DEFAULT = "./var/invoices"
+SMTP_PORT_DEFAULT = 25
+MAIL_FROM_DEFAULT = "billing@paralon.example"
 
 
-@dataclass(frozen=True)
-class Settings:
-    database_url: str
-    group_commit_batch_size_max: int = BATCH_SIZE_MAX_DEFAULT
-    group_commit_wait_ms: int = int(BATCH_WAIT_MS_DEFAULT)
-    health_interval_ms: int = 2000
-    key_cache_ttl_ms: int = 1000
-    hold_ttl_s: int = 60
-    hold_sweep_interval_ms: int = 30_000
-    stripe_secret_key: str | None = None
-    stripe_webhook_secret: str | None = None
-    stripe_api_base: str | None = None
-    checkout_min_usd: int = 5
-    checkout_max_usd: int = 10_000
-    public_url: str = "http://127.0.0.1:8000"
-    chain_rpc_url: str | None = None
-    crypto_tokens: str = ""
-    crypto_confirmations: int = 12
-    crypto_seed: str | None = None
-    crypto_start_block: int = 0
-    invoice_dir: str = "./var/invoices"
-    smtp_host: str | None = None
-    smtp_port: int = 25
-    smtp_user: str | None = None
-    smtp_password: str | None = None
-    mail_from: str = "billing@paralon.example"
+class SettingsError(ValueError):
+    """A variable has a value Paralon cannot use; raised before anything runs."""
+
+
+def _env(name: str, default: Any = None, **bounds: Any) -> Any:
+    """A field read from the variable `name` (the whole name: no prefix is added)."""
+    return Field(default, validation_alias=name, **bounds)
+
+
+class _Group(BaseSettings):
+    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", frozen=True, validate_by_name=True)
+
+
+class DatabaseConfig(_Group):
+    url: str = _env("PARALON_DATABASE_URL", DATABASE_URL_DEFAULT)
+    group_commit_batch_size_max: int = _env("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT,
+                                            ge=1, le=GROUP_COMMIT_BATCH_SIZE_MAX_LIMIT)
+    group_commit_wait_ms: int = _env("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT),
+                                     ge=0, le=GROUP_COMMIT_WAIT_MS_LIMIT)
+
+    @field_validator("url")
+    @classmethod
+    def _parses(cls, url: str) -> str:
+        normalise_url(url.strip())  # a malformed URL fails here (BadDatabaseUrl), before anything runs
+        return url.strip()
+
+
+class ProxyConfig(_Group):
+    health_interval_ms: int = _env("PARALON_HEALTH_INTERVAL_MS", HEALTH_INTERVAL_MS_DEFAULT, ge=50, le=60_000)
+    key_cache_ttl_ms: int = _env("PARALON_KEY_CACHE_TTL_MS", KEY_CACHE_TTL_MS_DEFAULT, ge=0, le=60_000)
+    hold_ttl_s: int = _env("PARALON_HOLD_TTL_S", HOLD_TTL_S_DEFAULT, ge=2, le=24 * 3600)
+    hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", HOLD_SWEEP_INTERVAL_MS_DEFAULT,
+                                       ge=50, le=3_600_000)
+    public_url: str = _env("PARALON_PUBLIC_URL", PUBLIC_URL_DEFAULT)
+
+    @field_validator("public_url")
+    @classmethod
+    def _no_trailing_slash(cls, url: str) -> str:
+        return url.rstrip("/")
+
+
+class StripeConfig(_Group):
+    secret_key: SecretStr | None = _env("PARALON_STRIPE_SECRET_KEY")
+    webhook_secret: SecretStr | None = _env("PARALON_STRIPE_WEBHOOK_SECRET")
+    api_base: str | None = _env("PARALON_STRIPE_API_BASE")
+    checkout_min_usd: int = _env("PARALON_CHECKOUT_MIN_USD", CHECKOUT_MIN_USD_DEFAULT, ge=1, le=CHECKOUT_USD_LIMIT)
+    checkout_max_usd: int = _env("PARALON_CHECKOUT_MAX_USD", CHECKOUT_MAX_USD_DEFAULT, ge=1, le=CHECKOUT_USD_LIMIT)
+
+
+class CryptoConfig(_Group):
+    rpc_url: str | None = _env("PARALON_CHAIN_RPC_URL")
+    tokens: str = _env("PARALON_CRYPTO_TOKENS", "")
+    confirmations: int = _env("PARALON_CRYPTO_CONFIRMATIONS", CRYPTO_CONFIRMATIONS_DEFAULT, ge=1, le=10_000)
+    seed: SecretStr | None = _env("PARALON_CRYPTO_SEED")  # a BIP-39 mnemonic, or the path of a file holding one
+    start_block: int = _env("PARALON_CRYPTO_START_BLOCK", 0, ge=0, le=10**12)
+    scan_interval_s: float = _env("PARALON_CRYPTO_SCAN_INTERVAL_S", CRYPTO_SCAN_INTERVAL_S_DEFAULT, gt=0)
+
+
+class MailConfig(_Group):
+    smtp_host: str | None = _env("PARALON_SMTP_HOST")
+    smtp_port: int = _env("PARALON_SMTP_PORT", SMTP_PORT_DEFAULT, ge=1, le=65535)
+    smtp_user: str | None = _env("PARALON_SMTP_USER")
+    smtp_password: SecretStr | None = _env("PARALON_SMTP_PASSWORD")
+    sender: str = _env("PARALON_MAIL_FROM", MAIL_FROM_DEFAULT)
+
+
+class InvoiceConfig(_Group):
+    storage_dir: str = _env("PARALON_INVOICE_DIR", INVOICE_DIR_DEFAULT)
+
+
+class CeleryConfig(_Group):
+    broker_url: str | None = _env("PARALON_CELERY_BROKER_URL")  # unset: tasks run in-process
+    result_url: str | None = _env("PARALON_CELERY_RESULT_URL")
+
+
+class Settings(BaseModel):
+    """Every group; `Settings.from_env()` reads them all at once."""
+
+    model_config = ConfigDict(frozen=True)
+
+    database: DatabaseConfig = Field(default_factory=DatabaseConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    stripe: StripeConfig = Field(default_factory=StripeConfig)
+    crypto: CryptoConfig = Field(default_factory=CryptoConfig)
+    mail: MailConfig = Field(default_factory=MailConfig)
+    invoices: InvoiceConfig = Field(default_factory=InvoiceConfig)
+    celery: CeleryConfig = Field(default_factory=CeleryConfig)
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        url = os.environ.get("PARALON_DATABASE_URL", "").strip() or DATABASE_URL_DEFAULT
-        normalise_url(url)  # a malformed URL fails here, before anything runs
-        return cls(
-            database_url=url,
-            group_commit_batch_size_max=_int("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT, 1, 10_000),
-            group_commit_wait_ms=_int("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT), 0, 100),
-            health_interval_ms=_int("PARALON_HEALTH_INTERVAL_MS", 2000, 50, 60_000),
-            key_cache_ttl_ms=_int("PARALON_KEY_CACHE_TTL_MS", 1000, 0, 60_000),
-            hold_ttl_s=_int("PARALON_HOLD_TTL_S", 60, 2, 24 * 3600),
-            hold_sweep_interval_ms=_int("PARALON_HOLD_SWEEP_INTERVAL_MS", 10_000, 50, 3_600_000),
-            stripe_secret_key=os.environ.get("PARALON_STRIPE_SECRET_KEY") or None,
-            stripe_webhook_secret=os.environ.get("PARALON_STRIPE_WEBHOOK_SECRET") or None,
-            stripe_api_base=os.environ.get("PARALON_STRIPE_API_BASE") or None,
-            checkout_min_usd=_int("PARALON_CHECKOUT_MIN_USD", 5, 1, 1_000_000),
-            checkout_max_usd=_int("PARALON_CHECKOUT_MAX_USD", 10_000, 1, 1_000_000),
-            public_url=(os.environ.get("PARALON_PUBLIC_URL") or "http://127.0.0.1:8000").rstrip("/"),
-            chain_rpc_url=os.environ.get("PARALON_CHAIN_RPC_URL") or None,
-            crypto_tokens=os.environ.get("PARALON_CRYPTO_TOKENS", ""),
-            crypto_confirmations=_int("PARALON_CRYPTO_CONFIRMATIONS", 12, 1, 10_000),
-            crypto_seed=os.environ.get("PARALON_CRYPTO_SEED") or None,
-            crypto_start_block=_int("PARALON_CRYPTO_START_BLOCK", 0, 0, 10**12),
-            invoice_dir=os.environ.get("PARALON_INVOICE_DIR") or "./var/invoices",
-            smtp_host=os.environ.get("PARALON_SMTP_HOST") or None,
-            smtp_port=_int("PARALON_SMTP_PORT", 25, 1, 65535),
-            smtp_user=os.environ.get("PARALON_SMTP_USER") or None,
-            smtp_password=os.environ.get("PARALON_SMTP_PASSWORD") or None,
-            mail_from=os.environ.get("PARALON_MAIL_FROM") or "billing@paralon.example",
-        )
-
-    def stripe(self):
-        from app.payments.stripe import StripeSettings
-
-        return StripeSettings(self.stripe_secret_key, self.stripe_webhook_secret, self.stripe_api_base,
-                              self.checkout_min_usd * 100, self.checkout_max_usd * 100,
-                              f"{self.public_url}/checkout/done?session_id={{CHECKOUT_SESSION_ID}}", f"{self.public_url}/checkout/cancelled")
-
-    def crypto(self):
-        from app.payments.crypto import CryptoSettings, parse_tokens, read_seed
-
-        return CryptoSettings(self.chain_rpc_url, parse_tokens(self.crypto_tokens), self.crypto_confirmations,
-                              read_seed(self.crypto_seed), self.crypto_start_block)
-
-    def invoices(self):
-        from pathlib import Path
-
-        from invoices.service import InvoiceSettings
-
-        return InvoiceSettings(Path(self.invoice_dir))
-
-    def mail(self):
-        from invoices.mail import MailSettings
-
-        return MailSettings(self.smtp_host, self.smtp_port, self.smtp_user, self.smtp_password, self.mail_from)
-
-    def open_ledger(self, engine):
-        """The ledger with this process's group-commit limits."""
-        from ledger.service import Ledger
-
-        return Ledger(engine, batch_size_max=self.group_commit_batch_size_max, batch_wait_ms=self.group_commit_wait_ms)
+    def from_env(cls) -> Settings:
+        """Raises SettingsError naming every variable that is wrong (never a secret's value)."""
+        groups, problems = {}, []
+        for name, field in cls.model_fields.items():
+            try:
+                groups[name] = field.default_factory()
+            except ValidationError as exc:
+                problems.extend(_problems(exc))
+        if problems:
+            raise SettingsError("; ".join(problems))
+        return cls(**groups)
 
 
-def _int(name: str, default: int, low: int, high: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
-    return value
+def _problems(exc: ValidationError) -> list[str]:
+    problems = []
+    for error in exc.errors(include_url=False):
+        name = ".".join(str(part) for part in error["loc"])
+        shown = "" if _is_secret(name) or "input" not in error else f", got {error['input']!r}"
+        problems.append(f"{name}: {error['msg']}{shown}")
+    return problems
+
+
+def _is_secret(variable: str) -> bool:
+    return variable in SECRET_VARIABLES
+
+
+SECRET_VARIABLES = frozenset(
+    field.validation_alias
+    for group in (DatabaseConfig, ProxyConfig, StripeConfig, CryptoConfig, MailConfig, InvoiceConfig, CeleryConfig)
+    for field in group.model_fields.values()
+    if SecretStr in getattr(field.annotation, "__args__", (field.annotation,))
+)

@@ -20,9 +20,10 @@ from proxy.keys import key_sha256, new_secret, revoke_secret
 
 TOKEN_PREFIX = "pt-par-"
 TOKEN_PREFIX_SHOWN_CHARS = 12
-ROLES = ("customer", "accountant", "owner", "admin")
+CUSTOMER, ACCOUNTANT, OWNER, ADMIN = "customer", "accountant", "owner", "admin"
+ROLES = (CUSTOMER, ACCOUNTANT, OWNER, ADMIN)
 # The kind of account each role acts for.
-ACCOUNT_KIND_OF_ROLE = {"customer": cmd.CUSTOMER, "accountant": cmd.CUSTOMER, "owner": cmd.OWNER, "admin": cmd.PLATFORM}
+ACCOUNT_KIND_OF_ROLE = {CUSTOMER: cmd.CUSTOMER, ACCOUNTANT: cmd.CUSTOMER, OWNER: cmd.OWNER, ADMIN: cmd.PLATFORM}
 
 
 class Principal(NamedTuple):
@@ -32,7 +33,7 @@ class Principal(NamedTuple):
 
     @property
     def is_admin(self) -> bool:
-        return self.role == "admin"
+        return self.role == ADMIN
 
 
 def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str]:

@@ -8,7 +8,7 @@ between sending and recording is one message to a mail client."""
 from __future__ import annotations
 
 import smtplib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from email.message import EmailMessage
 from pathlib import Path
@@ -28,7 +28,7 @@ class MailSettings:
     host: str | None
     port: int = 25
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # secrets stay out of reprs and logs
     sender: str = "billing@paralon.example"
 
 

@@ -12,7 +12,7 @@ def run_migrations_online() -> None:
         from app.settings import Settings
         from ledger.db import make_engine
 
-        engine = make_engine(Settings.from_env().database_url)
+        engine = make_engine(Settings.from_env().database.url)
         with engine.begin() as connection:
             _run(connection)
         engine.dispose()

@@ -1,5 +1,6 @@
-"""Errors a caller of the OpenAI API can get, each with its HTTP status and
-OpenAI error type. Controllers turn them into OpenAI's error JSON."""
+"""Errors the proxy raises to a caller of the OpenAI API, each with its HTTP
+status and OpenAI error type. The HTTP edge (app/http/errors.py) turns them
+into OpenAI's error JSON and adds its own (authentication, permissions)."""
 from __future__ import annotations
 
 
@@ -24,20 +25,12 @@ class ContextTooLong(InvalidRequest):
     code = "context_length_exceeded"
 
 
-class AuthenticationFailed(ProxyError):
-    status, error_type, code = 401, "authentication_error", "invalid_api_key"
-
-
 class NotEnoughCredits(ProxyError):
     status, error_type, code = 402, "insufficient_quota", "insufficient_credits"
 
 
 class UnknownModel(ProxyError):
     status, error_type, code = 404, "invalid_request_error", "model_not_found"
-
-
-class UnknownGeneration(ProxyError):
-    status, error_type, code = 404, "invalid_request_error", "generation_not_found"
 
 
 class LimitReached(ProxyError):
@@ -50,22 +43,6 @@ class NoWorkerAvailable(ProxyError):
 
 class UpstreamFailed(ProxyError):
     status, error_type, code = 502, "api_error", "upstream_error"
-
-
-def error_body(exc: ProxyError) -> dict:
-    return {"error": {"message": str(exc), "type": exc.error_type, "param": exc.param, "code": exc.code}}
-
-
-class PermissionDenied(ProxyError):
-    """The token's role may not do this to its own account's data."""
-
-    status, error_type, code = 403, "permission_error", "permission_denied"
-
-
-class NotFound(ProxyError):
-    """Does not exist, or belongs to an account the token may not know about."""
-
-    status, error_type, code = 404, "invalid_request_error", "not_found"
 
 
 class NotReady(ProxyError):

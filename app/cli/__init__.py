@@ -10,6 +10,7 @@ from functools import wraps
 import click
 from sqlalchemy.exc import OperationalError
 
+from app import wiring
 from app.settings import Settings
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -57,7 +58,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON."
 
 
 def _engine():
-    return make_engine(Settings.from_env().database_url)
+    return make_engine(Settings.from_env().database.url)
 
 
 def _progress(total: int, label: str):
@@ -172,7 +173,7 @@ def crypto() -> None:
 def crypto_deposit_address(account_id: int, as_json: bool) -> None:
     from app.payments.crypto import connect, deposit_address
 
-    settings = Settings.from_env().crypto()
+    settings = wiring.crypto_settings(Settings.from_env())
     address = deposit_address(_engine(), settings, account_id)
     chain_id = connect(settings).eth.chain_id if settings.rpc_url else None
     _emit(as_json, {"account_id": account_id, "address": address, "chain_id": chain_id}, f"{address} (chain {chain_id})")
@@ -190,7 +191,7 @@ def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
 
     from app.payments.crypto import connect, scan_once
 
-    settings = Settings.from_env().crypto()
+    settings = wiring.crypto_settings(Settings.from_env())
     engine, w3 = _engine(), connect(settings)
     while True:
         report = dataclasses.asdict(scan_once(engine, w3, settings))
@@ -224,7 +225,7 @@ def invoices() -> None:
 
 
 def _invoice_settings():
-    return Settings.from_env().invoices()
+    return wiring.invoice_settings(Settings.from_env())
 
 
 @invoices.command("issue")
@@ -253,7 +254,7 @@ def invoices_email_pending(as_json: bool) -> None:
     with engine.connect() as conn:
         numbers = conn.execute(select(invoices_table.c.number).where(invoices_table.c.emailed_at.is_(None),
                                                                      invoices_table.c.pdf_path.is_not(None))).scalars().all()
-    outcomes = {number: send_invoice(engine, Settings.from_env().mail(), number) for number in numbers}
+    outcomes = {number: send_invoice(engine, wiring.mail_settings(Settings.from_env()), number) for number in numbers}
     _emit(as_json, {"outcomes": outcomes}, "\n".join(f"{n}: {o}" for n, o in outcomes.items()) or "nothing to send")
 
 
@@ -518,7 +519,7 @@ def demo_cmd() -> None:
     from app.cli.demo import run_demo
 
     settings = Settings.from_env()
-    run_demo(make_engine(settings.database_url), settings)
+    run_demo(make_engine(settings.database.url), settings)
 
 
 from app.cli.proxy import register as _register_proxy_commands  # noqa: E402

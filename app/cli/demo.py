@@ -9,6 +9,7 @@ import click
 from sqlalchemy import Engine
 
 from app.migrate import migrate
+from app import wiring
 from app.settings import Settings
 from app.runtime import tune_garbage_collector
 from ledger import commands as cmd
@@ -24,7 +25,7 @@ OUT_PRICE_NANO_USD_PER_TOKEN = 600  # $0.60 per million tokens
 def run_demo(engine: Engine, settings: Settings) -> None:
     migrate(engine)
     tune_garbage_collector()
-    ledger = settings.open_ledger(engine)
+    ledger = wiring.open_ledger(settings, engine)
     run = uuid.uuid4().hex[:8]
     customer = ledger.create_account(cmd.CUSTOMER, f"Demo customer {run}", "customer@example.com")
     owner = ledger.create_account(cmd.OWNER, f"Demo GPU owner {run}")

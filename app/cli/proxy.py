@@ -15,7 +15,7 @@ SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
 
 def register(main: click.Group, emit, handles_errors, json_option) -> None:
     def engine():
-        return make_engine(Settings.from_env().database_url)
+        return make_engine(Settings.from_env().database.url)
 
     @main.command("serve")
     @click.option("--host", default="127.0.0.1", show_default=True)

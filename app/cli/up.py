@@ -112,7 +112,7 @@ def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
     settings = Settings.from_env()
     _require_free(port)
     fleet = [(profile, worker_port) for (profile, _), worker_port in zip(DEMO_WORKERS, worker_ports)]
-    demo = prepare_demo(make_engine(settings.database_url), fleet)
+    demo = prepare_demo(make_engine(settings.database.url), fleet)
     processes = start_sim_workers(fleet)
     try:
         print_welcome(demo, f"http://{host}:{port}", fleet)

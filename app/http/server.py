@@ -1,34 +1,36 @@
-"""`paralon serve`: the proxy on uvicorn."""
+"""`paralon serve`: the HTTP service on uvicorn, with uvloop when it is installed."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import uvicorn
 
-from app.http.inference import create_app
+from app import wiring
+from app.http.factory import MS_PER_S, create_app
 from app.runtime import tune_garbage_collector
 from app.settings import Settings
-from ledger.db import make_engine
+
+QUIET_LOGGERS = ("httpx", "stripe")  # a line per request is noise
 
 
-def _loop() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
+def event_loop_name() -> str:
+    """uvicorn's name for the fastest event loop installed."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False) -> None:
-    ledger = settings.open_ledger(make_engine(settings.database_url))
-    app = create_app(ledger, key_cache_ttl_s=settings.key_cache_ttl_ms / 1000,
-                     health_interval_s=settings.health_interval_ms / 1000, hold_ttl_s=settings.hold_ttl_s,
-                     hold_sweep_interval_s=settings.hold_sweep_interval_ms / 1000, stripe_settings=settings.stripe(),
-                     crypto_settings=settings.crypto(), invoice_settings=settings.invoices(), embedded_beat=embedded_beat)
+    ledger = wiring.open_ledger(settings)
+    proxy = settings.proxy
+    app = create_app(ledger, key_cache_ttl_s=proxy.key_cache_ttl_ms / MS_PER_S,
+                     health_interval_s=proxy.health_interval_ms / MS_PER_S, hold_ttl_s=proxy.hold_ttl_s,
+                     hold_sweep_interval_s=proxy.hold_sweep_interval_ms / MS_PER_S,
+                     stripe_settings=wiring.stripe_settings(settings), crypto_settings=wiring.crypto_settings(settings),
+                     invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat)
     tune_garbage_collector()
-    for noisy in ("httpx", "stripe"):  # a line per request is noise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        uvicorn.run(app, host=host, port=port, http="httptools", loop=_loop(), log_level="warning", access_log=False)
+        uvicorn.run(app, host=host, port=port, http="httptools", loop=event_loop_name(), log_level="warning", access_log=False)
     finally:
         ledger.close()

@@ -5,17 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import orjson
 from litestar import Request, Response, post
 
+from app.http.plumbing import json_response
 from app.payments import stripe as stripe_payments
 from ledger.errors import LedgerError
 
 log = logging.getLogger(__name__)
-
-
-def _json(data: dict, status: int) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
 @post("/webhooks/stripe", summary="Stripe events (verified with the endpoint secret)", status_code=200)
@@ -26,12 +22,12 @@ async def stripe_webhook(request: Request) -> Response:
         event_id = await asyncio.to_thread(stripe_payments.receive_webhook, engine, settings,
                                            payload, request.headers.get("stripe-signature"))
     except LedgerError as exc:
-        return _json({"error": {"code": exc.code, "message": str(exc)}}, 400)
+        return json_response({"error": {"code": exc.code, "message": str(exc)}}, 400)
     if event_id is not None:
         task = asyncio.create_task(_process(engine, event_id))
         request.app.state.background.add(task)
         task.add_done_callback(request.app.state.background.discard)
-    return _json({"received": True}, 200)
+    return json_response({"received": True}, 200)
 
 
 async def _process(engine, event_id: str) -> None:

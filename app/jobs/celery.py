@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from celery import Celery
 from celery.schedules import crontab
 
+from app import wiring
+
 CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
 OUTBOX_INTERVAL_S = 5.0
 READ_MODELS_INTERVAL_S = 5.0
@@ -51,7 +53,7 @@ def crypto_scan() -> dict:
     from app.payments.crypto import connect, scan_once
 
     with _database() as (engine, settings):  # an engine connects only when used
-        crypto = settings.crypto()
+        crypto = wiring.crypto_settings(settings)
         if not (crypto.rpc_url and crypto.tokens):
             return {"skipped": "crypto deposits are not configured"}
         return dataclasses.asdict(scan_once(engine, connect(crypto), crypto))
@@ -64,7 +66,7 @@ def _database():
     from ledger.db import make_engine
 
     settings = Settings.from_env()
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database.url)
     try:
         yield engine, settings
     finally:
@@ -85,7 +87,7 @@ def issue_invoice(source_seq: int) -> str:
     from invoices.service import issue_for_top_up
 
     with _database() as (engine, settings):
-        number = issue_for_top_up(engine, settings.invoices(), source_seq)["number"]
+        number = issue_for_top_up(engine, wiring.invoice_settings(settings), source_seq)["number"]
     email_invoice.delay(number)
     return number
 
@@ -96,7 +98,7 @@ def issue_credit_note(source_seq: int, corrected_seq: int) -> str:
     from invoices.service import issue_credit_note as issue
 
     with _database() as (engine, settings):
-        number = issue(engine, settings.invoices(), source_seq, corrected_seq)["number"]
+        number = issue(engine, wiring.invoice_settings(settings), source_seq, corrected_seq)["number"]
     email_invoice.delay(number)
     return number
 
@@ -109,7 +111,7 @@ def email_invoice(self, number: str) -> str:
 
     with _database() as (engine, settings):
         try:
-            outcome = send_invoice(engine, settings.mail(), number)
+            outcome = send_invoice(engine, wiring.mail_settings(settings), number)
         except (OSError, smtplib.SMTPException) as exc:  # the mail server is down: again, later
             if celery.conf.task_always_eager:  # in-process there is no later: `paralon invoices email-pending`
                 return f"failed: {exc}"
@@ -157,5 +159,5 @@ def issue_statement(account_id: int, month: str) -> str:
     from invoices import statements
 
     with _database() as (engine, settings):
-        return statements.issue(engine, settings.invoices(), account_id, statements.parse_month(month), statement_labels,
+        return statements.issue(engine, wiring.invoice_settings(settings), account_id, statements.parse_month(month), statement_labels,
                                 month_reconciled=True)["pdf_path"]

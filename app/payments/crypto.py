@@ -9,7 +9,7 @@ reversed. Scans are bounded in blocks and go on from where they stopped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eth_account import Account
@@ -48,7 +48,7 @@ class CryptoSettings:
     rpc_url: str | None
     tokens: tuple[Token, ...]
     confirmations: int
-    seed: str | None
+    seed: str | None = field(repr=False)  # secrets stay out of reprs and logs
     start_block: int = 0
 
 

@@ -11,7 +11,7 @@ the session, so any number of copies and both "completed" and
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 import orjson
@@ -44,8 +44,8 @@ class BadSignature(InvalidInput):
 
 @dataclass(frozen=True)
 class StripeSettings:
-    secret_key: str | None
-    webhook_secret: str | None
+    secret_key: str | None = field(repr=False)  # secrets stay out of reprs and logs
+    webhook_secret: str | None = field(repr=False)
     api_base: str | None
     checkout_min_cents: int
     checkout_max_cents: int

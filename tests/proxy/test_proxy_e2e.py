@@ -160,7 +160,7 @@ def test_the_read_model_lag_is_exported_as_a_metric(one_worker):
     fleet, proxy = one_worker
     _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     text = httpx.get(proxy.url + "/metrics").text
-    lag = int(next(line for line in text.splitlines() if line.startswith("paralon_projection_lag_events")).rsplit(" ", 1)[1])
+    lag = float(next(line for line in text.splitlines() if line.startswith("paralon_projection_lag_events")).rsplit(" ", 1)[1])
     assert lag == 2, "the grant and the settlement, not applied: no worker runs the consumer here"
 
 

@@ -44,7 +44,7 @@ def test_up_serves_the_demo_and_the_printed_key_works(tmp_path):
         assert answer.usage.completion_tokens == 8 and float(answer.usage.model_extra["cost"]) > 0
         assert {m.id for m in client.models.list().data} == {"paralon-demo"}
         # No broker, so no `paralon beat`: `up` runs the schedule itself and the read models catch up.
-        wait_for(lambda: re.search(r"paralon_projection_lag_events\{[^}]*\} 0\n",
+        wait_for(lambda: re.search(r"paralon_projection_lag_events\{[^}]*\} 0(\.0)?\n",
                                    httpx.get(f"http://127.0.0.1:{port}/metrics").text) is not None, timeout_s=30)
     finally:
         process.send_signal(signal.SIGINT)

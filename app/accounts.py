@@ -1,0 +1,132 @@
+"""What a management token may see and change: its own account's balances,
+API keys, workers, invoices, usage and earnings; an admin, any account's.
+
+Whatever belongs to another account is reported exactly as what does not
+exist (`NotVisible`), so a token learns nothing about accounts it may not see.
+Which roles may call which function is the HTTP guards' business
+(app/http/guards.py); these functions decide which rows a principal reaches."""
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import Connection, func, select
+
+from app.tokens import Principal
+from invoices.read_models import USAGE_SUMS
+from invoices.schema import earnings_daily, usage_daily
+from invoices.schema import invoices as invoices_table
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger.errors import InvalidInput
+from proxy import keys as api_keys
+from proxy import workers as registry
+
+INVOICE_KINDS = ("invoice", "credit_note")
+USAGE_GROUPS = {"day": "day", "model": "model", "key": "api_key_id"}
+EARNINGS_GROUPS = {"day": "day", "worker": "worker_id", "model": "model"}
+
+
+class NotVisible(InvalidInput):
+    """Does not exist, or belongs to an account the principal may not know about."""
+
+    code = "not_found"
+
+
+def scoped_account(who: Principal, account_id: int | None) -> int:
+    """Admins name any account; everyone else gets their own."""
+    return account_id if who.is_admin and account_id is not None else who.account_id
+
+
+def account_view(conn: Connection, who: Principal) -> dict:
+    view = acc.read_balance(conn, who.account_id)
+    data = {"id": who.account_id, "kind": view.kind, "role": who.role, "balance_nano_usd": view.balance_nano_usd,
+            "available_nano_usd": view.available_nano_usd, "held_nano_usd": view.held_nano_usd}
+    if view.kind == cmd.OWNER:
+        data["earnings_nano_usd"] = view.balance_nano_usd
+    return data
+
+
+def list_keys(conn: Connection, who: Principal, account_id: int | None) -> list[dict]:
+    return api_keys.list_keys(conn, scoped_account(who, account_id))
+
+
+def create_key(conn: Connection, who: Principal, name: object, spend_limit_nano_usd: int | None) -> dict:
+    key_id, key = api_keys.create_key(conn, who.account_id, name=name, spend_limit_nano_usd=spend_limit_nano_usd)
+    return {"id": key_id, "key": key, "spend_limit_nano_usd": spend_limit_nano_usd}
+
+
+def revoke_key(conn: Connection, who: Principal, key_id: int) -> None:
+    owner = api_keys.key_account(conn, key_id)
+    if owner is None or (owner != who.account_id and not who.is_admin):
+        raise NotVisible(f"no API key {key_id}")
+    api_keys.revoke_key(conn, key_id)
+
+
+def list_workers(conn: Connection, who: Principal) -> list[dict]:
+    return [w.as_dict() for w in _visible_workers(conn, who)]
+
+
+def drain_worker(conn: Connection, who: Principal, worker_id: int) -> dict:
+    if worker_id not in {w.id for w in _visible_workers(conn, who)}:
+        raise NotVisible(f"no worker {worker_id}")
+    return registry.drain_worker(conn, worker_id).as_dict()
+
+
+def resume_worker(conn: Connection, who: Principal, worker_id: int, reason: object) -> dict:
+    """Admins only (the guards see to it): an owner may not lift its own worker's suspension."""
+    try:
+        return registry.resume_worker(conn, worker_id, resumed_by=f"admin token {who.token_id}", reason=reason).as_dict()
+    except registry.UnknownWorker:
+        raise NotVisible(f"no worker {worker_id}") from None
+
+
+def _visible_workers(conn: Connection, who: Principal) -> list[registry.WorkerView]:
+    return registry.list_workers(conn, owner_account_id=None if who.is_admin else who.account_id)
+
+
+def list_invoices(conn: Connection, account_id: int, kind: str | None, start: datetime | None,
+                  end: datetime | None) -> list[dict]:
+    """Invoices and credit notes issued in [start, end), oldest first."""
+    if kind not in (None, *INVOICE_KINDS):
+        raise InvalidInput(f"kind is {' or '.join(INVOICE_KINDS)}")
+    query = select(invoices_table).where(invoices_table.c.account_id == account_id).order_by(invoices_table.c.issued_at)
+    if kind:
+        query = query.where(invoices_table.c.kind == kind)
+    if start:
+        query = query.where(invoices_table.c.issued_at >= start)
+    if end:
+        query = query.where(invoices_table.c.issued_at < end)
+    return [{"number": r.number, "kind": r.kind, "amount_nano_usd": r.amount_nano_usd, "issued_at": r.issued_at.isoformat(),
+             "corrects": r.corrects_number, "payment_method": r.payment_method,
+             "pdf_sha256": r.pdf_sha256.hex() if r.pdf_sha256 else None} for r in conn.execute(query)]
+
+
+def invoice_pdf_path(conn: Connection, who: Principal, number: str) -> Path:
+    row = conn.execute(select(invoices_table.c.account_id, invoices_table.c.pdf_path)
+                       .where(invoices_table.c.number == number)).first()
+    if row is None or row.pdf_path is None or (row.account_id != who.account_id and not who.is_admin):
+        raise NotVisible(f"no invoice {number}")
+    return Path(row.pdf_path)
+
+
+def usage(conn: Connection, account_id: int, group_by: str) -> list[dict]:
+    """Usage from the read models, summed per day, model or API key."""
+    if group_by not in USAGE_GROUPS:
+        raise InvalidInput(f"group_by is one of {', '.join(USAGE_GROUPS)}")
+    column = usage_daily.c[USAGE_GROUPS[group_by]]
+    sums = [func.sum(usage_daily.c[name]).label(name) for name in USAGE_SUMS]
+    rows = conn.execute(select(column.label("group"), *sums).where(usage_daily.c.account_id == account_id)
+                        .group_by(column).order_by(column))
+    return [{group_by: r.group, **{name: int(getattr(r, name)) for name in USAGE_SUMS}} for r in rows]
+
+
+def earnings(conn: Connection, owner_account_id: int, group_by: str) -> list[dict]:
+    """Earnings from the read models, summed per day, worker or model."""
+    if group_by not in EARNINGS_GROUPS:
+        raise InvalidInput(f"group_by is one of {', '.join(EARNINGS_GROUPS)}")
+    column = earnings_daily.c[EARNINGS_GROUPS[group_by]]
+    rows = conn.execute(select(column.label("group"), func.sum(earnings_daily.c.requests).label("requests"),
+                               func.sum(earnings_daily.c.earnings_nano_usd).label("earnings_nano_usd"))
+                        .where(earnings_daily.c.owner_account_id == owner_account_id).group_by(column).order_by(column))
+    return [{group_by: r.group, "requests": int(r.requests), "earnings_nano_usd": int(r.earnings_nano_usd)} for r in rows]

@@ -1,0 +1,116 @@
+"""An account's documents for management tokens: invoices and credit notes,
+monthly statements and ledger exports, each scoped like the management API
+(what belongs to another account answers 404; an admin names any account)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+
+from litestar import Controller, Request, Response, get
+from litestar.params import FromPath, FromQuery
+from litestar.response import Stream
+
+from app import accounts
+from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
+from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
+from app.http.plumbing import json_response, read
+from app.statement_labels import statement_labels
+from invoices import exports, statements
+from proxy.errors import InvalidRequest
+
+STATEMENT_FORMATS = ("pdf", "json")
+# A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
+HTTP_CATCH_UP_ROUNDS_MAX = 1
+
+
+class DocumentController(Controller):
+    path = "/v1"
+    tags = ["documents"]
+    dependencies = PRINCIPAL
+    exception_handlers = SERVICE_EXCEPTION_HANDLERS
+
+    @get("/invoices", guards=[requires_reader],
+         summary="Invoices and credit notes of the account (filter by period and kind)")
+    async def list_invoices(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None,
+                            kind: FromQuery[str | None] = None, to: FromQuery[str | None] = None) -> Response:
+        """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
+        start, end = _period_bound(request.query_params.get("from"), "from"), _period_bound(to, "to")
+        with about_field("kind"):
+            listed = await read(request, accounts.list_invoices, accounts.scoped_account(who, account_id), kind, start, end)
+        return json_response({"data": listed})
+
+    @get("/invoices/{name:str}", guards=[requires_reader],
+         summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
+    async def invoice_pdf(self, request: Request, who: Caller, name: FromPath[str]) -> Response:
+        number = name.removesuffix(".pdf")
+        path = await read(request, accounts.invoice_pdf_path, who, number)
+        content = await asyncio.to_thread(path.read_bytes)
+        return Response(content, media_type="application/pdf",
+                        headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
+
+    @get("/statements", guards=[requires_any_role], summary="Stored monthly statements of the account (closed months)")
+    async def list_statements(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None) -> Response:
+        listed = await read(request, statements.list_statements, accounts.scoped_account(who, account_id))
+        return json_response({"data": [{k: v for k, v in s.items() if k != "pdf_path"} for s in listed]})  # paths stay inside
+
+    @get("/statements/{name:str}", guards=[requires_any_role],
+         summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
+    async def statement(self, request: Request, who: Caller, name: FromPath[str],
+                        account_id: FromQuery[int | None] = None) -> Response:
+        account = accounts.scoped_account(who, account_id)
+        month_text, _, fmt = name.rpartition(".")
+        if fmt not in STATEMENT_FORMATS:
+            raise NotFound(f"no statement {name}: ask for YYYY-MM.pdf or YYYY-MM.json")
+        engine, settings = request.app.state.ledger.engine, request.app.state.invoices
+
+        def work() -> tuple[object, bool]:
+            month = statements.parse_month(month_text)
+            if fmt == "json":
+                return statements.figures(engine, settings, account, month, statement_labels,
+                                          rounds_max=HTTP_CATCH_UP_ROUNDS_MAX), False
+            return statements.document(engine, settings, account, month, statement_labels, rounds_max=HTTP_CATCH_UP_ROUNDS_MAX)
+
+        content, provisional = await asyncio.to_thread(work)
+        if fmt == "json":
+            return json_response(content)
+        filename = f"statement-{account}-{month_text}{'-provisional' if provisional else ''}.pdf"
+        return Response(content, media_type="application/pdf",
+                        headers={"content-disposition": f'attachment; filename="{filename}"'})
+
+    @get("/exports/ledger.csv", guards=[requires_any_role],
+         summary="Every posting of the account in [from, to), with the running balance, as CSV")
+    async def ledger_export(self, request: Request, who: Caller, to: FromQuery[str | None] = None,
+                            account_id: FromQuery[int | None] = None) -> Response:
+        """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
+        the opening and closing balances and the row count come in `x-paralon-*` headers."""
+        account = accounts.scoped_account(who, account_id)
+        now = datetime.now(UTC)
+        start = _period_bound(request.query_params.get("from"), "from") or now.replace(day=1, hour=0, minute=0, second=0,
+                                                                                       microsecond=0)
+        end = min(_period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
+        if end <= start:
+            raise InvalidRequest("the period is empty: to must be after from, and from before now", param="to")
+        engine = request.app.state.ledger.engine
+        totals = await asyncio.to_thread(exports.prepare, engine, account, start, end, HTTP_CATCH_UP_ROUNDS_MAX)
+        chunks = exports.csv_chunks(engine, account, start, end, totals)
+        return Stream(iterate_in_threads(chunks), media_type="text/csv; charset=utf-8", headers={
+            "content-disposition": f'attachment; filename="ledger-{account}-{start.date()}-{end.date()}.csv"',
+            "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
+            "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
+            "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
+
+
+def _period_bound(value: str | None, name: FromPath[str]) -> datetime | None:
+    """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
+    if not value:
+        return None
+    with about_field(name):
+        return exports.parse_period_bound(value, name)
+
+
+async def iterate_in_threads(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """An iterator whose every step reads the database, stepped off the event loop."""
+    done = object()
+    while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+        yield chunk

@@ -1,0 +1,103 @@
+"""HTTP errors of Paralon's own API, and how every error becomes OpenAI's
+error JSON.
+
+The proxy raises its own errors (proxy/errors.py: a bad request, no credits,
+no worker). The ones here are raised at the edge: a token or key that does
+not authenticate, a role that may not, what is not there. The services of
+app/, invoices/ and ledger/ raise typed `LedgerError`s; `http_error_for` maps
+each to its status, so a controller only calls the service."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from app.accounts import NotVisible
+from app.http.plumbing import json_response
+from invoices.statements import NoStatement, StatementNotReady
+from ledger.errors import InvariantBroken, LedgerError
+from proxy import workers as registry
+from proxy.errors import InvalidRequest, NotReady, ProxyError
+
+
+class AuthenticationFailed(ProxyError):
+    """No bearer token, or one that is unknown or revoked (API keys and management tokens alike)."""
+
+    status, error_type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class PermissionDenied(ProxyError):
+    """The token's role may not do this to its own account's data."""
+
+    status, error_type, code = 403, "permission_error", "permission_denied"
+
+
+class NotFound(ProxyError):
+    """Does not exist, or belongs to an account the token may not know about."""
+
+    status, error_type, code = 404, "invalid_request_error", "not_found"
+
+
+class UnknownGeneration(ProxyError):
+    status, error_type, code = 404, "invalid_request_error", "generation_not_found"
+
+
+class WorkerNotSuspended(ProxyError):
+    status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
+
+
+# Most specific first; any other LedgerError is the caller's mistake (400).
+HTTP_ERROR_OF_SERVICE_ERROR: tuple[tuple[type[LedgerError], type[ProxyError]], ...] = (
+    (NotVisible, NotFound),
+    (NoStatement, NotFound),
+    (registry.UnknownWorker, NotFound),
+    (registry.WorkerNotSuspended, WorkerNotSuspended),
+    (StatementNotReady, NotReady),
+    (InvariantBroken, ProxyError),  # the books disagree: not the caller's doing
+)
+
+
+def http_error_for(exc: LedgerError) -> ProxyError:
+    for service_error, http_error in HTTP_ERROR_OF_SERVICE_ERROR:
+        if isinstance(exc, service_error):
+            return http_error(str(exc))
+    return InvalidRequest(str(exc))
+
+
+@contextmanager
+def about_field(param: str) -> Iterator[None]:
+    """A caller's mistake raised inside names the request field it is about."""
+    try:
+        yield
+    except LedgerError as exc:
+        error = http_error_for(exc)
+        if isinstance(error, InvalidRequest):
+            error.param = param
+        raise error from None
+
+
+def error_body(exc: ProxyError) -> dict:
+    return {"error": {"message": str(exc), "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def proxy_error_response(_: Request, exc: ProxyError) -> Response:
+    headers = {"retry-after": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return json_response(error_body(exc), exc.status, headers)
+
+
+def service_error_response(request: Request, exc: LedgerError) -> Response:
+    return proxy_error_response(request, http_error_for(exc))
+
+
+def http_exception_response(_: Request, exc: HTTPException) -> Response:
+    """Litestar's own errors (no such route, a path parameter of the wrong type) in the same shape."""
+    error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
+    return json_response({"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}},
+                         exc.status_code)
+
+
+EXCEPTION_HANDLERS = {ProxyError: proxy_error_response, HTTPException: http_exception_response}
+# Routes that call the services of app/, invoices/ and ledger/ also translate their typed errors.
+SERVICE_EXCEPTION_HANDLERS = {LedgerError: service_error_response}

@@ -1,0 +1,116 @@
+"""The HTTP service: one Litestar app with the OpenAI API, the management API,
+documents, webhooks and operator endpoints, and the background work of one
+proxy replica (worker directory, health probes, hold renewal and sweeping)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from litestar import Litestar
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.static_files import create_static_files_router
+from swagger_ui_bundle import swagger_ui_path
+
+from app import wiring
+from app.http.documents import DocumentController
+from app.http.errors import EXCEPTION_HANDLERS
+from app.http.inference import InferenceController
+from app.http.management import MANAGEMENT_CONTROLLERS
+from app.http.status import health, metrics, metrics_registry
+from app.http.webhooks import stripe_webhook
+from app.jobs.embedded_beat import run_embedded_beat
+from app.payments.crypto import CryptoSettings
+from app.payments.stripe import StripeSettings
+from app.settings import (
+    HEALTH_INTERVAL_MS_DEFAULT,
+    HOLD_SWEEP_INTERVAL_MS_DEFAULT,
+    HOLD_TTL_S_DEFAULT,
+    KEY_CACHE_TTL_MS_DEFAULT,
+    Settings,
+)
+from invoices.service import InvoiceSettings
+from ledger.db import is_postgres
+from ledger.service import Ledger
+from proxy.directory import Directory
+from proxy.health import HealthChecker
+from proxy.revocations import follow_revocations
+from proxy.service import InferenceProxy
+from proxy.upstream import UpstreamPool
+
+UPSTREAM_CONNECTIONS_MAX = 1024
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
+MS_PER_S = 1000
+
+
+def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_MS_DEFAULT / MS_PER_S,
+               health_interval_s: float = HEALTH_INTERVAL_MS_DEFAULT / MS_PER_S, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
+               hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_MS_DEFAULT / MS_PER_S,
+               stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
+               invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False) -> Litestar:
+    """Settings left out are read from the environment (app/wiring.py)."""
+    directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT,
+                                   limits=httpx.Limits(max_connections=UPSTREAM_CONNECTIONS_MAX,
+                                                       max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
+        await directory.refresh_async()
+        checker = HealthChecker(directory, client, interval_s=health_interval_s)
+        await checker.check_all()
+        upstream = UpstreamPool()
+        app.state.directory = directory
+        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
+        background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())
+        tasks = [asyncio.create_task(work) for work in background]
+        if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
+            tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
+        if embedded_beat:
+            tasks.append(asyncio.create_task(run_embedded_beat()))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await app.state.proxy.drain_background()
+            upstream.close()
+            await client.aclose()
+
+    app = Litestar(
+        route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, metrics,
+                        create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
+        lifespan=[lifespan],
+        exception_handlers=EXCEPTION_HANDLERS,
+        openapi_config=_openapi(),
+    )
+    settings = None if stripe_settings and crypto_settings and invoice_settings else Settings.from_env()
+    app.state.ledger = ledger
+    app.state.stripe = stripe_settings or wiring.stripe_settings(settings)
+    app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
+    app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
+    app.state.metrics = metrics_registry(ledger.engine)
+    app.state.background = set()  # webhook processing in flight: kept so the tasks are not collected mid-way
+    return app
+
+
+def _openapi() -> OpenAPIConfig:
+    return OpenAPIConfig(
+        title="Paralon", version="0.1.0", path="/docs",
+        render_plugins=[SwaggerRenderPlugin(js_url="/docs/assets/swagger-ui-bundle.js", css_url="/docs/assets/swagger-ui.css",
+                                            standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js",
+                                            path="/", favicon="")],
+    )
+
+
+async def _sweep_holds(ledger: Ledger, interval_s: float) -> None:
+    """Close holds a crashed proxy left behind, once they expire: released, or
+    settled at the recorded usage."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(ledger.expire_holds)
+        except Exception:  # the database may be away for a moment: the next round tries again
+            continue

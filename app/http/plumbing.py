@@ -1,0 +1,50 @@
+"""What every controller does the same way: answer JSON, read a JSON body,
+and run a service function on a database connection off the event loop."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+import orjson
+from litestar import Request, Response
+from sqlalchemy import Engine
+
+from proxy.errors import InvalidRequest
+
+T = TypeVar("T")
+
+
+def json_response(data: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+async def json_body(request: Request) -> object:
+    """The body as JSON, whatever its shape."""
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+async def json_object(request: Request) -> dict:
+    """The body as a JSON object; no body at all is an empty one."""
+    body = await json_body(request) if await request.body() else {}
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+async def read(request: Request, work: Callable[..., T], *args: object) -> T:
+    """`work(conn, *args)` on a connection of its own, in a thread."""
+    return await asyncio.to_thread(_run, request.app.state.ledger.engine, False, work, args)
+
+
+async def write(request: Request, work: Callable[..., T], *args: object) -> T:
+    """`work(conn, *args)` in a transaction of its own, in a thread: committed when it returns."""
+    return await asyncio.to_thread(_run, request.app.state.ledger.engine, True, work, args)
+
+
+def _run(engine: Engine, in_transaction: bool, work: Callable[..., T], args: tuple) -> T:
+    with engine.begin() if in_transaction else engine.connect() as conn:
+        return work(conn, *args)
