@@ -13,12 +13,9 @@ import httpx
 from ledger.schema import utc_now
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
+from proxy.limits import HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S, MEASURED_REQUESTS_MIN, WEIGHT_PERIOD_S
 from proxy.routing import quantise_tokens_per_s
 
-HEALTH_INTERVAL_S = 2.0
-PROBE_TIMEOUT_S = 2.0
-MEASURED_REQUESTS_MIN = 5
-WEIGHT_PERIOD_S = 60.0
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -69,12 +66,12 @@ class HealthChecker:
         try:
             if worker.engine == "llamacpp":
                 return await self._probe_llamacpp(worker)
-            health = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
-            models = await self.client.get(worker.url + "/v1/models", timeout=PROBE_TIMEOUT_S)
+            health = await self.client.get(worker.url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S)
+            models = await self.client.get(worker.url + "/v1/models", timeout=HEALTH_PROBE_TIMEOUT_S)
             if health.status_code != 200 or models.status_code != 200:
                 return {"healthy": False}
             context, served = context_from_models(models.json())
-            metrics = await self.client.get(worker.url + "/metrics", timeout=PROBE_TIMEOUT_S)
+            metrics = await self.client.get(worker.url + "/metrics", timeout=HEALTH_PROBE_TIMEOUT_S)
             busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return {"healthy": True, "context_length": context, "served_model": served, "busy": busy}
         except (httpx.HTTPError, ValueError):
@@ -85,7 +82,7 @@ class HealthChecker:
         waits for (or interrupts) the one request it runs at a time: any answer
         from the server proves it is up, and the context length comes from
         registration."""
-        response = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
+        response = await self.client.get(worker.url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S)
         return {"healthy": response.status_code < 500}
 
     def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:

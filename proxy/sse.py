@@ -5,8 +5,9 @@ from collections.abc import AsyncIterator
 
 import orjson
 
+from proxy.limits import SSE_EVENT_BYTES_MAX
+
 DONE = b"[DONE]"
-EVENT_BYTES_MAX = 4 * 1024 * 1024
 
 
 async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -26,7 +27,7 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             for line in block.split(b"\n"):
                 if line.startswith(b"data:"):
                     yield line[5:].strip()
-        if len(buffer) > EVENT_BYTES_MAX:
+        if len(buffer) > SSE_EVENT_BYTES_MAX:
             raise ValueError("an upstream event exceeded the size limit")
     if buffer.strip().startswith(b"data:"):
         yield buffer.strip()[5:].strip()

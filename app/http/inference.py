@@ -32,7 +32,8 @@ from proxy.keys import KeyGrant
 from proxy.prices import TOKENS_PER_MTOK
 from proxy.generation import CHAT, COMPLETIONS
 from proxy.revocations import follow_revocations
-from proxy.service import HOLD_TTL_S, InferenceProxy
+from proxy.limits import HOLD_TTL_S
+from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
 UPSTREAM_CONNECTIONS_MAX = 1024

@@ -5,7 +5,6 @@ import asyncio
 
 import pytest
 
-from proxy import upstream
 from proxy.upstream import UpstreamError, UpstreamPool
 
 
@@ -76,9 +75,7 @@ def test_abort_closes_the_connection_so_the_worker_stops():
     asyncio.run(main())
 
 
-def test_a_silent_worker_and_a_closed_port_are_upstream_errors(monkeypatch):
-    monkeypatch.setattr(upstream, "IDLE_TIMEOUT_S", 0.2)
-
+def test_a_silent_worker_and_a_closed_port_are_upstream_errors():
     async def handler(reader, writer):
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -87,7 +84,7 @@ def test_a_silent_worker_and_a_closed_port_are_upstream_errors(monkeypatch):
 
     async def main():
         server, url = await _server(handler)
-        pool = UpstreamPool()
+        pool = UpstreamPool(idle_timeout_s=0.2)
         response = await pool.post(url, b"{}")
         with pytest.raises(UpstreamError):
             await asyncio.wait_for(response.read(), 3)

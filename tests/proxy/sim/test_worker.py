@@ -21,9 +21,13 @@ import openai
 import orjson
 import pytest
 import uvicorn
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.sim.engine import SlotQueue
 from proxy.sim.profiles import PROFILES, get_profile
-from proxy.sim.worker import HttpError, SimWorker, SlotQueue, build_app
+from proxy.sim.requests import HttpError
+from proxy.sim.worker import SimWorker, build_app
 
 MODEL = "sim-model"
 STARTUP_TIMEOUT_S = 10.0
@@ -287,11 +291,24 @@ def test_models_health_and_metrics_endpoints(instant: RunningWorker) -> None:
     }
     assert [m.id for m in instant.client().models.list()] == [MODEL]
     assert health.status_code == 200 and health.content == b""
+    families = {family.name: family for family in text_string_to_metric_families(metrics)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert f"# TYPE vllm:{name} gauge" in metrics
+        assert families[f"vllm:{name}"].type == "gauge"
+        assert [(s.name, s.labels) for s in families[f"vllm:{name}"].samples] == [(f"vllm:{name}", {"model_name": MODEL})]
     for name in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens"):
-        assert f"# TYPE vllm:{name} counter" in metrics
+        assert families[f"vllm:{name}"].type == "counter"
         assert f'vllm:{name}_total{{model_name="{MODEL}"}}' in metrics
+
+
+def test_each_worker_counts_in_a_registry_of_its_own() -> None:
+    first, second = build_app("instant", MODEL), build_app("instant", MODEL)
+    first.state.prompt_tokens_total += 7
+
+    def prompt_tokens(app: SimWorker) -> float:
+        families = text_string_to_metric_families(generate_latest(app.metrics).decode())
+        return next(f for f in families if f.name == "vllm:prompt_tokens").samples[0].value
+
+    assert (prompt_tokens(first), prompt_tokens(second)) == (7, 0)
 
 
 def test_max_model_len_is_overridable() -> None:
