@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.schema import utc_now
 from proxy import workers as registry
@@ -16,19 +17,21 @@ from proxy.directory import Directory, WorkerLoad
 from proxy.limits import HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S, MEASURED_REQUESTS_MIN, WEIGHT_PERIOD_S
 from proxy.routing import quantise_tokens_per_s
 
-BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+BUSY_METRICS = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 
 
 def busy_from_metrics(text: str) -> int | None:
-    """Running plus waiting requests from vLLM's Prometheus text, or None."""
+    """Running plus waiting requests from vLLM's Prometheus text (summed over
+    their label sets), or None when the text has neither or does not parse."""
     total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(BUSY_METRICS):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-            except (IndexError, ValueError):
-                continue
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name in BUSY_METRICS:
+                for sample in family.samples:
+                    total += sample.value
+                    seen = True
+    except ValueError:  # not Prometheus text: the load is unknown, not zero
+        return None
     return int(total) if seen else None
 
 
