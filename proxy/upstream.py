@@ -5,10 +5,15 @@ llama.cpp learn to stop generating).
 
 A general client (httpx) costs about as much CPU per streamed token as the
 rest of the proxy together; the relay does only this, so it does it directly.
+
+`https://` workers are reached over TLS with their certificate and host name
+verified, against the system's certificate authorities or, when one is
+given, a CA bundle of the operator's (workers on a private CA).
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -23,6 +28,12 @@ from proxy.limits import (
 )
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def worker_tls_context(ca_bundle_path: str | None = None) -> ssl.SSLContext:
+    """Verifies a worker's certificate and host name: against the CA bundle
+    when one is given (and only it), else the system's authorities."""
+    return ssl.create_default_context(cafile=ca_bundle_path)
 
 
 class _Origin(NamedTuple):
@@ -171,14 +182,15 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    def __init__(self, *, idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, *, ca_bundle_path: str | None = None, idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S) -> None:
+        self.tls_context = worker_tls_context(ca_bundle_path)  # also for the health checks' client
         self.idle_timeout_s = idle_timeout_s
         self._idle: dict[_Origin, list[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamResponse:
         parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise UpstreamError("only http:// workers are relayed directly")
+        if parts.scheme not in DEFAULT_PORTS:
+            raise UpstreamError(f"a worker is reached over http:// or https://, not {parts.scheme}://")
         origin = _Origin(parts.scheme, parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORTS[parts.scheme])
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\nContent-Type: application/json\r\n"
@@ -200,10 +212,11 @@ class UpstreamPool:
                 connection.reset()
                 return connection
         loop = asyncio.get_running_loop()
+        tls = {"ssl": self.tls_context, "server_hostname": origin.host} if origin.scheme == "https" else {}
         try:
             _, connection = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(loop), origin.host, origin.port), UPSTREAM_CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
+                loop.create_connection(lambda: _Connection(loop), origin.host, origin.port, **tls), UPSTREAM_CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError (an untrusted certificate) is an OSError
             raise UpstreamError(f"cannot connect to {origin.host}:{origin.port}: {exc or type(exc).__name__}") from None
         return connection
 

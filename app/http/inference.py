@@ -5,6 +5,7 @@ JSON; they hold no business rules."""
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import asynccontextmanager
 
 import httpx
@@ -153,7 +154,10 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
-        client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0),
+        # https:// workers on a private CA: the operator's bundle (to move into app/settings.py).
+        upstream = UpstreamPool(ca_bundle_path=os.environ.get("PARALON_WORKER_CA_BUNDLE") or None)
+        client = httpx.AsyncClient(verify=upstream.tls_context,
+                                   timeout=httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0),
                                    limits=httpx.Limits(max_connections=UPSTREAM_CONNECTIONS_MAX,
                                                        max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
         await directory.refresh_async()
@@ -162,7 +166,6 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = 1.0, health_interval_
         app.state.directory, app.state.ledger = directory, ledger
         app.state.stripe, app.state.crypto, app.state.invoices = stripe_settings, crypto_settings, invoice_settings
         app.state.background = set()
-        upstream = UpstreamPool()
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
         tasks = [asyncio.create_task(t) for t in (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())]
         if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
