@@ -6,7 +6,7 @@ import orjson
 
 from proxy import sse
 
-_DATA_PREFIX_BYTES = len(b"data: ")
+_DATA_PREFIX_BYTES = len(sse.DATA_PREFIX)
 
 
 class AnswerParts:

@@ -22,11 +22,11 @@ import orjson
 from proxy.limits import SSE_EVENT_BYTES_MAX
 
 DONE = b"[DONE]"
-DONE_EVENT = b"data: [DONE]\n\n"
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
-_DATA_PREFIX = b"data: "
-_DATA_PREFIX_BYTES = len(_DATA_PREFIX)
+DATA_PREFIX = b"data: "  # how every event this proxy writes starts
+_DATA_PREFIX_BYTES = len(DATA_PREFIX)
+DONE_EVENT = DATA_PREFIX + DONE + b"\n\n"
 
 
 class Event(NamedTuple):
@@ -69,7 +69,7 @@ class EventStreamParser:
         self._tail = lines.pop()
         events = []
         for line in lines:
-            if line[:_DATA_PREFIX_BYTES] == _DATA_PREFIX:  # the common line, without the general split
+            if line[:_DATA_PREFIX_BYTES] == DATA_PREFIX:  # the common line, without the general split
                 self._data.append(line[_DATA_PREFIX_BYTES:])
                 self._data_bytes += len(line) - _DATA_PREFIX_BYTES + 1
             elif line:
@@ -130,7 +130,7 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     at_boundary = False
     async for piece in raw:
         # One whole `data: ` event, LF-terminated, arriving when nothing is under way: as it is.
-        if (at_boundary and piece[:_DATA_PREFIX_BYTES] == _DATA_PREFIX and piece.find(b"\n") == len(piece) - 2
+        if (at_boundary and piece[:_DATA_PREFIX_BYTES] == DATA_PREFIX and piece.find(b"\n") == len(piece) - 2
                 and piece[-1:] == b"\n" and b"\r" not in piece):
             yield piece[_DATA_PREFIX_BYTES:-2]
             continue
@@ -140,4 +140,4 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def encode(payload: dict) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return DATA_PREFIX + orjson.dumps(payload) + b"\n\n"
