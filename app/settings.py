@@ -67,6 +67,7 @@ class ProxyConfig(_Group):
     hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", HOLD_SWEEP_INTERVAL_MS_DEFAULT,
                                        ge=50, le=3_600_000)
     public_url: str = _env("PARALON_PUBLIC_URL", PUBLIC_URL_DEFAULT)
+    worker_ca_bundle: str | None = _env("PARALON_WORKER_CA_BUNDLE")
 
     @field_validator("public_url")
     @classmethod

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from proxy import keys, prices, workers
+from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, KEY_CACHE_ENTRIES_MAX, KEY_CACHE_TTL_S
 from proxy.schema import api_keys
-
-REFRESH_INTERVAL_S = 1.0
-KEY_CACHE_TTL_S = 1.0
-KEY_CACHE_ENTRIES_MAX = 100_000
 
 
 @dataclass
@@ -75,7 +72,7 @@ class Directory:
     async def refresh_async(self) -> None:
         self._apply(await asyncio.to_thread(self._read))
 
-    async def run(self, interval_s: float = REFRESH_INTERVAL_S) -> None:
+    async def run(self, interval_s: float = DIRECTORY_REFRESH_INTERVAL_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:

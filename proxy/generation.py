@@ -1,65 +1,124 @@
 """One request's stream: what the caller sees of the worker's chunks, and the
-counts settlement needs. `InferenceProxy` (proxy/service.py) opens it and settles it."""
+counts settlement needs.
+
+The proxy (proxy/service.py) plans a `Generation`, places its hold, and opens
+an upstream attempt on it; `events()` relays the rest and, once the stream
+ends, hands the generation to the settle callback it was built with
+(proxy/settlement.py). It knows nothing of either module."""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 import orjson
 
 from ledger.money import nano_usd_to_usd_text
-from proxy import metering, sse
+from proxy import answer, metering, sse
 from proxy import workers as registry
 from proxy.errors import NotReady, ProxyError, UpstreamFailed
 from proxy.keys import KeyGrant
+from proxy.limits import TOOL_CALLS_PER_ANSWER_MAX
+from proxy.metering import utf8_bytes
 from proxy.prices import Price
 from proxy.upstream import UpstreamError, UpstreamResponse
 
-if TYPE_CHECKING:
-    from proxy.service import InferenceProxy
-
 CHAT, COMPLETIONS = "chat", "completions"
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+# Settles an ended generation once, in a task nothing the caller does can
+# cancel: `charge=True` bills what was delivered; `charge=False` (nothing was
+# delivered) releases its hold.
+Settle = Callable[["Generation", bool], asyncio.Future]
 
 
-@dataclass
+@dataclass(eq=False)
 class Generation:
-    proxy: InferenceProxy
+    # The request, as planned before its hold
     kind: str
     request_id: str
     model: str
     price: Price
     grant: KeyGrant
-    hold_id: int
-    hold_nano_usd: int
     prompt_bound: int
-    max_tokens: int
+    max_tokens: int  # lowered to what the hold pays for (accept_hold)
     wants_usage: bool
     wants_continuous_usage: bool
     started_at: datetime
-    streaming: bool = False  # the caller receives tokens as they come (what it has received is delivered)
-    worker: registry.WorkerView | None = None
-    upstream_body: dict | None = None
-    tool_names: frozenset[str] = frozenset()  # the functions the request offered (use_worker)
-    response: UpstreamResponse | None = None
-    upstream: object = None  # the upstream event iterator
-    pending: list[bytes] = field(default_factory=list)  # chunks read before the first token
-    output: metering.OutputCount = field(default_factory=metering.OutputCount)  # what the caller received
-    reported_prompt: int | None = None
-    reported_completion: int | None = None
-    first_token_at: float = 0.0
-    upstream_done: bool = False  # [DONE] came before any token: an empty completion
-    overran: bool = False  # the worker sent more tokens than the hold pays for
-    hold_lost: bool = False  # the sweeper closed the hold while this ran (it could not be renewed in time)
-    recorded_capture_nano_usd: int = 0  # the delivered usage last recorded against the hold
-    settle_failed: bool = False  # a non-streaming answer whose charge could not be written is withheld
-    finished: bool = False
-    settling: asyncio.Task | None = None
-    cost_nano_usd: int = 0
-    usage: dict = field(default_factory=dict)
-    created: int = 0
+    streaming: bool  # the caller receives tokens as they come (what it has received is delivered)
+    settle: Settle
+    # Its hold (accept_hold)
+    hold_id: int = field(default=0, init=False)
+    hold_nano_usd: int = field(default=0, init=False)
+    # The upstream attempt (use_worker, attach, read_to_first_token; forget_attempt undoes them)
+    worker: registry.WorkerView | None = field(default=None, init=False)
+    upstream_body: dict | None = field(default=None, init=False)
+    tool_names: frozenset[str] = field(default=frozenset(), init=False)  # the functions the request offered
+    response: UpstreamResponse | None = field(default=None, init=False)
+    upstream: object = field(default=None, init=False)  # the upstream event iterator
+    pending: list[bytes] = field(default_factory=list, init=False)  # chunks read before the first token
+    first_token_at: float = field(default=0.0, init=False)
+    upstream_done: bool = field(default=False, init=False)  # [DONE] came before any token: an empty completion
+    # What the caller received, and what the worker reported
+    output: metering.OutputCount = field(default_factory=metering.OutputCount, init=False)
+    reported_prompt: int | None = field(default=None, init=False)
+    reported_completion: int | None = field(default=None, init=False)
+    overran: bool = field(default=False, init=False)  # the worker sent more tokens than the hold pays for
+    created: int = field(default=0, init=False)
+    # Settlement (proxy/settlement.py reports through the methods below)
+    hold_lost: bool = field(default=False, init=False)  # the sweeper closed the hold while this ran
+    recorded_capture_nano_usd: int = field(default=0, init=False)  # the delivered usage last recorded against the hold
+    finished: bool = field(default=False, init=False)
+    settle_failed: bool = field(default=False, init=False)  # a non-streaming answer whose charge could not be written
+    cost_nano_usd: int = field(default=0, init=False)
+    usage: dict = field(default_factory=dict, init=False)
+    _settling: asyncio.Future | None = field(default=None, init=False, repr=False)
+
+    # Before the first token
+    def accept_hold(self, hold_id: int, amount_nano_usd: int) -> None:
+        """The hold granted, perhaps less than planned: max_tokens falls to what it pays for."""
+        self.hold_id, self.hold_nano_usd = hold_id, amount_nano_usd
+        self.max_tokens = min(self.max_tokens, metering.affordable_max_tokens(self.price, self.prompt_bound, amount_nano_usd))
+
+    def use_worker(self, worker: registry.WorkerView | None, upstream_body: dict) -> None:
+        """The attempt about to start, and what the proxy counts of its body once
+        rather than per chunk: the functions offered, the stop strings asked for."""
+        self.worker, self.upstream_body = worker, upstream_body
+        self.tool_names = metering.offered_tool_names(upstream_body)
+        self.output.stop_bytes = metering.stop_bytes_max(upstream_body)
+
+    def upstream_url(self) -> str:
+        return self.worker.url + PATHS[self.kind]
+
+    def attach(self, response: UpstreamResponse) -> None:
+        self.response = response
+
+    async def read_to_first_token(self) -> bool:
+        """Read the attached response up to its first token (kept for the
+        caller) or an early [DONE]; False when the stream ended before either."""
+        self.upstream = sse.data_events(self.response.pieces())
+        async for data in self.upstream:
+            if data == sse.DONE:
+                self.upstream_done = True
+                return True
+            out = self.transform(data)
+            if out is not None:
+                self.pending.append(out)
+            if self.counted_tokens:
+                return True
+        return False
+
+    def forget_attempt(self) -> registry.WorkerView | None:
+        """A failed attempt before the first token: the next worker starts from
+        nothing. Returns the worker it had, whose load the proxy counted."""
+        worker = self.worker
+        self.worker, self.response, self.upstream = None, None, None
+        self.pending = []
+        self.output = metering.OutputCount(stop_bytes=self.output.stop_bytes)
+        self.reported_prompt = self.reported_completion = None
+        self.first_token_at, self.upstream_done = 0.0, False
+        return worker
 
     # The relay
     def transform(self, data: bytes) -> bytes | None:
@@ -127,15 +186,15 @@ class Generation:
     def _output_bytes(self, choice: dict) -> int:
         """UTF-8 bytes of output in one choice, as the caller receives them."""
         if self.kind != CHAT:
-            return _str_bytes(choice.get("text"))
+            return utf8_bytes(choice.get("text"))
         delta = choice.get("delta")
         if not delta:
             return 0
-        total = _str_bytes(delta.get("content"))
+        total = utf8_bytes(delta.get("content"))
         reasoning_content, reasoning = delta.get("reasoning_content"), delta.get("reasoning")
-        total += _str_bytes(reasoning_content)
+        total += utf8_bytes(reasoning_content)
         if reasoning != reasoning_content:  # vLLM sends the same text under both names
-            total += _str_bytes(reasoning)
+            total += utf8_bytes(reasoning)
         if delta.get("tool_calls") is not None:
             total += self._tool_call_bytes(delta)
         return total
@@ -158,7 +217,7 @@ class Generation:
             function = call.get("function")
             if isinstance(function, dict):
                 name = function.get("name")
-                total += _str_bytes(name) + _str_bytes(function.get("arguments"))
+                total += utf8_bytes(name) + utf8_bytes(function.get("arguments"))
                 if type(name) is str and name in self.tool_names:  # a name not offered is relayed, without the allowance
                     self.output.tool_call_indexes.add(index)
         if len(kept) != len(tool_calls):
@@ -172,7 +231,7 @@ class Generation:
             return False
         if index < output.tool_calls_opened:
             return True
-        if output.tool_calls_opened >= metering.TOOL_CALLS_PER_ANSWER_MAX:
+        if output.tool_calls_opened >= TOOL_CALLS_PER_ANSWER_MAX:
             return False
         output.tool_calls_opened += 1
         return True
@@ -185,18 +244,7 @@ class Generation:
                                          prompt_bound=self.prompt_bound, output=self.output)
         return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
 
-    def use_worker(self, worker: registry.WorkerView | None, upstream_body: dict) -> None:
-        """The attempt about to start, and what the proxy counts of its body once
-        rather than per chunk: the functions offered, the stop strings asked for."""
-        self.worker, self.upstream_body = worker, upstream_body
-        self.tool_names = metering.offered_tool_names(upstream_body)
-        self.output.stop_bytes = metering.stop_bytes_max(upstream_body)
-
-    def forget_output(self) -> None:
-        """A failed attempt before the first token: the next worker starts from nothing."""
-        self.output = metering.OutputCount(stop_bytes=self.output.stop_bytes)
-        self.reported_prompt = self.reported_completion = None
-
+    # The caller's stream
     async def events(self):
         """The caller's stream: what was read before the first token, the rest
         as it comes, then (after the settlement is durable) usage and [DONE]."""
@@ -217,24 +265,79 @@ class Generation:
                 else:
                     raise UpstreamFailed("the worker's stream ended without [DONE]")
             # Its own task: a caller leaving now cannot interrupt the settlement.
-            await asyncio.shield(self.proxy.settle(self))
+            await asyncio.shield(self.settle_once())
             if self.wants_usage:
                 yield sse.encode(self.usage_chunk())
             yield sse.DONE_EVENT
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
             # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
-            await asyncio.shield(self.proxy.settle(self, charge=self.streaming))
+            await asyncio.shield(self.settle_once(charge=self.streaming))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
         finally:
-            self.proxy.settle(self)  # the caller went away: bill what was produced (a no-op once settling)
+            self.settle_once()  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
+
+    def settle_once(self, *, charge: bool = True) -> asyncio.Future:
+        """The settlement, started on the first call; later calls get the same one."""
+        if self._settling is None:
+            self._settling = self.settle(self, charge)
+        return self._settling
 
     async def close_upstream(self) -> None:
         """Back to the pool when the response ended cleanly; otherwise the
         connection is closed, which stops the worker."""
         if self.response is not None:
             self.response.close()
+
+    async def collect(self) -> dict:
+        """A non-streaming answer, assembled from the same stream."""
+        parts = answer.AnswerParts(chat=self.kind == CHAT)
+        async for event in self.events():
+            parts.add(event)
+        if self.settle_failed:
+            raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
+        if parts.error is not None:
+            raise UpstreamFailed(parts.error["message"])
+        return parts.assembled(self.request_id, self.created or int(time.time()), self.model, self.usage_dict())
+
+    # What settlement reports back
+    def begin_settling(self) -> bool:
+        """False when it was settled (or released) already."""
+        if self.finished:
+            return False
+        self.finished = True
+        return True
+
+    def bill(self, billed: metering.BilledUsage) -> None:
+        """The usage billed, and its charge at the request's price."""
+        self.usage = {"prompt_tokens": billed.prompt_tokens, "completion_tokens": billed.completion_tokens,
+                      "total_tokens": billed.prompt_tokens + billed.completion_tokens}
+        # An empty completion costs nothing.
+        self.cost_nano_usd = (self.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens)
+                              if billed.completion_tokens else 0)
+
+    def charged(self, cost_nano_usd: int) -> None:
+        """What the ledger actually charged, when it differs from the bill."""
+        self.cost_nano_usd = cost_nano_usd
+
+    def withhold(self) -> None:
+        """A non-streaming answer that could not be billed: nothing is charged, nothing given."""
+        self.cost_nano_usd, self.settle_failed = 0, True
+
+    def lose_hold(self) -> None:
+        """The sweeper closed the hold: the stream stops, the rest is charged at the end."""
+        self.hold_lost = True
+
+    def note_prompt_tokens(self, prompt_tokens: int) -> None:
+        self.reported_prompt = prompt_tokens
+
+    def record_capture(self, capture_nano_usd: int) -> bool:
+        """The delivered usage recorded against the hold; False when it has not changed."""
+        if capture_nano_usd == self.recorded_capture_nano_usd:
+            return False
+        self.recorded_capture_nano_usd = capture_nano_usd
+        return True
 
     def usage_dict(self) -> dict:
         return {**self.usage, "cost": nano_usd_to_usd_text(self.cost_nano_usd)}
@@ -243,69 +346,6 @@ class Generation:
         object_name = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": [], "usage": self.usage_dict()}
-
-    async def collect(self) -> dict:
-        """A non-streaming answer, assembled from the same stream."""
-        message, finish_reason, error = _MessageParts(), None, None
-        async for event in self.events():
-            payload = event[6:].strip()
-            if payload == sse.DONE:
-                continue
-            chunk = orjson.loads(payload)
-            if "error" in chunk:
-                error = chunk["error"]
-                continue
-            for choice in chunk.get("choices") or ():
-                if self.kind == CHAT:
-                    message.add(choice.get("delta") or {})
-                elif choice.get("text"):
-                    message.content.append(choice["text"])
-                finish_reason = choice.get("finish_reason") or finish_reason
-        if self.settle_failed:
-            raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
-        if error is not None:
-            raise UpstreamFailed(error["message"])
-        if self.kind == CHAT:
-            choice = {"index": 0, "message": message.assembled(), "logprobs": None, "finish_reason": finish_reason}
-            object_name = "chat.completion"
-        else:
-            choice = {"index": 0, "text": "".join(message.content), "logprobs": None, "finish_reason": finish_reason}
-            object_name = "text_completion"
-        return {"id": self.request_id, "object": object_name, "created": self.created or int(time.time()),
-                "model": self.model, "choices": [choice], "usage": self.usage_dict()}
-
-
-class _MessageParts:
-    """An assistant message put back together from its deltas."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.tool_calls: dict[int, dict] = {}
-
-    def add(self, delta: dict) -> None:
-        if isinstance(delta.get("content"), str):
-            self.content.append(delta["content"])
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if isinstance(reasoning, str):
-            self.reasoning.append(reasoning)
-        for call in delta.get("tool_calls") or ():
-            whole = self.tool_calls.setdefault(call.get("index", 0), {"id": None, "type": "function",
-                                                                      "function": {"name": "", "arguments": ""}})
-            whole["id"] = call.get("id") or whole["id"]
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
-            for key in ("name", "arguments"):
-                if isinstance(function.get(key), str):
-                    whole["function"][key] += function[key]
-
-    def assembled(self) -> dict:
-        message = {"role": "assistant", "content": "".join(self.content)}
-        if self.reasoning:
-            message["reasoning_content"] = "".join(self.reasoning)
-        if self.tool_calls:
-            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-            message["content"] = message["content"] or None
-        return message
 
 
 def _well_formed(kind: str, choice: object) -> bool:
@@ -321,7 +361,3 @@ def _well_formed(kind: str, choice: object) -> bool:
 
 def _text_or_none(value: object) -> bool:
     return value is None or type(value) is str
-
-
-def _str_bytes(value: object) -> int:
-    return len(value.encode()) if type(value) is str else 0

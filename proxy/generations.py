@@ -12,6 +12,11 @@ from ledger.money import nano_usd_to_usd_text
 from ledger.schema import ledger_events
 
 
+def rest_key(key: str) -> str:
+    """The key of what was charged after the request's hold had closed (proxy/settlement.py)."""
+    return f"{key}:rest"
+
+
 class Settled(NamedTuple):
     charge_nano_usd: int
     prompt_tokens: int
@@ -22,7 +27,7 @@ def _settlements(conn: Connection, request_id: str) -> list:
     key = settlement_key(request_id)
     return conn.execute(
         select(ledger_events.c.seq, ledger_events.c.payload, ledger_events.c.recorded_at)
-        .where(ledger_events.c.idempotency_key.in_((key, f"{key}:rest"))).order_by(ledger_events.c.seq)
+        .where(ledger_events.c.idempotency_key.in_((key, rest_key(key)))).order_by(ledger_events.c.seq)
     ).all()
 
 

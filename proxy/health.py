@@ -9,29 +9,29 @@ import asyncio
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.schema import utc_now
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
+from proxy.limits import HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S, MEASURED_REQUESTS_MIN, WEIGHT_PERIOD_S
 from proxy.routing import quantise_tokens_per_s
 
-HEALTH_INTERVAL_S = 2.0
-PROBE_TIMEOUT_S = 2.0
-MEASURED_REQUESTS_MIN = 5
-WEIGHT_PERIOD_S = 60.0
-BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+BUSY_METRICS = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 
 
 def busy_from_metrics(text: str) -> int | None:
-    """Running plus waiting requests from vLLM's Prometheus text, or None."""
+    """Running plus waiting requests from vLLM's Prometheus text (summed over
+    their label sets), or None when the text has neither or does not parse."""
     total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(BUSY_METRICS):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-            except (IndexError, ValueError):
-                continue
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name in BUSY_METRICS:
+                for sample in family.samples:
+                    total += sample.value
+                    seen = True
+    except ValueError:  # not Prometheus text: the load is unknown, not zero
+        return None
     return int(total) if seen else None
 
 
@@ -69,12 +69,12 @@ class HealthChecker:
         try:
             if worker.engine == "llamacpp":
                 return await self._probe_llamacpp(worker)
-            health = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
-            models = await self.client.get(worker.url + "/v1/models", timeout=PROBE_TIMEOUT_S)
+            health = await self.client.get(worker.url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S)
+            models = await self.client.get(worker.url + "/v1/models", timeout=HEALTH_PROBE_TIMEOUT_S)
             if health.status_code != 200 or models.status_code != 200:
                 return {"healthy": False}
             context, served = context_from_models(models.json())
-            metrics = await self.client.get(worker.url + "/metrics", timeout=PROBE_TIMEOUT_S)
+            metrics = await self.client.get(worker.url + "/metrics", timeout=HEALTH_PROBE_TIMEOUT_S)
             busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return {"healthy": True, "context_length": context, "served_model": served, "busy": busy}
         except (httpx.HTTPError, ValueError):
@@ -85,7 +85,7 @@ class HealthChecker:
         waits for (or interrupts) the one request it runs at a time: any answer
         from the server proves it is up, and the context length comes from
         registration."""
-        response = await self.client.get(worker.url + "/health", timeout=PROBE_TIMEOUT_S)
+        response = await self.client.get(worker.url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S)
         return {"healthy": response.status_code < 500}
 
     def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:

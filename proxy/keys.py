@@ -14,11 +14,10 @@ from ledger.db import is_postgres
 from ledger.errors import InvalidInput
 from ledger.money import require_positive
 from ledger.schema import utc_now
+from proxy.limits import KEY_PREFIX_SHOWN_CHARS, KEY_RANDOM_BYTES, NAME_CHARS_MAX
 from proxy.schema import api_keys
 
 KEY_PREFIX = "sk-par-"
-KEY_RANDOM_BYTES = 32
-KEY_PREFIX_SHOWN_CHARS = 12
 REVOCATION_CHANNEL = "paralon_revocations"  # payload: "<table>:<id>"
 
 
@@ -72,7 +71,7 @@ def create_key(conn: Connection, account_id: int, *, name: str | None = None,
     if spend_limit_nano_usd is not None:
         require_positive(spend_limit_nano_usd, "spend limit")
     if name is not None:
-        cmd.require_text(name, "a key name", 200)
+        cmd.require_text(name, "a key name", NAME_CHARS_MAX)
     key = new_secret(KEY_PREFIX)
     key_id = conn.execute(
         api_keys.insert()

@@ -35,27 +35,25 @@ from typing import NamedTuple
 import orjson
 
 from proxy.errors import InvalidRequest
+from proxy.limits import (
+    COMPLETION_ALLOWANCE_TOKENS_PER_FINISH,
+    COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL,
+    COMPLETION_TOLERANCE_PERCENT,
+    COMPLETION_TOLERANCE_TOKENS_MIN,
+    MAX_TOKENS_LIMIT,
+    MAX_TOKENS_WITHOUT_CONTEXT,
+    TEMPLATE_TOKENS_PER_CONTENT_PART,
+    TEMPLATE_TOKENS_PER_MESSAGE,
+    TEMPLATE_TOKENS_PER_REASONING,
+    TEMPLATE_TOKENS_PER_REQUEST,
+    TEMPLATE_TOKENS_PER_TOOL,
+    TEMPLATE_TOKENS_PER_TOOL_CALL,
+    TEMPLATE_TOKENS_PER_TOOL_REPLY,
+    TEMPLATE_TOKENS_WITH_TOKEN_IDS,
+    TEMPLATE_TOKENS_WITH_TOOLS,
+)
 from proxy.prices import Price
 
-# Prompt: the chat template's own tokens (ChatML-, Llama- and Hermes-style
-# templates measured with a byte-level tokenizer, tests/proxy/test_prompt_bound.py).
-TEMPLATE_TOKENS_PER_REQUEST = 32  # BOS, the generation prompt
-TEMPLATE_TOKENS_PER_MESSAGE = 8  # turn markers around role and content (the role's bytes are counted)
-TEMPLATE_TOKENS_PER_TOOL_REPLY = 48  # <tool_response> markup, a turn of its own in some templates
-TEMPLATE_TOKENS_PER_TOOL_CALL = 64  # <tool_call>{"name": ..., "arguments": ...}</tool_call>
-TEMPLATE_TOKENS_PER_REASONING = 24  # <think>...</think> around reasoning sent back
-TEMPLATE_TOKENS_PER_CONTENT_PART = 2  # the separator an engine joins text parts with
-TEMPLATE_TOKENS_WITH_TOOLS = 512  # the tools preamble ("You may call one or more functions...")
-TEMPLATE_TOKENS_PER_TOOL = 8  # the line around each tool definition
-TEMPLATE_TOKENS_WITH_TOKEN_IDS = 2  # BOS (and EOS) an engine may add around token ids it did not tokenise
-# Completion: tokens an engine produces but never relays as text.
-COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a reasoning parser strips
-COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL = 24  # tool-call markup a tool parser strips
-# Far more parallel calls than any agent framework makes; each beyond it is dropped, never relayed.
-TOOL_CALLS_PER_ANSWER_MAX = 64
-COMPLETION_TOLERANCE_TOKENS_MIN = 2
-COMPLETION_TOLERANCE_PERCENT = 5
-MAX_TOKENS_LIMIT = 1_000_000
 TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
 
 STRIKE_COMPLETION_ABOVE_BOUND = "completion_above_bound"
@@ -70,7 +68,8 @@ TOOL_CALL_STRING_KEYS = ("id", "type")
 FUNCTION_KEYS = ("name", "arguments")  # the name as its bytes, the arguments as sent or re-rendered
 
 
-def _bytes(value: object) -> int:
+def utf8_bytes(value: object) -> int:
+    """The UTF-8 bytes of a string; nothing for anything else."""
     return len(value.encode()) if isinstance(value, str) else 0
 
 
@@ -88,7 +87,7 @@ def json_bytes_bound(value: object) -> int:
 
 def _content_bytes(content: object, param: str) -> int:
     if content is None or isinstance(content, str):
-        return _bytes(content)
+        return utf8_bytes(content)
     if not isinstance(content, list):
         raise InvalidRequest("message content must be a string or a list of text parts", param=param)
     total = 0
@@ -132,8 +131,8 @@ def _tool_calls_bytes(tool_calls: object, param: str) -> int:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             raise InvalidRequest("each tool call needs a function object", param=param)
-        total += (TEMPLATE_TOKENS_PER_TOOL_CALL + _bytes(call.get("id")) + _bytes(call.get("type"))
-                  + _bytes(function.get("name")) + _arguments_bytes(function.get("arguments")))
+        total += (TEMPLATE_TOKENS_PER_TOOL_CALL + utf8_bytes(call.get("id")) + utf8_bytes(call.get("type"))
+                  + utf8_bytes(function.get("name")) + _arguments_bytes(function.get("arguments")))
     return total
 
 
@@ -143,10 +142,10 @@ def _message_tokens_bound(message: object, index: int) -> int:
         raise InvalidRequest("each message needs a role", param=param)
     role = message["role"]
     total = TEMPLATE_TOKENS_PER_MESSAGE + len(role.encode()) + _content_bytes(message.get("content"), param + ".content")
-    total += sum(_bytes(message.get(key)) for key in ("name", "tool_call_id", "refusal"))
+    total += sum(utf8_bytes(message.get(key)) for key in ("name", "tool_call_id", "refusal"))
     if role == "tool" or role == "function":
         total += TEMPLATE_TOKENS_PER_TOOL_REPLY
-    reasoning = _bytes(message.get("reasoning_content")) + _bytes(message.get("reasoning"))
+    reasoning = utf8_bytes(message.get("reasoning_content")) + utf8_bytes(message.get("reasoning"))
     if reasoning:
         total += TEMPLATE_TOKENS_PER_REASONING + reasoning
     total += _tool_calls_bytes(message.get("tool_calls"), param + ".tool_calls")
@@ -181,7 +180,7 @@ def prompt_tokens_bound(kind: str, body: dict) -> int:
             value = body.get(field)
             if value is not None:
                 total += len(value.encode()) if isinstance(value, str) else json_bytes_bound(value)
-        return total + _bytes(body.get("reasoning_effort"))
+        return total + utf8_bytes(body.get("reasoning_effort"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -203,6 +202,18 @@ def requested_max_tokens(kind: str, body: dict) -> int | None:
     return value
 
 
+def planned_max_tokens(asked_max_tokens: int | None, prompt_bound: int, context_lengths: list[int | None]) -> int:
+    """max_tokens for the hold: what the caller asked for, else the room the
+    largest known context of the candidates leaves; never more than that room
+    when every candidate has told its context length."""
+    known_contexts = [context for context in context_lengths if context]
+    room = max(max(known_contexts) - prompt_bound, 1) if known_contexts else MAX_TOKENS_WITHOUT_CONTEXT
+    max_tokens = asked_max_tokens or room
+    if len(known_contexts) == len(context_lengths):
+        max_tokens = min(max_tokens, room)
+    return max_tokens
+
+
 def offered_tool_names(body: dict | None) -> frozenset[str]:
     """The function names a request offered (`tools`, or the deprecated `functions`)."""
     names = []
@@ -221,7 +232,7 @@ def stop_bytes_max(body: dict | None) -> int:
     if isinstance(stop, str):
         return len(stop.encode())
     if isinstance(stop, list):
-        return max((_bytes(s) for s in stop), default=0)
+        return max((utf8_bytes(s) for s in stop), default=0)
     return 0
 
 

@@ -9,11 +9,10 @@ from ledger import commands as cmd
 from ledger.errors import InvalidAmount
 from ledger.money import NANO_USD_PER_USD, usd_to_nano_usd
 from ledger.schema import utc_now
+from proxy.limits import NAME_CHARS_MAX, PRICE_DECIMALS_MAX, PRICE_USD_PER_MTOK_MAX
 from proxy.schema import model_prices
 
 TOKENS_PER_MTOK = 1_000_000
-PRICE_DECIMALS_MAX = 6
-PRICE_USD_PER_MTOK_MAX = 10_000
 
 
 class Price(NamedTuple):
@@ -40,7 +39,7 @@ def nano_usd_per_token(usd_per_mtok: str) -> int:
 
 
 def set_price(conn: Connection, model: str, input_usd_per_mtok: str, output_usd_per_mtok: str) -> Price:
-    cmd.require_text(model, "a model name", 200)
+    cmd.require_text(model, "a model name", NAME_CHARS_MAX)
     price = Price(nano_usd_per_token(input_usd_per_mtok), nano_usd_per_token(output_usd_per_mtok))
     if price.output_nano_usd_per_token == 0:
         raise InvalidAmount("the output price must be above zero: it bounds every hold")

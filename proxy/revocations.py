@@ -15,15 +15,15 @@ import psycopg
 from sqlalchemy import Engine
 
 from proxy.keys import REVOCATION_CHANNEL, parse_revocation
+from proxy.limits import (
+    REVOCATION_CONNECT_TIMEOUT_S,
+    REVOCATION_LIVENESS_CHECK_INTERVAL_S,
+    REVOCATION_RECONNECT_WAIT_S_MAX,
+    REVOCATION_RECONNECT_WAIT_S_MIN,
+)
 
 log = logging.getLogger(__name__)
 
-RECONNECT_WAIT_S_MIN = 0.1
-RECONNECT_WAIT_S_MAX = 5.0
-# A listening connection silent this long is asked whether it is still there,
-# so a connection dropped without a word is noticed within about this time.
-LIVENESS_CHECK_INTERVAL_S = 5.0
-CONNECT_TIMEOUT_S = 5
 LISTENER_APPLICATION_NAME = "paralon-revocations"
 
 
@@ -35,11 +35,11 @@ async def follow_revocations(engine: Engine, on_revoked: Callable[[str, int], No
                              on_listening: Callable[[], None]) -> None:
     """Until cancelled: `on_revoked(table, id)` for every revocation, and
     `on_listening()` each time listening (re)starts."""
-    wait_s = RECONNECT_WAIT_S_MIN
+    wait_s = REVOCATION_RECONNECT_WAIT_S_MIN
 
     def listening() -> None:
         nonlocal wait_s
-        wait_s = RECONNECT_WAIT_S_MIN
+        wait_s = REVOCATION_RECONNECT_WAIT_S_MIN
         on_listening()
 
     while True:
@@ -48,17 +48,17 @@ async def follow_revocations(engine: Engine, on_revoked: Callable[[str, int], No
         except (psycopg.Error, OSError) as exc:
             log.warning("revocation listener lost its connection (%s); reconnecting in %.1f s", exc, wait_s)
         await asyncio.sleep(wait_s)
-        wait_s = min(wait_s * 2, RECONNECT_WAIT_S_MAX)
+        wait_s = min(wait_s * 2, REVOCATION_RECONNECT_WAIT_S_MAX)
 
 
 async def _listen(conninfo: str, on_revoked: Callable[[str, int], None], on_listening: Callable[[], None]) -> None:
-    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=REVOCATION_CONNECT_TIMEOUT_S,
                                                      application_name=LISTENER_APPLICATION_NAME) as conn:
         listen = f"LISTEN {REVOCATION_CHANNEL}"
         await conn.execute(listen)
         on_listening()
         while True:
-            async for notify in conn.notifies(timeout=LIVENESS_CHECK_INTERVAL_S):
+            async for notify in conn.notifies(timeout=REVOCATION_LIVENESS_CHECK_INTERVAL_S):
                 revoked = parse_revocation(notify.payload)
                 if revoked is not None:
                     on_revoked(*revoked)

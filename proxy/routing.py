@@ -17,13 +17,16 @@ from dataclasses import dataclass
 
 import orjson
 
-# Spill when a request on this worker would decode slower than this.
-TOKENS_PER_S_PER_REQUEST_MIN = 20
-# A worker with no measurement yet gets this capacity and the fleet's median
-# weight, so it receives enough traffic to be measured (a probe period).
-PROBE_CAPACITY_REQUESTS = 8
-PROBE_WEIGHT_TOKENS_PER_S = 100
-AFFINITY_PREFIX_BYTES_MAX = 16_384
+from proxy import workers as registry
+from proxy.errors import ContextTooLong, NoWorkerAvailable
+from proxy.limits import (
+    AFFINITY_PREFIX_BYTES_MAX,
+    AFFINITY_PROMPT_HEAD_BYTES,
+    PROBE_CAPACITY_REQUESTS,
+    PROBE_WEIGHT_TOKENS_PER_S,
+    THROUGHPUT_STEP_RATIO,
+    TOKENS_PER_S_PER_REQUEST_MIN,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,31 @@ class Candidate:
     weight: float  # measured total tokens/s, or the probe weight
     capacity_requests: int
     in_flight: int
+
+
+def candidates(fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
+    """The workers that may serve a request needing this many tokens of context."""
+    routable = [w for w in fleet if w.state == "active" and w.healthy]
+    if not routable:
+        raise NoWorkerAvailable("no worker is available for this model right now")
+    fits = [w for w in routable if w.context_length is None or w.context_length >= tokens_needed]
+    if not fits:
+        largest = max(w.context_length for w in routable)
+        raise ContextTooLong(
+            f"This model's maximum context length is {largest} tokens; the request may need up to {tokens_needed}",
+            param="messages",
+        )
+    return fits
+
+
+def order(key: bytes, fleet: list[registry.WorkerView], measured_tokens_per_s: dict[int, int | None],
+          busy: dict[int, int]) -> list[registry.WorkerView]:
+    """The candidates in the order to try them (`choose`), from each one's
+    measured throughput and the requests it is busy with."""
+    sizes = weights(measured_tokens_per_s)
+    ranked = choose(key, [Candidate(w.id, sizes[w.id][0], sizes[w.id][1], busy[w.id]) for w in fleet])
+    by_id = {w.id: w for w in fleet}
+    return [by_id[c.worker_id] for c in ranked]
 
 
 def affinity_key(model: str, body: dict) -> bytes:
@@ -51,10 +79,10 @@ def affinity_key(model: str, body: dict) -> bytes:
 
 
 def _prompt_head(prompt: object) -> bytes:
-    """A completion prompt's first KiB: what a continued prompt shares with the original."""
+    """A completion prompt's head: what a continued prompt shares with the original."""
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
-    return (prompt if isinstance(prompt, str) else "").encode()[:1024]
+    return (prompt if isinstance(prompt, str) else "").encode()[:AFFINITY_PROMPT_HEAD_BYTES]
 
 
 def _unit_hash(key: bytes, worker_id: int) -> float:
@@ -81,12 +109,11 @@ def choose(key: bytes, candidates: list[Candidate]) -> list[Candidate]:
 
 
 def quantise_tokens_per_s(tokens_per_s: float) -> int:
-    """Round to a step of about 19% so replicas that measured slightly
-    differently still agree on weights (and so on affinity)."""
+    """Round to a step of THROUGHPUT_STEP_RATIO so replicas that measured
+    slightly differently still agree on weights (and so on affinity)."""
     if tokens_per_s <= 1:
         return 1
-    step = 2 ** 0.25
-    return int(round(step ** round(math.log(tokens_per_s, step))))
+    return int(round(THROUGHPUT_STEP_RATIO ** round(math.log(tokens_per_s, THROUGHPUT_STEP_RATIO))))
 
 
 def weights(measured: dict[int, int | None]) -> dict[int, tuple[float, int]]:

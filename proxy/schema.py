@@ -4,6 +4,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, LargeBinary, String, Table, text
 
 from ledger.schema import BigId, UTCDateTime, metadata
+from proxy.limits import NAME_CHARS_MAX
 
 # An API key is shown once; only its SHA-256 is kept (the key is 256 random
 # bits, so a fast hash is enough: there is nothing to brute-force).
@@ -14,7 +15,7 @@ api_keys = Table(
     Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
     Column("key_sha256", LargeBinary(32), nullable=False, unique=True),
     Column("key_prefix", String(16), nullable=False),  # shown in listings, never enough to use
-    Column("name", String(200)),
+    Column("name", String(NAME_CHARS_MAX)),
     Column("spend_limit_nano_usd", BigInteger),
     Column("created_at", UTCDateTime, nullable=False),
     Column("revoked_at", UTCDateTime),
@@ -25,7 +26,7 @@ api_keys = Table(
 model_prices = Table(
     "model_prices",
     metadata,
-    Column("model", String(200), primary_key=True),
+    Column("model", String(NAME_CHARS_MAX), primary_key=True),
     Column("input_nano_usd_per_token", BigInteger, nullable=False),
     Column("output_nano_usd_per_token", BigInteger, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
@@ -39,13 +40,13 @@ workers = Table(
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("owner_account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
     Column("url", String(2000), nullable=False),
-    Column("model", String(200), nullable=False),  # the public name callers use
+    Column("model", String(NAME_CHARS_MAX), nullable=False),  # the public name callers use
     Column("engine", String(16), nullable=False),
     # Only an operator (drain) or the usage check (suspend) writes state;
     # heartbeats write the health columns below and nothing else.
     Column("state", String(16), nullable=False, server_default=text("'active'")),
     Column("context_length", Integer),  # from the worker's /v1/models when it says
-    Column("served_model", String(200)),  # the name the engine itself answers to
+    Column("served_model", String(NAME_CHARS_MAX)),  # the name the engine itself answers to
     Column("healthy", Boolean, nullable=False, server_default=text("false")),
     Column("last_heartbeat_at", UTCDateTime),
     Column("drain_requested_at", UTCDateTime),
@@ -70,7 +71,7 @@ usage_evidence = Table(
     Column("request_id", String(200), primary_key=True),
     Column("worker_id", BigInteger, ForeignKey("workers.id"), nullable=False),
     Column("customer_account_id", BigInteger, nullable=False),
-    Column("reason", String(200), nullable=False),
+    Column("reason", String(NAME_CHARS_MAX), nullable=False),
     Column("state", String(16), nullable=False),
     Column("recorded_at", UTCDateTime, nullable=False),
     Column("ledger_seq", BigInteger, nullable=False),

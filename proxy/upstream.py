@@ -5,19 +5,42 @@ llama.cpp learn to stop generating).
 
 A general client (httpx) costs about as much CPU per streamed token as the
 rest of the proxy together; the relay does only this, so it does it directly.
+
+`https://` workers are reached over TLS with their certificate and host name
+verified, against the system's certificate authorities or, when one is
+given, a CA bundle of the operator's (workers on a private CA).
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
 
-CONNECT_TIMEOUT_S = 5.0
-IDLE_TIMEOUT_S = 300.0  # a worker silent this long mid-response is abandoned
-IDLE_CONNECTIONS_PER_WORKER_MAX = 256
-READ_PAUSE_BYTES = 1024 * 1024  # stop reading from a worker whose caller is this far behind
+from proxy.limits import (
+    UPSTREAM_CONNECT_TIMEOUT_S,
+    UPSTREAM_IDLE_CONNECTIONS_PER_WORKER_MAX,
+    UPSTREAM_IDLE_TIMEOUT_S,
+    UPSTREAM_READ_PAUSE_BYTES,
+)
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def worker_tls_context(ca_bundle_path: str | None = None) -> ssl.SSLContext:
+    """Verifies a worker's certificate and host name: against the CA bundle
+    when one is given (and only it), else the system's authorities."""
+    return ssl.create_default_context(cafile=ca_bundle_path)
+
+
+class _Origin(NamedTuple):
+    """Where a pooled connection goes: connections are reused only for the same one."""
+    scheme: str
+    host: str
+    port: int
 
 
 class UpstreamError(Exception):
@@ -65,7 +88,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
         self.buffered_bytes += len(body)
-        if self.buffered_bytes > READ_PAUSE_BYTES and not self.paused:
+        if self.buffered_bytes > UPSTREAM_READ_PAUSE_BYTES and not self.paused:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
@@ -88,27 +111,28 @@ class _Connection(asyncio.Protocol):
         piece = self.pieces.popleft()
         self.buffered_bytes -= len(piece)
         self.last_activity_s = self.loop.time()  # a slow reader is not a silent worker
-        if self.paused and self.buffered_bytes < READ_PAUSE_BYTES // 2:
+        if self.paused and self.buffered_bytes < UPSTREAM_READ_PAUSE_BYTES // 2:
             self.paused = False
             self.transport.resume_reading()
         return piece
 
 
 class UpstreamResponse:
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int], connection: _Connection, status: int) -> None:
-        self._pool, self._key, self._conn = pool, key, connection
+    def __init__(self, pool: UpstreamPool, origin: _Origin, connection: _Connection, status: int) -> None:
+        self._pool, self._origin, self._conn = pool, origin, connection
         self.status = status
         self._done = False
         # One watchdog per response, not a timer per token: a worker silent for
-        # IDLE_TIMEOUT_S loses the connection, which wakes the reader with an error.
-        self._watchdog = connection.loop.call_later(IDLE_TIMEOUT_S, self._check_idle)
+        # the pool's idle timeout loses the connection, which wakes the reader with an error.
+        self._watchdog = connection.loop.call_later(pool.idle_timeout_s, self._check_idle)
 
     def _check_idle(self) -> None:
+        idle_timeout_s = self._pool.idle_timeout_s
         silent_s = self._conn.loop.time() - self._conn.last_activity_s
-        if silent_s >= IDLE_TIMEOUT_S and not self._conn.paused:
+        if silent_s >= idle_timeout_s and not self._conn.paused:
             self.abort()
         elif not self._done:
-            self._watchdog = self._conn.loop.call_later(max(IDLE_TIMEOUT_S - silent_s, 1.0), self._check_idle)
+            self._watchdog = self._conn.loop.call_later(max(idle_timeout_s - silent_s, 1.0), self._check_idle)
 
     async def pieces(self):
         """Body bytes as they arrive (chunked encoding already undone)."""
@@ -120,8 +144,7 @@ class UpstreamResponse:
                 self._finish()
                 return
             elif conn.lost:
-                self._done = True
-                self._watchdog.cancel()
+                self._end()
                 raise UpstreamError("the worker closed the connection mid-response")
             else:
                 conn.waiter = conn.loop.create_future()
@@ -133,11 +156,17 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.pieces()])
 
+    def _end(self) -> bool:
+        """The response is over: stop watching it. False when it already was."""
+        if self._done:
+            return False
+        self._done = True
+        self._watchdog.cancel()
+        return True
+
     def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self._watchdog.cancel()
-            self._pool.release(self._key, self._conn)
+        if self._end():
+            self._pool.release(self._origin, self._conn)
 
     def close(self) -> None:
         """Done with it: back to the pool if the response ended cleanly, else abort."""
@@ -148,55 +177,55 @@ class UpstreamResponse:
 
     def abort(self) -> None:
         """Close the connection: the worker stops generating."""
-        if not self._done:
-            self._done = True
-            self._watchdog.cancel()
-            if self._conn.transport is not None:
-                self._conn.transport.abort()
+        if self._end() and self._conn.transport is not None:
+            self._conn.transport.abort()
 
 
 class UpstreamPool:
-    def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+    def __init__(self, *, ca_bundle_path: str | None = None, idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S) -> None:
+        self.tls_context = worker_tls_context(ca_bundle_path)  # also for the health checks' client
+        self.idle_timeout_s = idle_timeout_s
+        self._idle: dict[_Origin, list[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamResponse:
         parts = urlsplit(url)
-        key = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
-        if parts.scheme != "http":
-            raise UpstreamError("only http:// workers are relayed directly")
+        if parts.scheme not in DEFAULT_PORTS:
+            raise UpstreamError(f"a worker is reached over http:// or https://, not {parts.scheme}://")
+        origin = _Origin(parts.scheme, parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORTS[parts.scheme])
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
-        head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\nContent-Type: application/json\r\n"
+        head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\nContent-Type: application/json\r\n"
                 f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n").encode()
-        connection = await self._acquire(key)
+        connection = await self._acquire(origin)
         connection.transport.write(head + body)
         try:
             status = await connection.headers_done
         except BaseException:  # failed, or the caller gave up: either way the worker must stop
             connection.transport.abort()
             raise
-        return UpstreamResponse(self, key, connection, status)
+        return UpstreamResponse(self, origin, connection, status)
 
-    async def _acquire(self, key: tuple[str, int]) -> _Connection:
-        idle = self._idle.get(key)
+    async def _acquire(self, origin: _Origin) -> _Connection:
+        idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.lost:
                 connection.reset()
                 return connection
         loop = asyncio.get_running_loop()
+        tls = {"ssl": self.tls_context, "server_hostname": origin.host} if origin.scheme == "https" else {}
         try:
             _, connection = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(loop), key[0], key[1]), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from None
+                loop.create_connection(lambda: _Connection(loop), origin.host, origin.port, **tls), UPSTREAM_CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError (an untrusted certificate) is an OSError
+            raise UpstreamError(f"cannot connect to {origin.host}:{origin.port}: {exc or type(exc).__name__}") from None
         return connection
 
-    def release(self, key: tuple[str, int], connection: _Connection) -> None:
+    def release(self, origin: _Origin, connection: _Connection) -> None:
         if connection.lost or not connection.keep_alive or connection.pieces:
             connection.transport.close()
             return
-        idle = self._idle.setdefault(key, [])
-        if len(idle) < IDLE_CONNECTIONS_PER_WORKER_MAX:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) < UPSTREAM_IDLE_CONNECTIONS_PER_WORKER_MAX:
             idle.append(connection)
         else:
             connection.transport.close()

@@ -23,17 +23,14 @@ from ledger.accounts import require_kind
 from ledger.errors import InvalidInput, LedgerError
 from ledger.schema import utc_now
 from ledger.store import CREATED, AppendResult, append_batch
+from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
 from proxy.schema import usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
-DRAIN_DEADLINE_S = 120
-USAGE_STRIKES_MAX = 3
 # A report above the prompt bound may be the caller's doing (a field the engine
 # obeys, a template the bound misjudges): it is a strike only once requests of
-# this many different accounts show it within the window.
+# PROMPT_INFLATION_ACCOUNTS_MIN different accounts show it within the window.
 PROMPT_ABOVE_BOUND = "prompt_above_bound"
-PROMPT_INFLATION_ACCOUNTS_MIN = 3
-PROMPT_INFLATION_WINDOW_S = 3600
 # Reasons whose evidence counts only across accounts; any other reason either
 # proves dishonesty on its own (`proof=True`) or is only recorded.
 CROSS_ACCOUNT_REASONS = (PROMPT_ABOVE_BOUND,)
@@ -94,7 +91,7 @@ def add_worker(conn: Connection, owner_account_id: int, url: str, model: str, en
     require_kind(conn, owner_account_id, (cmd.OWNER,), "workers belong to owner accounts")
     if engine not in ENGINES:
         raise InvalidInput(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    cmd.require_text(model, "a model name", 200)
+    cmd.require_text(model, "a model name", NAME_CHARS_MAX)
     if context_length is not None and (type(context_length) is not int or context_length <= 0):
         raise InvalidInput("context length must be a positive number of tokens")
     if engine == "llamacpp" and context_length is None:

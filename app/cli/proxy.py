@@ -146,7 +146,7 @@ def register(main: click.Group, emit, handles_errors, json_option) -> None:
     @click.option("--model", default="paralon-demo", show_default=True)
     def sim_worker(host: str, port: int, profile: str, model: str) -> None:
         """A simulated GPU worker speaking vLLM's OpenAI API."""
-        from proxy.sim.worker import serve as serve_sim
+        from proxy.sim.cli import serve as serve_sim
 
         serve_sim(host, port, profile, model)
 

@@ -49,19 +49,20 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_MS_DEFA
                health_interval_s: float = HEALTH_INTERVAL_MS_DEFAULT / MS_PER_S, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
                hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_MS_DEFAULT / MS_PER_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
-               invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False) -> Litestar:
+               invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
+               worker_ca_bundle_path: str | None = None) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py)."""
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT,
+        upstream = UpstreamPool(ca_bundle_path=worker_ca_bundle_path)  # https:// workers on a private CA
+        client = httpx.AsyncClient(verify=upstream.tls_context, timeout=UPSTREAM_TIMEOUT,
                                    limits=httpx.Limits(max_connections=UPSTREAM_CONNECTIONS_MAX,
                                                        max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
         await directory.refresh_async()
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
-        upstream = UpstreamPool()
         app.state.directory = directory
         app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
         background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())

@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 
+from ledger import accounts as acc
 from proxy import workers as registry
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
@@ -63,8 +64,6 @@ def test_draining_under_load_drops_no_request_and_ends_drained(database_url):
 
 
 def test_a_heartbeat_never_undoes_a_drain(engine):
-    from ledger import accounts as acc
-
     with engine.begin() as conn:
         owner = acc.create_account(conn, "owner", "o")
         worker_id = registry.add_worker(conn, owner, "http://127.0.0.1:1", MODEL)

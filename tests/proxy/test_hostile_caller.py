@@ -30,7 +30,8 @@ from ledger.money import usd_to_nano_usd
 from ledger.schema import accounts
 from ledger.verify import verify
 from proxy.sim.profiles import get_profile
-from proxy.sim.worker import SimWorker, build_app, count_prompt_tokens
+from proxy.sim.requests import count_prompt_tokens
+from proxy.sim.worker import SimWorker, build_app
 from tests.support.harness import MODEL, ServeProcess, ThreadedServer, make_fleet
 
 # make_fleet's default prices: $0.15 and $0.60 per million tokens.

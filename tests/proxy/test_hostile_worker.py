@@ -21,7 +21,7 @@ from ledger import commands as cmd
 from ledger.money import usd_to_nano_usd
 from ledger.schema import accounts, ledger_events
 from ledger.service import append_now
-from proxy import keys, metering
+from proxy import keys, limits, metering
 from tests.support.harness import MODEL, make_fleet, serving, wait_for
 from tests.support.hostile_worker import (
     DIE_AFTER_WORDS,
@@ -126,8 +126,8 @@ class Received:
         """Tokens no byte-level tokenizer exceeds for what was received, with
         the proxy's documented allowance for what engines strip: the stop
         token(s) of an answer and the markup around each tool call."""
-        return (self.output_bytes + metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH
-                + self.tool_call_names * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
+        return (self.output_bytes + limits.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH
+                + self.tool_call_names * limits.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
 def stream_chat(client: openai.OpenAI, messages: list[dict], **options) -> Received:
@@ -223,7 +223,7 @@ def assert_billed_within_what_was_received(got: Received, settlement: dict, reco
 def reported_above_the_bound(got: Received, record) -> bool:
     prompt_bound = metering.prompt_tokens_bound("chat", record.body)
     bound = got.received_bound()
-    tolerance = max(metering.COMPLETION_TOLERANCE_TOKENS_MIN, bound * metering.COMPLETION_TOLERANCE_PERCENT // 100)
+    tolerance = max(limits.COMPLETION_TOLERANCE_TOKENS_MIN, bound * limits.COMPLETION_TOLERANCE_PERCENT // 100)
     return (record.reported_completion_tokens > bound + tolerance
             or record.reported_prompt_tokens > prompt_bound)
 

@@ -12,17 +12,17 @@ from sqlalchemy import select
 
 from ledger import commands as cmd
 from ledger.schema import accounts
-from proxy import metering
+from proxy import limits, metering
 from proxy.errors import InvalidRequest
 from proxy.forwarded_fields import FORWARDED_FIELDS, upstream_fields
-from proxy.prices import Price
 from proxy.generation import CHAT, COMPLETIONS, Generation
-from proxy.sim.worker import _chat_prompt, count_prompt_tokens
+from proxy.prices import Price
+from proxy.sim.requests import chat_prompt, count_prompt_tokens
 from tests.support.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
 
 PRICE = Price(150, 600)  # what make_fleet sets: $0.15 and $0.60 per million tokens
 CREDITS_NANO_USD = 10 * 10**9
-# metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH, written out so that these
+# limits.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH, written out so that these
 # tests state the rule rather than read it from the code under test.
 FINISH_ALLOWANCE_TOKENS = 8
 WORDS = [f" w{i:02d}" for i in range(20)]  # 20 words, 4 bytes each as the caller receives them
@@ -33,9 +33,9 @@ SET_BY_THE_PROXY = {"model", "stream", "stream_options", "max_tokens"}
 
 
 def _generation(kind: str = CHAT, max_tokens: int = 1000, prompt_bound: int = 50, **body) -> Generation:
-    generation = Generation(proxy=None, kind=kind, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None,
-                            hold_id=1, hold_nano_usd=0, prompt_bound=prompt_bound, max_tokens=max_tokens,
-                            wants_usage=False, wants_continuous_usage=False, started_at=None)
+    generation = Generation(kind=kind, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None,
+                            prompt_bound=prompt_bound, max_tokens=max_tokens, wants_usage=False,
+                            wants_continuous_usage=False, started_at=None, streaming=True, settle=None)
     generation.use_worker(None, body)
     return generation
 
@@ -61,7 +61,7 @@ FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
 
 
 def test_the_finish_allowance_is_the_documented_one():
-    assert metering.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH == FINISH_ALLOWANCE_TOKENS
+    assert limits.COMPLETION_ALLOWANCE_TOKENS_PER_FINISH == FINISH_ALLOWANCE_TOKENS
 
 
 def test_an_honest_stream_is_billed_as_reported():
@@ -132,14 +132,14 @@ def test_tool_call_entries_that_are_not_objects_are_dropped():
     assert relayed[0]["choices"][0]["delta"]["tool_calls"] == [call]
     assert generation.output.relayed_bytes == len("get_time{}") and generation.output.dropped == 2
     assert generation.output.completion_bound() == (len("get_time{}") + FINISH_ALLOWANCE_TOKENS
-                                                    + metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
+                                                    + limits.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
 def test_a_tool_call_gets_its_markup_allowance_once_however_often_its_name_is_repeated():
     generation = _generation(tools=_tools("f"))
     named = {"index": 0, "function": {"name": "f"}}
     _relay(generation, *[_delta(tool_calls=[named])] * 10, FINISH)
-    assert generation.output.completion_bound() == 10 + FINISH_ALLOWANCE_TOKENS + metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
+    assert generation.output.completion_bound() == 10 + FINISH_ALLOWANCE_TOKENS + limits.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL
 
 
 def test_a_thousand_tool_calls_in_one_chunk_are_billed_their_bytes_and_struck():
@@ -147,9 +147,9 @@ def test_a_thousand_tool_calls_in_one_chunk_are_billed_their_bytes_and_struck():
     generation = _generation()
     calls = [{"index": i, "function": {"name": "a"}} for i in range(1000)]
     [relayed, _] = _relay(generation, _delta(tool_calls=calls), FINISH, _usage(12, 25_000))
-    assert relayed["choices"][0]["delta"]["tool_calls"] == calls[:metering.TOOL_CALLS_PER_ANSWER_MAX]
-    assert generation.output.dropped == 1000 - metering.TOOL_CALLS_PER_ANSWER_MAX
-    received_bytes = metering.TOOL_CALLS_PER_ANSWER_MAX * len("a")
+    assert relayed["choices"][0]["delta"]["tool_calls"] == calls[:limits.TOOL_CALLS_PER_ANSWER_MAX]
+    assert generation.output.dropped == 1000 - limits.TOOL_CALLS_PER_ANSWER_MAX
+    received_bytes = limits.TOOL_CALLS_PER_ANSWER_MAX * len("a")
     assert generation.delivered_usage() == (12, received_bytes + FINISH_ALLOWANCE_TOKENS, True,
                                             metering.STRIKE_COMPLETION_ABOVE_BOUND)
 
@@ -157,9 +157,9 @@ def test_a_thousand_tool_calls_in_one_chunk_are_billed_their_bytes_and_struck():
 def test_offered_tools_get_the_markup_allowance_for_at_most_the_calls_an_answer_may_hold():
     generation = _generation(tools=_tools("a"))
     _relay(generation, _delta(tool_calls=[{"index": i, "function": {"name": "a"}} for i in range(1000)]), FINISH)
-    most = metering.TOOL_CALLS_PER_ANSWER_MAX
+    most = limits.TOOL_CALLS_PER_ANSWER_MAX
     assert generation.output.completion_bound() == (most + FINISH_ALLOWANCE_TOKENS
-                                                    + most * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
+                                                    + most * limits.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
 def test_a_tool_call_that_skips_an_index_is_dropped_and_is_evidence():
@@ -180,7 +180,7 @@ def test_three_parallel_calls_of_offered_functions_are_billed_as_reported():
         chunks.append(_delta(tool_calls=[{"index": i, "function": {"arguments": arguments}}]))
     relayed_bytes = len("get_weather" '{"city": "Paris"}' "get_time" '{"tz": "CET"}' "get_weather" '{"city": "Oslo"}')
     # An engine's count: the markup around each call and the stop token, within the allowances.
-    honest = relayed_bytes // 3 + 3 * metering.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL + 2
+    honest = relayed_bytes // 3 + 3 * limits.COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL + 2
     _relay(generation, *chunks, FINISH, _usage(40, honest))
     assert generation.output.relayed_bytes == relayed_bytes and generation.output.tool_call_indexes == {0, 1, 2}
     assert generation.delivered_usage() == (40, honest, False, None)
@@ -290,8 +290,8 @@ def test_the_prompt_bound_counts_tool_calls_and_their_arguments():
     history = _agent_history(3000)
     bound = metering.prompt_tokens_bound("chat", {"messages": history})
     arguments = history[2]["tool_calls"][0]["function"]["arguments"]
-    assert bound >= len(arguments.encode()) + metering.TEMPLATE_TOKENS_PER_TOOL_CALL
-    honest = count_prompt_tokens(_chat_prompt(history)[0])
+    assert bound >= len(arguments.encode()) + limits.TEMPLATE_TOKENS_PER_TOOL_CALL
+    honest = count_prompt_tokens(chat_prompt(history)[0])
     assert honest <= bound
 
 
@@ -302,14 +302,14 @@ def test_the_prompt_bound_counts_what_a_template_renders_of_tools_and_schemas():
     plain = metering.prompt_tokens_bound("chat", {"messages": [{"role": "user", "content": "hi"}]})
     with_tools = metering.prompt_tokens_bound("chat", {"messages": [{"role": "user", "content": "hi"}],
                                                        "tools": tools, "response_format": schema})
-    assert with_tools - plain >= metering.TEMPLATE_TOKENS_WITH_TOOLS + len(orjson.dumps(tools)) + len(orjson.dumps(schema))
+    assert with_tools - plain >= limits.TEMPLATE_TOKENS_WITH_TOOLS + len(orjson.dumps(tools)) + len(orjson.dumps(schema))
 
 
 def test_the_completions_prompt_bound():
-    assert metering.prompt_tokens_bound("completions", {"prompt": "abc"}) == metering.TEMPLATE_TOKENS_PER_REQUEST + 3
+    assert metering.prompt_tokens_bound("completions", {"prompt": "abc"}) == limits.TEMPLATE_TOKENS_PER_REQUEST + 3
     # Token ids are not tokenised, but an engine may still put BOS (and EOS) around them.
-    assert metering.prompt_tokens_bound("completions", {"prompt": [1, 2, 3]}) == 3 + metering.TEMPLATE_TOKENS_WITH_TOKEN_IDS
-    assert metering.TEMPLATE_TOKENS_WITH_TOKEN_IDS >= 1
+    assert metering.prompt_tokens_bound("completions", {"prompt": [1, 2, 3]}) == 3 + limits.TEMPLATE_TOKENS_WITH_TOKEN_IDS
+    assert limits.TEMPLATE_TOKENS_WITH_TOKEN_IDS >= 1
 
 
 @pytest.mark.parametrize("key", metering.MESSAGE_STRING_KEYS)
@@ -484,7 +484,7 @@ def test_an_agent_history_is_billed_the_honest_prompt_count_without_a_discrepanc
     worker = sim_worker("instant")
     fleet = make_fleet(postgres_url, [worker.url])
     history = _agent_history(3000)
-    honest_prompt = count_prompt_tokens(_chat_prompt(history)[0])
+    honest_prompt = count_prompt_tokens(chat_prompt(history)[0])
     assert honest_prompt > 750
     try:
         with serving(postgres_url) as proxy:

@@ -12,6 +12,10 @@ import openai
 import orjson
 import pytest
 
+from ledger.holds import expired_captures
+from ledger.schema import utc_now
+from ledger.store import append_batch
+from proxy.schema import workers
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -135,7 +139,6 @@ def test_a_failure_before_the_first_token_is_retried_on_another_worker(database_
     good = sim_worker("instant")
     fleet = make_fleet(database_url, ["http://127.0.0.1:9", good.url])  # port 9: nothing listens
     with fleet.engine.begin() as conn:  # both look healthy to routing until the dead one is probed
-        from proxy.schema import workers
         conn.execute(workers.update().values(healthy=True, context_length=32768))
     with serving(database_url, PARALON_HEALTH_INTERVAL_MS="60000") as proxy:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
@@ -293,10 +296,6 @@ def test_a_hold_the_sweeper_took_mid_stream_is_charged_in_full_without_a_second_
     while the stream still runs (its proxy could not renew it in time), the
     stream stops, and its own settlement charges exactly the rest: the two
     charges add up to what the caller received, the owner gets 80% of each."""
-    from ledger.holds import expired_captures
-    from ledger.schema import utc_now
-    from ledger.store import append_batch
-
     worker = sim_worker("h200", time_scale=0.5)  # about 85 tokens a second
     fleet = make_fleet(database_url, [worker.url])
     before = fleet.balance(fleet.customer_id).balance_nano_usd

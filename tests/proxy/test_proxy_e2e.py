@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.keys import revoke_key
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -118,8 +119,6 @@ def test_errors_use_openai_shapes_and_move_no_money(one_worker):
 
 def test_a_revoked_key_is_refused(one_worker):
     fleet, proxy = one_worker
-    from proxy.keys import revoke_key
-
     with fleet.engine.begin() as conn:
         revoke_key(conn, fleet.key_id)
     error = _error(lambda: _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES))

@@ -1,11 +1,14 @@
 """Routing, metering and prices: pure functions, no servers."""
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from ledger.errors import InvalidAmount
-from proxy import metering, routing
-from proxy.errors import InvalidRequest
+from proxy import limits, metering, routing
+from proxy import workers as registry
+from proxy.errors import ContextTooLong, InvalidRequest, NoWorkerAvailable
 from proxy.prices import Price, nano_usd_per_token
 
 
@@ -55,9 +58,9 @@ def test_a_busy_affinity_choice_spills_to_the_next_in_rendezvous_order():
 
 def test_a_new_worker_is_probed_at_the_fleets_median_weight():
     weights = routing.weights({1: 435, 2: 1342, 3: None})
-    assert weights[3] == (888.5, routing.PROBE_CAPACITY_REQUESTS)
-    assert weights[2] == (1342.0, 1342 // routing.TOKENS_PER_S_PER_REQUEST_MIN)
-    assert routing.weights({7: None})[7][0] == routing.PROBE_WEIGHT_TOKENS_PER_S
+    assert weights[3] == (888.5, limits.PROBE_CAPACITY_REQUESTS)
+    assert weights[2] == (1342.0, 1342 // limits.TOKENS_PER_S_PER_REQUEST_MIN)
+    assert routing.weights({7: None})[7][0] == limits.PROBE_WEIGHT_TOKENS_PER_S
 
 
 def test_quantised_throughput_is_stable_under_small_differences():
@@ -85,3 +88,56 @@ def test_prices_per_million_tokens_are_whole_nano_usd_per_token():
         with pytest.raises(InvalidAmount):
             nano_usd_per_token(bad)
     assert Price(150, 600).charge_nano_usd(1000, 10) == 156_000
+
+
+# --- candidates and the order to try them -------------------------------------
+
+
+def _worker(worker_id: int, *, state: str = "active", healthy: bool = True, context_length: int | None = None,
+            throughput_tokens_per_s: int | None = None) -> registry.WorkerView:
+    return registry.WorkerView(worker_id, 100 + worker_id, f"http://127.0.0.1:{8000 + worker_id}", "m", "vllm", state,
+                               context_length, None, healthy, throughput_tokens_per_s, datetime.now(UTC), None, None, 0,
+                               None, None)
+
+
+def test_only_active_healthy_workers_whose_context_holds_the_request_are_candidates():
+    fleet = [_worker(1), _worker(2, state="draining"), _worker(3, healthy=False), _worker(4, state="suspended"),
+             _worker(5, context_length=1000), _worker(6, context_length=4000)]
+    assert [w.id for w in routing.candidates(fleet, 2000)] == [1, 6]
+
+
+def test_no_routable_worker_and_no_context_large_enough_are_refused_differently():
+    with pytest.raises(NoWorkerAvailable):
+        routing.candidates([_worker(1, state="drained"), _worker(2, healthy=False)], 10)
+    with pytest.raises(ContextTooLong, match="maximum context length is 4000 tokens"):
+        routing.candidates([_worker(1, context_length=1000), _worker(2, context_length=4000)], 5000)
+
+
+def test_max_tokens_is_what_was_asked_within_the_room_every_known_context_leaves():
+    assert metering.planned_max_tokens(100, 50, [1000, 2000]) == 100
+    assert metering.planned_max_tokens(5000, 50, [1000, 2000]) == 1950, "clamped to the largest context's room"
+    assert metering.planned_max_tokens(None, 50, [1000, 2000]) == 1950
+    assert metering.planned_max_tokens(5000, 50, [1000, None]) == 5000, "a worker of unknown context may hold it"
+    assert metering.planned_max_tokens(None, 50, [None]) == limits.MAX_TOKENS_WITHOUT_CONTEXT
+    assert metering.planned_max_tokens(None, 5000, [1000]) == 1, "never less than one token"
+
+
+def test_the_order_follows_affinity_and_spills_off_a_busy_worker():
+    fleet = [_worker(i, throughput_tokens_per_s=1000) for i in (1, 2, 3)]
+    measured = {w.id: w.throughput_tokens_per_s for w in fleet}
+    key = routing.affinity_key("m", {"messages": [{"role": "user", "content": "hello"}]})
+    idle = routing.order(key, fleet, measured, {1: 0, 2: 0, 3: 0})
+    assert routing.order(key, list(reversed(fleet)), measured, {1: 0, 2: 0, 3: 0}) == idle, "every replica agrees"
+    capacity = 1000 // limits.TOKENS_PER_S_PER_REQUEST_MIN
+    busy = routing.order(key, fleet, measured, {idle[0].id: capacity, idle[1].id: 0, idle[2].id: 0})
+    assert [w.id for w in busy] == [idle[1].id, idle[2].id, idle[0].id]
+
+
+def test_an_unmeasured_worker_is_probed_with_the_probe_capacity():
+    fleet = [_worker(1), _worker(2, throughput_tokens_per_s=2000)]
+    measured = {1: None, 2: 2000}
+    key = next(k for k in (routing.affinity_key("m", {"prompt": f"p{i}"}) for i in range(100))
+               if routing.order(k, fleet, measured, {1: 0, 2: 0})[0].id == 1)
+    below, full = limits.PROBE_CAPACITY_REQUESTS - 1, limits.PROBE_CAPACITY_REQUESTS
+    assert routing.order(key, fleet, measured, {1: below, 2: 0})[0].id == 1
+    assert routing.order(key, fleet, measured, {1: full, 2: 0})[0].id == 2

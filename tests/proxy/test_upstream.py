@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import pytest
 
-from proxy import upstream
 from proxy.upstream import UpstreamError, UpstreamPool
+from tests.proxy.tls import ServerCertificate, make_server_certificate
 
 
-async def _server(handler):
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+async def _server(handler, tls: ServerCertificate | None = None):
+    context = None
+    if tls is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.certificate, tls.key)
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=context)
+    scheme = "https" if tls else "http"
+    return server, f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -76,9 +82,7 @@ def test_abort_closes_the_connection_so_the_worker_stops():
     asyncio.run(main())
 
 
-def test_a_silent_worker_and_a_closed_port_are_upstream_errors(monkeypatch):
-    monkeypatch.setattr(upstream, "IDLE_TIMEOUT_S", 0.2)
-
+def test_a_silent_worker_and_a_closed_port_are_upstream_errors():
     async def handler(reader, writer):
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -87,12 +91,70 @@ def test_a_silent_worker_and_a_closed_port_are_upstream_errors(monkeypatch):
 
     async def main():
         server, url = await _server(handler)
-        pool = UpstreamPool()
+        pool = UpstreamPool(idle_timeout_s=0.2)
         response = await pool.post(url, b"{}")
         with pytest.raises(UpstreamError):
             await asyncio.wait_for(response.read(), 3)
         with pytest.raises(UpstreamError):
             await pool.post("http://127.0.0.1:9/v1/x", b"{}")
         server.close()
+
+    asyncio.run(main())
+
+
+async def _echo(reader, writer):
+    """Answers each request on the connection with its own body."""
+    while True:
+        try:
+            body = await _read_request(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):  # closed, or the certificate refused
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+
+def test_an_https_worker_is_relayed_when_its_certificate_is_trusted(tmp_path):
+    """Given a worker on a private CA, when the pool trusts that CA's bundle,
+    then requests go through over TLS, on one connection."""
+    worker_tls = make_server_certificate(tmp_path, "workers")
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        await _echo(reader, writer)
+
+    async def main():
+        server, url = await _server(handler, worker_tls)
+        pool = UpstreamPool(ca_bundle_path=str(worker_tls.ca_bundle))
+        bodies = [await (await pool.post(url + "/v1/x", f"req{i}".encode())).read() for i in range(2)]
+        pool.close()
+        server.close()
+        return bodies
+
+    assert asyncio.run(main()) == [b"req0", b"req1"]
+    assert len(connections) == 1
+
+
+@pytest.mark.parametrize("trusted", ["system", "another private CA"])
+def test_an_https_worker_with_an_untrusted_certificate_is_an_upstream_error(tmp_path, trusted):
+    worker_tls = make_server_certificate(tmp_path, "workers")
+    ca_bundle = None if trusted == "system" else str(make_server_certificate(tmp_path, "other").ca_bundle)
+
+    async def main():
+        server, url = await _server(_echo, worker_tls)
+        pool = UpstreamPool(ca_bundle_path=ca_bundle)
+        try:
+            with pytest.raises(UpstreamError, match="certificate verify failed"):
+                await pool.post(url + "/v1/x", b"{}")
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_url_of_another_scheme_is_an_upstream_error():
+    async def main():
+        with pytest.raises(UpstreamError, match="http:// or https://"):
+            await UpstreamPool().post("ftp://127.0.0.1:21/v1/x", b"{}")
 
     asyncio.run(main())

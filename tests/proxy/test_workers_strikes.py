@@ -24,7 +24,7 @@ from ledger import commands as cmd
 from ledger.money import usd_to_nano_usd
 from ledger.schema import accounts, ledger_events
 from ledger.service import append_now
-from proxy import keys, metering
+from proxy import keys, limits, metering
 from proxy import workers as registry
 from proxy.schema import usage_evidence
 from proxy.sim.worker import build_app
@@ -161,8 +161,8 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
     the third suspends the worker with a WorkerSuspended event naming them."""
     worker = rewriting_worker(lambda body: PROMPT_REPORTED_INFLATED)
     fleet = make_fleet(database_url, [worker.url])
-    per_strike = registry.PROMPT_INFLATION_ACCOUNTS_MIN
-    customers = more_customers(fleet, per_strike * registry.USAGE_STRIKES_MAX)
+    per_strike = limits.PROMPT_INFLATION_ACCOUNTS_MIN
+    customers = more_customers(fleet, per_strike * limits.USAGE_STRIKES_MAX)
     contents = {}
     # What the strike count must reach after each request: none after the first
     # account's two requests, then one more every PROMPT_INFLATION_ACCOUNTS_MIN accounts.
@@ -184,10 +184,10 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker_available"
     worker.stop()
     stored = fleet.worker(fleet.worker_ids[0])
-    assert (stored.state, stored.usage_strikes) == ("suspended", registry.USAGE_STRIKES_MAX)
+    assert (stored.state, stored.usage_strikes) == ("suspended", limits.USAGE_STRIKES_MAX)
     assert stored.suspended_at is not None and registry.PROMPT_ABOVE_BOUND in stored.suspension_reason
     [suspended] = _payloads(fleet, "WorkerSuspended")
-    assert (suspended["worker_id"], suspended["strikes"]) == (stored.id, registry.USAGE_STRIKES_MAX)
+    assert (suspended["worker_id"], suspended["strikes"]) == (stored.id, limits.USAGE_STRIKES_MAX)
     assert suspended["reason"] == stored.suspension_reason and sorted(suspended["request_ids"]) == sorted(contents)
     assert len(discrepancies(fleet)) == len(contents)
     assert_billed_at_the_bound(fleet, contents)
@@ -201,7 +201,7 @@ def test_more_completion_than_relayed_is_proof_on_each_request(database_url):
     fleet = make_fleet(database_url, [worker.url])
     contents = {}
     with serving(database_url) as proxy:
-        for i in range(registry.USAGE_STRIKES_MAX):
+        for i in range(limits.USAGE_STRIKES_MAX):
             response = chat(proxy, fleet.key, f"inflated {i}")
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS
             contents[response.json()["id"]] = f"inflated {i}"
@@ -212,7 +212,7 @@ def test_more_completion_than_relayed_is_proof_on_each_request(database_url):
     assert {d["reason"] for d in discrepancies(fleet)} == {metering.STRIKE_COMPLETION_ABOVE_BOUND}
     [suspended] = _payloads(fleet, "WorkerSuspended")
     assert sorted(suspended["request_ids"]) == sorted(contents)
-    assert suspended["reason"] == f"{registry.USAGE_STRIKES_MAX} usage strikes: {metering.STRIKE_COMPLETION_ABOVE_BOUND}"
+    assert suspended["reason"] == f"{limits.USAGE_STRIKES_MAX} usage strikes: {metering.STRIKE_COMPLETION_ABOVE_BOUND}"
     settled = fleet.settlements()
     assert sorted(s["request_id"] for s in settled) == sorted(contents), "the refused request moved nothing"
     assert all(s["meta"]["completion_tokens"] == MAX_TOKENS for s in settled), "billed what was relayed"
@@ -239,7 +239,7 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
     with engine.begin() as conn:  # these two are older than the window: they no longer add up with new ones
         for request_id, recorded_at in conn.execute(select(usage_evidence.c.request_id, usage_evidence.c.recorded_at)).all():
             conn.execute(update(usage_evidence).where(usage_evidence.c.request_id == request_id).values(
-                recorded_at=recorded_at - timedelta(seconds=registry.PROMPT_INFLATION_WINDOW_S + 1)))
+                recorded_at=recorded_at - timedelta(seconds=limits.PROMPT_INFLATION_WINDOW_S + 1)))
     assert record(_discrepancy(worker_id, "new-1", 103)) == (True, False, False)
     assert record(_discrepancy(worker_id, "new-1", 103)) == (False, False, False), "the same request again"
     assert record(_discrepancy(worker_id, "new-2", 104, reason=registry.USAGE_ABOVE_BOUND_UNPROVEN)) == (True, False, False)
@@ -258,7 +258,7 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
 
 def suspend_by_proof(engine, worker_id: int, account_id: int) -> list[str]:
     """What the proxy records for a worker caught USAGE_STRIKES_MAX times: the request ids."""
-    request_ids = [f"chatcmpl-proof-{worker_id}-{n}" for n in range(registry.USAGE_STRIKES_MAX)]
+    request_ids = [f"chatcmpl-proof-{worker_id}-{n}" for n in range(limits.USAGE_STRIKES_MAX)]
     for request_id in request_ids:
         with engine.begin() as conn:
             registry.record_usage_discrepancy(conn, _discrepancy(worker_id, request_id, account_id, metering.STRIKE_COMPLETION_ABOVE_BOUND),

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from proxy import metering
 from tests.support.harness import MODEL, ThreadedServer
 
 HONEST = "honest"
@@ -274,8 +275,6 @@ def honest_prompt_tokens(body: dict) -> int:
 def proxy_public_prompt_bound(body: dict) -> int:
     """The proxy's published upper bound for this prompt (what a dishonest
     owner reads in the open source and reports exactly)."""
-    from proxy import metering
-
     return metering.prompt_tokens_bound("chat", body)
 
 

@@ -1,0 +1,119 @@
+"""Every limit of the proxy package, each named once with its unit.
+
+A module that needs one imports it from here; no other module of the package
+writes a limit's number. Tests that need a smaller value pass it as a
+parameter (a hold's TTL, an idle timeout) rather than patch this module."""
+from __future__ import annotations
+
+# --- Holds (DESIGN.md, Metering rules) ---------------------------------------
+# Short, because requests still running renew their holds: after a crash the
+# customer's credits come back (or settle) within about this long.
+HOLD_TTL_S = 60
+# How often a process renews the holds of its requests still running and
+# records what each has delivered, in one statement for all of them.
+HOLD_RENEW_INTERVAL_S_MAX = 1.0
+# At least this many renewals per TTL, so a renewal can be late without losing a hold.
+HOLD_RENEWALS_PER_TTL_MIN = 4
+# How long a hold granted in full lets the next request of the same customer
+# start upstream before its own hold is confirmed.
+SOLVENT_FOR_S = 30.0
+
+# --- Settlement --------------------------------------------------------------
+SETTLE_ATTEMPTS_MAX = 5  # tries of a settlement the group-commit writer refused as overloaded
+SETTLE_RETRY_WAIT_S = 0.05  # times the attempt number
+
+# --- Requests ----------------------------------------------------------------
+UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token
+# max_tokens when the caller set none and no candidate has told its context length yet
+MAX_TOKENS_WITHOUT_CONTEXT = 4096
+MAX_TOKENS_LIMIT = 1_000_000  # the largest max_tokens a caller may ask for
+UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
+# llama.cpp streams no usage: the one-token request asking for the prompt's count.
+USAGE_PROBE_TIMEOUT_S = 30.0
+NAME_CHARS_MAX = 200  # model names, key names, reasons (the columns are this wide)
+
+# --- The connections to workers (proxy/upstream.py) ----------------------------
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+UPSTREAM_IDLE_TIMEOUT_S = 300.0  # a worker silent this long mid-response is abandoned
+UPSTREAM_IDLE_CONNECTIONS_PER_WORKER_MAX = 256
+UPSTREAM_READ_PAUSE_BYTES = 1024 * 1024  # stop reading from a worker whose caller is this far behind
+SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it is complete
+
+# --- Health checks and measurement (proxy/health.py) ---------------------------
+HEALTH_INTERVAL_S = 2.0
+HEALTH_PROBE_TIMEOUT_S = 2.0
+MEASURED_REQUESTS_MIN = 5  # completed requests before a new worker's throughput is shared
+WEIGHT_PERIOD_S = 60.0  # a measured throughput is shared again at most this often
+DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
+
+# --- What the hot path reads from memory (proxy/directory.py) ------------------
+DIRECTORY_REFRESH_INTERVAL_S = 1.0
+KEY_CACHE_TTL_S = 1.0  # the fallback for a revocation notice that never came
+KEY_CACHE_ENTRIES_MAX = 100_000
+
+# --- Routing (proxy/routing.py) -----------------------------------------------
+# Spill when a request on this worker would decode slower than this.
+TOKENS_PER_S_PER_REQUEST_MIN = 20
+# A worker with no measurement yet gets this capacity and the fleet's median
+# weight, so it receives enough traffic to be measured (a probe period).
+PROBE_CAPACITY_REQUESTS = 8
+PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
+AFFINITY_PREFIX_BYTES_MAX = 16_384  # of a conversation, hashed for affinity
+AFFINITY_PROMPT_HEAD_BYTES = 1024  # of a completion prompt: what a continued prompt shares
+# Measured throughput is rounded to steps of this ratio (about 19%), so that
+# replicas that measured slightly differently still agree on weights.
+THROUGHPUT_STEP_RATIO = 2**0.25
+
+# --- Usage strikes (proxy/workers.py) ------------------------------------------
+USAGE_STRIKES_MAX = 3  # strikes that suspend a worker
+# A report above the prompt bound may be the caller's doing: it is a strike
+# only once requests of this many different accounts show it within the window.
+PROMPT_INFLATION_ACCOUNTS_MIN = 3
+PROMPT_INFLATION_WINDOW_S = 3600
+
+# --- Metering: the prompt bound (proxy/metering.py) -----------------------------
+# The chat template's own tokens (ChatML-, Llama- and Hermes-style templates
+# measured with a byte-level tokenizer, tests/proxy/test_prompt_bound.py).
+TEMPLATE_TOKENS_PER_REQUEST = 32  # BOS, the generation prompt
+TEMPLATE_TOKENS_PER_MESSAGE = 8  # turn markers around role and content (the role's bytes are counted)
+TEMPLATE_TOKENS_PER_TOOL_REPLY = 48  # <tool_response> markup, a turn of its own in some templates
+TEMPLATE_TOKENS_PER_TOOL_CALL = 64  # <tool_call>{"name": ..., "arguments": ...}</tool_call>
+TEMPLATE_TOKENS_PER_REASONING = 24  # <think>...</think> around reasoning sent back
+TEMPLATE_TOKENS_PER_CONTENT_PART = 2  # the separator an engine joins text parts with
+TEMPLATE_TOKENS_WITH_TOOLS = 512  # the tools preamble ("You may call one or more functions...")
+TEMPLATE_TOKENS_PER_TOOL = 8  # the line around each tool definition
+TEMPLATE_TOKENS_WITH_TOKEN_IDS = 2  # BOS (and EOS) an engine may add around token ids it did not tokenise
+
+# --- Metering: the completion bound ---------------------------------------------
+# Tokens an engine produces but never relays as text.
+COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a reasoning parser strips
+COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL = 24  # tool-call markup a tool parser strips
+# Far more parallel calls than any agent framework makes; each beyond it is dropped, never relayed.
+TOOL_CALLS_PER_ANSWER_MAX = 64
+# A completion reported above the bound by more than this is a discrepancy.
+COMPLETION_TOLERANCE_TOKENS_MIN = 2
+COMPLETION_TOLERANCE_PERCENT = 5
+
+# --- API keys and prices -------------------------------------------------------
+KEY_RANDOM_BYTES = 32
+KEY_PREFIX_SHOWN_CHARS = 12
+PRICE_DECIMALS_MAX = 6  # of a price in USD per million tokens
+PRICE_USD_PER_MTOK_MAX = 10_000
+
+# --- Revocations (proxy/revocations.py) ----------------------------------------
+REVOCATION_RECONNECT_WAIT_S_MIN = 0.1
+REVOCATION_RECONNECT_WAIT_S_MAX = 5.0
+# A listening connection silent this long is asked whether it is still there,
+# so a connection dropped without a word is noticed within about this time.
+REVOCATION_LIVENESS_CHECK_INTERVAL_S = 5.0
+REVOCATION_CONNECT_TIMEOUT_S = 5
+
+# --- The simulated worker (proxy/sim/) ------------------------------------------
+SIM_REQUEST_BODY_BYTES_MAX = 32 * 1024 * 1024
+SIM_MAX_TOKENS_DEFAULT = 16  # vLLM's default when a request sets none
+# 64 bytes is about 16 tokens, vLLM's KV block size: only whole blocks are cached.
+SIM_PREFIX_BLOCK_BYTES = 64
+SIM_KV_BLOCK_TOKENS = 16
+SIM_PREFIX_CACHE_BLOCKS_MAX = 65_536
+# Unpaced streams would otherwise never give the event loop back while writing.
+SIM_INSTANT_YIELD_EVERY_TOKENS = 8

@@ -1,0 +1,275 @@
+"""Settling generations (DESIGN.md, A request through the proxy, step 5, and
+Metering rules): charge what was delivered, pay the worker's owner, release
+the rest of the hold, record a worker's over-report as evidence. And, while
+requests run, renew their holds with what each has delivered so far.
+
+`Settler.settle` is the callback a `Generation` hands itself to when its
+stream ends; it runs the settlement in a task of its own, which nothing the
+caller does can cancel and which shutdown awaits."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from ledger import commands as cmd
+from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
+from ledger.holds import HoldRenewal, PlaceHold, settlement_key
+from ledger.service import Ledger
+from proxy import generations, metering
+from proxy import workers as registry
+from proxy.directory import Directory
+from proxy.generation import Generation
+from proxy.generations import rest_key
+from proxy.limits import (
+    HOLD_RENEW_INTERVAL_S_MAX,
+    HOLD_RENEWALS_PER_TTL_MIN,
+    SETTLE_ATTEMPTS_MAX,
+    SETTLE_RETRY_WAIT_S,
+    USAGE_PROBE_TIMEOUT_S,
+)
+from proxy.upstream import UpstreamError, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+
+def hold_key(request_id: str) -> str:
+    return f"hold:{request_id}"
+
+
+class Settler:
+    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int) -> None:
+        self.ledger = ledger
+        self.directory = directory  # its loads: what this process has in flight per worker
+        self.upstream = upstream
+        self.hold_ttl_s = hold_ttl_s
+        self._background: set[asyncio.Task] = set()
+        self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
+
+    def settle(self, generation: Generation, charge: bool) -> asyncio.Task:
+        """Bill what was delivered, or, with charge=False (a non-streaming
+        caller whose worker failed has received nothing), release the hold."""
+        return self.in_background(self.finish(generation) if charge else self.abandon(generation))
+
+    def track(self, generation: Generation) -> None:
+        """Its hold is placed: renew it while the request runs."""
+        self._live[generation.hold_id] = generation
+
+    # After the last token
+    async def finish(self, generation: Generation) -> None:
+        """Settle what was delivered, durably, then the response may end."""
+        if not generation.begin_settling():
+            return
+        load = self.directory.loads.get(generation.worker.id)
+        if load is not None:
+            load.in_flight -= 1
+            decode_s = time.perf_counter() - generation.first_token_at if generation.first_token_at else 0.0
+            load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
+        if generation.reported_prompt is None and generation.counted_tokens:
+            await self._ask_prompt_tokens(generation)
+        billed = generation.delivered_usage()
+        generation.bill(billed)
+        if billed.completion_tokens == 0:  # an empty completion costs nothing
+            await self.release(generation)
+            return
+        try:
+            await self._settle_delivered(generation, billed)
+        except Exception:  # a refusal, or the database away: the charge is not lost either way
+            await self._settle_later(generation, billed)
+        finally:
+            self._live.pop(generation.hold_id, None)
+        if billed.discrepant:  # evidence is recorded off the path to [DONE]
+            self.in_background(self._record_discrepancy(generation, billed))
+
+    async def abandon(self, generation: Generation) -> None:
+        if not generation.begin_settling():
+            return
+        if generation.worker is not None:
+            self.directory.loads[generation.worker.id].in_flight -= 1
+        await self.release(generation)
+
+    async def release(self, generation: Generation) -> None:
+        self._live.pop(generation.hold_id, None)
+        # Shielded: a caller leaving must not stop the release once it is due.
+        await asyncio.shield(asyncio.to_thread(self.ledger.release_hold, generation.hold_id))
+
+    def release_when_placed(self, hold_task: asyncio.Future) -> None:
+        """A done-callback for a hold whose caller left before it was placed."""
+        if not hold_task.cancelled() and hold_task.exception() is None:
+            self.in_background(asyncio.to_thread(self.ledger.release_hold, hold_task.result().hold_id))
+
+    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """The settlement could not be written (the database or the writer is
+        away). Delivered tokens are never given away: a streaming caller has
+        them, so the hold keeps the full charge as its recorded usage and the
+        sweeper settles it once it expires. A non-streaming caller has received
+        nothing: the hold is released and the answer withheld."""
+        if not generation.streaming:
+            log.exception("request %s could not be settled; nothing was delivered, its hold is released", generation.request_id)
+            generation.withhold()
+            await self.release(generation)
+            return
+        log.exception("request %s could not be settled now; the sweeper settles its hold", generation.request_id)
+        final = self.renewal(generation, billed)
+        try:
+            await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
+        except Exception:  # the hold keeps the usage recorded at the last renewal
+            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=True)
+
+    async def _settle_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """Charge the hold. A settlement never depends on its hold still being
+        there: if the sweeper closed it (this process could not renew it in
+        time), it settled what was recorded as delivered, and the rest is
+        charged now, under a hold of its own."""
+        meta = _settlement_meta(generation, billed)
+        try:
+            await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd,
+                                                 generation.request_id, settlement_key(generation.request_id), meta))
+        except (HoldNotActive, IdempotencyConflict):
+            await self._settle_rest(generation, meta)
+
+    async def _settle_rest(self, generation: Generation, meta: dict) -> None:
+        rid, grant = generation.request_id, generation.grant
+        first = await asyncio.to_thread(self._settled, rid)
+        charged = first.charge_nano_usd if first else 0
+        rest = generation.cost_nano_usd - charged
+        generation.charged(charged)
+        if rest <= 0:
+            return
+        rest_meta = {**meta, "prompt_tokens": meta["prompt_tokens"] - (first.prompt_tokens if first else 0),
+                     "completion_tokens": meta["completion_tokens"] - (first.completion_tokens if first else 0)}
+        try:
+            hold = await self.ledger.place_hold_async(PlaceHold(
+                grant.account_id, rest, rest_key(hold_key(rid)), self.hold_ttl_s, minimum_nano_usd=1,
+                spend_limit_id=grant.spend_limit_id))
+        except (InsufficientFunds, SpendLimitReached):
+            log.warning("request %s: %s nano-USD delivered after its hold closed are not covered any more", rid, rest)
+            return
+        try:
+            await self._append(cmd.SettleRequest(hold.hold_id, generation.worker.owner_account_id, hold.amount_nano_usd, rid,
+                                                 rest_key(settlement_key(rid)), rest_meta))
+        except LedgerError:
+            await asyncio.to_thread(self.ledger.release_hold, hold.hold_id)
+            raise
+        generation.charged(charged + hold.amount_nano_usd)
+
+    def _settled(self, request_id: str) -> generations.Settled | None:
+        with self.ledger.engine.connect() as conn:
+            return generations.first_settlement(conn, request_id)
+
+    async def _append(self, command: cmd.Command):
+        for attempt in range(1, SETTLE_ATTEMPTS_MAX + 1):
+            try:
+                return await self.ledger.append_async(command)
+            except WriterOverloaded:  # the idempotency key makes another try safe
+                if attempt == SETTLE_ATTEMPTS_MAX:
+                    raise
+                await asyncio.sleep(SETTLE_RETRY_WAIT_S * attempt)
+
+    async def _ask_prompt_tokens(self, generation: Generation) -> None:
+        """llama-cpp-python streams no usage. Ask it for one token of the same
+        prompt without streaming: its KV cache still holds the prompt, so the
+        answer costs about one decode step and carries the exact prompt count.
+        Should that fail, the prompt's upper bound is billed."""
+        body = {**generation.upstream_body, "stream": False, "max_tokens": 1}
+        body.pop("stream_options", None)
+        response = None
+        try:
+            async with asyncio.timeout(USAGE_PROBE_TIMEOUT_S):
+                response = await self.upstream.post(generation.upstream_url(), orjson.dumps(body))
+                prompt_tokens = orjson.loads(await response.read())["usage"]["prompt_tokens"]
+        except (UpstreamError, ValueError, KeyError, TypeError, TimeoutError):
+            return
+        finally:
+            if response is not None:
+                response.close()
+        if type(prompt_tokens) is int and prompt_tokens >= 0:
+            generation.note_prompt_tokens(prompt_tokens)
+
+    async def _record_discrepancy(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """Every discrepancy is recorded; a strike follows only from proof on
+        this request, or from the same inflation across accounts (proxy/workers.py)."""
+        discrepancy, proof = discrepancy_of(generation, billed)
+        try:
+            await asyncio.to_thread(self._strike, discrepancy, proof)
+        except Exception:  # the charge is settled already; the evidence is what is lost
+            log.exception("the usage discrepancy of request %s could not be recorded", generation.request_id)
+
+    def _strike(self, discrepancy: cmd.RecordUsageDiscrepancy, proof: bool) -> None:
+        with self.ledger.engine.begin() as conn:
+            registry.record_usage_discrepancy(conn, discrepancy, proof=proof)
+
+    # While requests run
+    async def keep_holds(self) -> None:
+        """Renew the holds of every request still running, and record what each
+        stream has delivered, in one write per interval: a long request never
+        outlives its hold, and after a crash the sweeper settles each hold at
+        what its caller had received."""
+        interval_s = min(HOLD_RENEW_INTERVAL_S_MAX, self.hold_ttl_s / HOLD_RENEWALS_PER_TTL_MIN)
+        while True:
+            await asyncio.sleep(interval_s)
+            renewals = [self.renewal(g) for g in list(self._live.values()) if not g.finished]
+            if not renewals:
+                continue
+            try:
+                active = await asyncio.to_thread(self.ledger.renew_holds, renewals)
+            except Exception:  # the database is away: try again next round; settlement does not need the hold
+                log.warning("could not renew %d hold(s)", len(renewals), exc_info=True)
+                continue
+            for renewal in renewals:
+                if renewal.hold_id not in active:  # the sweeper took it: stop, and charge the rest at the end
+                    lost = self._live.pop(renewal.hold_id, None)
+                    if lost is not None:
+                        lost.lose_hold()
+
+    def renewal(self, generation: Generation, billed: metering.BilledUsage | None = None) -> HoldRenewal:
+        """What a stream's caller has received is delivered; a non-streaming
+        caller has received nothing until the answer is complete. The usage is
+        written only when it changed; a prompt the worker has not reported yet
+        (llama.cpp) is not charged on a crash rather than charged at its bound."""
+        renewal = HoldRenewal(generation.hold_id, self.hold_ttl_s)
+        if not (generation.streaming and generation.worker is not None and generation.counted_tokens):
+            return renewal
+        billed = billed or generation.delivered_usage()
+        if generation.reported_prompt is None:
+            billed = billed._replace(prompt_tokens=0)
+        capture = min(generation.price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens), generation.hold_nano_usd)
+        if not generation.record_capture(capture):
+            return renewal
+        return renewal._replace(capture_nano_usd=capture, owner_account_id=generation.worker.owner_account_id,
+                                request_id=generation.request_id, meta=_settlement_meta(generation, billed))
+
+    # Background work
+    def in_background(self, work) -> asyncio.Task:
+        """A task nothing the caller does can cancel, awaited at shutdown."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _settlement_meta(generation: Generation, billed: metering.BilledUsage) -> dict:
+    return {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
+            "prompt_tokens": billed.prompt_tokens, "completion_tokens": billed.completion_tokens,
+            "started_at": generation.started_at.isoformat()}
+
+
+def discrepancy_of(generation: Generation, billed: metering.BilledUsage) -> tuple[cmd.RecordUsageDiscrepancy, bool]:
+    """The evidence a discrepant report leaves, and whether this request alone
+    proves the worker dishonest (a strike then follows without waiting for
+    the same inflation across accounts)."""
+    prompt_inflated = (generation.reported_prompt or 0) > generation.prompt_bound
+    reason = billed.strike_reason or (registry.PROMPT_ABOVE_BOUND if prompt_inflated else registry.USAGE_ABOVE_BOUND_UNPROVEN)
+    discrepancy = cmd.RecordUsageDiscrepancy(
+        generation.request_id, generation.worker.id, generation.reported_prompt or 0, generation.reported_completion or 0,
+        billed.prompt_tokens, billed.completion_tokens, f"usage-discrepancy:{generation.request_id}",
+        generation.grant.account_id, reason,
+    )
+    proof = billed.strike_reason is not None and billed.strike_reason not in registry.CROSS_ACCOUNT_REASONS
+    return discrepancy, proof

@@ -1,0 +1,208 @@
+"""Health checks without servers: the Prometheus reader, and the probe's
+effect on the registry, with workers answering through httpx's mock transport
+and the registry on SQLite."""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import httpx
+import pytest
+from sqlalchemy import update
+
+from app.migrate import migrate
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger.db import make_engine
+from ledger.schema import utc_now
+from proxy import limits
+from proxy import workers as registry
+from proxy.directory import Directory
+from proxy.health import HealthChecker, busy_from_metrics
+from proxy.schema import workers
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} 12345.0
+"""
+
+
+# --- the Prometheus reader -----------------------------------------------------------
+
+
+def test_running_and_waiting_are_summed():
+    assert busy_from_metrics(VLLM_METRICS.format(running="3.0", waiting="2.0")) == 5
+
+
+def test_a_sample_with_a_timestamp_is_read_by_its_value():
+    text = ('vllm:num_requests_running{model_name="m"} 3 1700000000000\n'
+            'vllm:num_requests_waiting{model_name="m"} 1 1700000000000\n')
+    assert busy_from_metrics(text) == 4
+
+
+def test_every_label_set_counts():
+    text = 'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 5\n'
+    assert busy_from_metrics(text) == 7
+
+
+def test_metrics_without_the_busy_gauges_or_not_prometheus_text_say_nothing():
+    assert busy_from_metrics('vllm:prompt_tokens_total{model_name="m"} 3\n') is None
+    assert busy_from_metrics("") is None
+    assert busy_from_metrics("<html>not found</html>") is None
+
+
+def test_a_similar_name_is_not_mistaken_for_a_busy_gauge():
+    assert busy_from_metrics("vllm:num_requests_running_total 9\nvllm:num_requests_waiting 1\n") == 1
+
+
+# --- the probe and the registry ---------------------------------------------------------
+
+
+class FakeWorkers:
+    """Answers health, models and metrics per worker URL, as vLLM would."""
+
+    def __init__(self) -> None:
+        self.health_status: dict[str, int] = {}
+        self.busy: dict[str, tuple[int, int]] = {}
+        self.context_length = 8192
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == "/health":
+            return httpx.Response(self.health_status.get(base, 200))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "served-m", "max_model_len": self.context_length}]})
+        if request.url.path == "/metrics":
+            running, waiting = self.busy.get(base, (0, 0))
+            return httpx.Response(200, text=VLLM_METRICS.format(running=running, waiting=waiting))
+        return httpx.Response(404)
+
+
+@pytest.fixture
+def registry_engine(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path}/health.db")
+    migrate(engine)
+    yield engine
+    engine.dispose()
+
+
+def _add_worker(engine, port: int, engine_name: str = "vllm") -> tuple[int, str]:
+    url = f"http://127.0.0.1:{port}"
+    with engine.begin() as conn:
+        owner = acc.create_account(conn, cmd.OWNER, f"owner {port}")
+        context = 4096 if engine_name == "llamacpp" else None
+        return registry.add_worker(conn, owner, url, "m", engine_name, context), url
+
+
+def _check(engine, answer) -> Directory:
+    """One round of health checks, the workers answering through `answer(request)`."""
+    directory = Directory(engine)
+
+    async def round_() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await directory.refresh_async()
+            await HealthChecker(directory, client).check_all()
+
+    asyncio.run(round_())
+    return directory
+
+
+def _stored(engine, worker_id: int) -> registry.WorkerView:
+    with engine.connect() as conn:
+        return registry.get_worker(conn, worker_id)
+
+
+def test_a_healthy_worker_records_its_heartbeat_context_served_name_and_load(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9001)
+    fake = FakeWorkers()
+    fake.busy[url] = (3, 2)
+    directory = _check(registry_engine, fake.handle)
+    stored = _stored(registry_engine, worker_id)
+    assert (stored.healthy, stored.context_length, stored.served_model) == (True, 8192, "served-m")
+    assert stored.last_heartbeat_at is not None and stored.state == "active"
+    assert directory.loads[worker_id].reported_busy == 5
+
+
+def test_a_failing_worker_becomes_unhealthy_and_back(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9002)
+    fake = FakeWorkers()
+    fake.health_status[url] = 500
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).healthy is False
+    fake.health_status[url] = 200
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).healthy is True
+
+
+def test_an_unreachable_worker_is_unhealthy(registry_engine):
+    worker_id, _ = _add_worker(registry_engine, 9003)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    _check(registry_engine, refuse)
+    assert _stored(registry_engine, worker_id).healthy is False
+
+
+def test_a_llamacpp_worker_is_up_when_its_server_answers_below_500(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9004, "llamacpp")
+    fake = FakeWorkers()
+    fake.health_status[url] = 404  # llama-cpp-python's server has no /health
+    _check(registry_engine, fake.handle)
+    stored = _stored(registry_engine, worker_id)
+    assert stored.healthy is True and stored.context_length == 4096, "its context comes from registration"
+
+
+def test_a_draining_worker_is_drained_once_idle_and_a_heartbeat_never_undoes_a_drain(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9005)
+    with registry_engine.begin() as conn:
+        registry.drain_worker(conn, worker_id)
+    fake = FakeWorkers()
+    fake.busy[url] = (1, 0)
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).state == "draining", "still running a request"
+    fake.busy[url] = (0, 0)
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).state == "drained"
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).state == "drained"
+
+
+def test_a_draining_worker_still_busy_is_drained_at_the_deadline(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9006)
+    overdue = utc_now() - timedelta(seconds=limits.DRAIN_DEADLINE_S + 1)
+    with registry_engine.begin() as conn:
+        conn.execute(update(workers).where(workers.c.id == worker_id).values(state="draining", drain_requested_at=overdue))
+    fake = FakeWorkers()
+    fake.busy[url] = (4, 4)
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).state == "drained"
+
+
+def test_a_new_workers_throughput_is_shared_once_measured(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9007)
+    fake = FakeWorkers()
+    directory = Directory(registry_engine)
+
+    async def rounds() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)) as client:
+            checker = HealthChecker(directory, client)
+            await directory.refresh_async()
+            load = directory.loads[worker_id]
+            for _ in range(limits.MEASURED_REQUESTS_MIN - 1):
+                load.observe(tokens=100, decode_s=1.0, concurrency=10)
+            await checker.check_all()
+            assert _stored(registry_engine, worker_id).throughput_tokens_per_s is None, "not measured enough yet"
+            load.observe(tokens=100, decode_s=1.0, concurrency=10)
+            await checker.check_all()
+
+    asyncio.run(rounds())
+    measured = _stored(registry_engine, worker_id).throughput_tokens_per_s
+    assert measured is not None and 900 <= measured <= 1100  # about 100 tokens/s x 10, rounded to a step
+    assert directory.loads[worker_id].completed == 0, "a new measuring period starts"
