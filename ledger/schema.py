@@ -27,7 +27,7 @@ from ledger.limits import (
     SHA256_BYTES,
     SYSTEM_CODE_CHARS_MAX,
 )
-from ledger.storage.types import BigId, UTCDateTime, exact_text, partial_index
+from ledger.column_types import BigId, UTCDateTime, exact_text, partial_index
 
 metadata = MetaData()
 
