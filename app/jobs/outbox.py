@@ -1,34 +1,43 @@
 """The outbox: a task is written in the transaction that makes it necessary,
-and sent to Celery only after that transaction commits. Whatever was written
-but not sent (the process stopped in between) is sent by the next dispatch,
-which beat runs every few seconds. Tasks are safe to run twice."""
+and sent only after that transaction commits, by whoever committed it
+(`dispatch` with a send function). Whatever was written but not sent (the
+process stopped in between) is sent by the next dispatch, which beat runs
+every few seconds. Tasks are safe to run twice."""
 from __future__ import annotations
 
-import orjson
-from sqlalchemy import Connection, Engine, select, update
+from collections.abc import Callable
 
-from app.schema import outbox
-from ledger.schema import utc_now
+import orjson
+from sqlalchemy import Column, Connection, Engine, String, Table, Text, select, update
+
+from ledger.schema import BigId, UTCDateTime, metadata, utc_now
 
 DISPATCH_BATCH_MAX = 500
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("task", String(100), nullable=False),
+    Column("args", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("dispatched_at", UTCDateTime),
+)
+
+# Sends one task by name with its positional arguments (a queue, or a run in-process).
+SendTask = Callable[[str, list], object]
 
 
 def add(conn: Connection, task: str, *args) -> None:
     conn.execute(outbox.insert().values(task=task, args=orjson.dumps(list(args)).decode(), created_at=utc_now()))
 
 
-def dispatch(engine: Engine) -> int:
+def dispatch(engine: Engine, send: SendTask) -> int:
     """Send what committed tasks are waiting; returns how many were sent."""
-    from app.jobs.celery import celery
-
     with engine.connect() as conn:
         waiting = conn.execute(select(outbox).where(outbox.c.dispatched_at.is_(None)).order_by(outbox.c.id).limit(DISPATCH_BATCH_MAX)).all()
     for row in waiting:  # sent first, marked after: a task may go twice, never not at all
-        args = orjson.loads(row.args)
-        if celery.conf.task_always_eager:
-            celery.tasks[row.task].apply(args=args)
-        else:
-            celery.send_task(row.task, args=args)
+        send(row.task, orjson.loads(row.args))
         with engine.begin() as conn:
             conn.execute(update(outbox).where(outbox.c.id == row.id).values(dispatched_at=utc_now()))
     return len(waiting)

@@ -17,11 +17,11 @@ from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
 
 from app.jobs import outbox
-from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
+from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
-from ledger.accounts import create_system_account
-from ledger.errors import InvalidInput, LedgerError, UnknownAccount, WrongAccountKind
-from ledger.schema import accounts, utc_now
+from ledger.accounts import create_system_account, require_kind
+from ledger.errors import InvalidInput, LedgerError
+from ledger.schema import utc_now
 from ledger.store import append_batch
 
 TRANSFER_TOPIC = "0x" + Web3.keccak(text="Transfer(address,address,uint256)").hex().removeprefix("0x")
@@ -84,11 +84,7 @@ def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -
     if not settings.seed:
         raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_SEED")
     with engine.begin() as conn:
-        kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
-        if kind is None:
-            raise UnknownAccount(f"account {account_id} does not exist")
-        if kind != cmd.CUSTOMER:
-            raise WrongAccountKind(f"deposit addresses are for customer accounts; {account_id} is a {kind} account")
+        require_kind(conn, account_id, (cmd.CUSTOMER,), "deposit addresses are for customer accounts")
         known = conn.execute(select(crypto_deposit_addresses.c.address).where(crypto_deposit_addresses.c.account_id == account_id)).scalar()
         if known:
             return known
@@ -116,6 +112,8 @@ class ScanReport:
 
 
 def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
+    """One bounded scan. The invoices of what it credits wait in the outbox for
+    the caller to dispatch (`app.jobs.outbox.dispatch`)."""
     if not settings.tokens:
         raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_TOKENS")
     chain_id, head = w3.eth.chain_id, w3.eth.block_number
@@ -135,8 +133,6 @@ def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
             _remember_blocks(conn, w3, chain_id, max(next_block, head - REORG_DEPTH_BLOCKS + 1), to_block)
         _set_position(conn, chain_id, to_block + 1)
         _credit_confirmed(conn, chain_id, head - settings.confirmations + 1, counter, report)
-    if report.credited:
-        outbox.dispatch(engine)  # the invoices, now that the credits are committed
     return report
 
 

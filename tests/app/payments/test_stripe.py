@@ -9,7 +9,7 @@ import orjson
 import pytest
 from sqlalchemy import func, select
 
-from app.schema import stripe_checkout_sessions, stripe_events
+from app.payments.schema import stripe_checkout_sessions, stripe_events
 from app.tokens import create_token
 from tests.support.stripe_standin import StripeStandIn, session_event, signed
 from tests.support.harness import ThreadedServer, make_fleet, serving, wait_for
