@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 
 from app.payments.crypto import CryptoSettings, Token, deposit_address, derive_address, scan_once
+from invoices.service import list_invoices
 from ledger import accounts as acc
 from ledger.errors import UnknownAccount, WrongAccountKind
 from ledger.verify import verify
 from tests.support.anvil import deploy_stablecoin, mine, revert, running_anvil, send, snapshot
-from tests.support.harness import make_fleet
+from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
+from tests.support.harness import make_fleet, wait_for
 
 SEED = "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about"
 CONFIRMATIONS = 3
@@ -137,36 +139,18 @@ def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
     assert run("crypto", "deposit-address", "999999", "--json", expect=2)["error"]["code"] == "unknown_account"
 
 
-def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain):
+def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain, celery_worker):
     """The watcher as a task: a `paralon worker` process on the local Redis
     takes `paralon.crypto_scan` and credits the confirmed deposit."""
-    import os
-    import subprocess
-    import sys
-    import uuid
-
-    from celery import Celery
-
-    from tests.support.harness import celery_redis_url
-
-    redis_url = celery_redis_url(13)
     fleet, w3, token, _, settings = chain
     address = deposit_address(fleet.engine, settings, fleet.customer_id)
     send(w3, token, address, 2_000000)
     mine(w3, CONFIRMATIONS)
-    queue = f"paralon-test-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,
-           "PARALON_CELERY_RESULT_URL": redis_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
-           "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
-           "PARALON_CRYPTO_SEED": SEED}
-    worker = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "worker", "-Q", queue,
-                               "--concurrency", "1", "--pool", "solo"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        client = Celery(broker=redis_url, backend=redis_url)
-        result = client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)
-        assert result["credited"] == 1
-        assert client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)["credited"] == 0, "safe to run twice"
-    finally:
-        worker.terminate()
-        worker.wait(20)
+    worker = celery_worker({"PARALON_DATABASE_URL": fleet.database_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
+                            "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
+                            "PARALON_CRYPTO_SEED": SEED}, concurrency=1, pool="solo")
+    assert worker.result(worker.send("paralon.crypto_scan"))["credited"] == 1
+    assert worker.result(worker.send("paralon.crypto_scan"))["credited"] == 0, "safe to run twice"
     assert _balance(fleet) == 2 * USD
+    invoiced = wait_for(lambda: [i for i in list_invoices(fleet.engine, fleet.customer_id) if i["pdf_sha256"]], timeout_s=60)
+    assert [i["amount_nano_usd"] for i in invoiced] == [2 * USD], "the outbox sent the credit's invoice to the worker"
