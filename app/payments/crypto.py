@@ -9,12 +9,17 @@ reversed. Scans are bounded in blocks and go on from where they stopped.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from eth_abi import encode
+from eth_abi.exceptions import DecodingError
 from eth_account import Account
 from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
+from web3.exceptions import LogTopicError, MismatchedABI
+from web3.types import EventData
 
 from app.jobs import outbox
 from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
@@ -24,12 +29,19 @@ from ledger.errors import InvalidInput, LedgerError
 from ledger.schema import utc_now
 from ledger.store import append_batch
 
-TRANSFER_TOPIC = "0x" + Web3.keccak(text="Transfer(address,address,uint256)").hex().removeprefix("0x")
+# ERC-20's Transfer event, decoded by web3 from its ABI (a log of any other shape is not one).
+TRANSFER_EVENT_ABI = {
+    "type": "event", "name": "Transfer", "anonymous": False,
+    "inputs": [{"name": "from", "type": "address", "indexed": True}, {"name": "to", "type": "address", "indexed": True},
+               {"name": "value", "type": "uint256", "indexed": False}],
+}
+TRANSFER_EVENT = Web3().eth.contract(abi=[TRANSFER_EVENT_ABI]).events.Transfer()
 CONFIRMATIONS_DEFAULT = 12
 SCAN_BLOCKS_MAX = 2_000
 REORG_DEPTH_BLOCKS = 128  # recent block hashes kept to notice a reorganisation
 NANO_DECIMALS = 9
 Account.enable_unaudited_hdwallet_features()
+logger = logging.getLogger(__name__)
 
 
 class CryptoNotConfigured(InvalidInput):
@@ -181,13 +193,15 @@ def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chai
     if not owners:
         return
     decimals = {t.address: t.decimals for t in settings.tokens}
-    topics_to = ["0x" + "00" * 12 + a.lower().removeprefix("0x") for a in owners]
+    topics_to = ["0x" + encode(["address"], [address]).hex() for address in owners]
     logs = w3.eth.get_logs({"fromBlock": from_block, "toBlock": to_block, "address": list(decimals),
-                            "topics": [TRANSFER_TOPIC, None, topics_to]})
+                            "topics": [TRANSFER_EVENT.topic, None, topics_to]})
     for log in logs:
-        token = Web3.to_checksum_address(log["address"])
-        to_address = Web3.to_checksum_address("0x" + _hex(log["topics"][2])[-40:])
-        raw = int.from_bytes(bytes(log["data"]), "big") if not isinstance(log["data"], str) else int(log["data"], 16)
+        transfer = _decode_transfer(log)
+        if transfer is None:
+            continue
+        token, to_address = Web3.to_checksum_address(transfer["address"]), Web3.to_checksum_address(transfer["args"]["to"])
+        raw = transfer["args"]["value"]  # an int of up to 256 bits, kept exactly
         if token not in decimals or to_address not in owners or raw <= 0:
             continue
         key = {"chain_id": chain_id, "tx_hash": _hex(log["transactionHash"]), "log_index": log["logIndex"]}
@@ -199,6 +213,17 @@ def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chai
             account_id=owners[to_address], raw_amount=raw, amount_nano_usd=raw * 10 ** (NANO_DECIMALS - decimals[token]),
         ))
         report.transfers_seen += 1
+
+
+def _decode_transfer(log) -> EventData | None:
+    """The ERC-20 Transfer this log is, or None: a configured address may also emit
+    logs of another shape under the same topic (an ERC-721 Transfer, a malformed value)."""
+    try:
+        return TRANSFER_EVENT.process_log(log)
+    except (MismatchedABI, LogTopicError, DecodingError) as exc:
+        logger.warning("log %s:%s of %s is not an ERC-20 Transfer: %s",
+                       _hex(log["transactionHash"]), log["logIndex"], log["address"], exc)
+        return None
 
 
 def _remember_blocks(conn: Connection, w3: Web3, chain_id: int, from_block: int, to_block: int) -> None:
