@@ -209,17 +209,11 @@ def test_the_cli_issues_shows_and_lists_statements(history):
         assert conn.execute(select(func.count()).select_from(statements)).scalar_one() == 2
 
 
-def test_months_and_the_beat_schedule():
-    from app.jobs.celery import celery
-
+def test_months():
     assert st.parse_month("2026-12").end == at("2027-01-01T00:00:00")
     assert st.previous_month(at("2027-01-01T00:30:00")).text == "2026-12"
     assert not st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00"))
     assert st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00") + timedelta(seconds=st.CLOSE_GRACE_S))
-    schedule = celery.conf.beat_schedule["monthly-statements"]
-    assert schedule["task"] == "paralon.issue_statements"
-    assert (schedule["schedule"].hour, schedule["schedule"].minute) == ({0}, {30}), "daily, so a missed 1st is made up"
-    assert len(schedule["schedule"].day_of_month) == 31
 
 
 def _tokens(fleet) -> dict[str, str]:
