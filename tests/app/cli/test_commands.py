@@ -5,6 +5,8 @@ here first. After an intended change, write the record again with
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -38,6 +40,14 @@ def test_every_command_option_and_help_text_is_as_recorded():
     assert sorted(now) == sorted(recorded), "the same commands"
     for path, described in recorded.items():
         assert now[path] == described, f"`paralon {path}` changed"
+
+
+def test_a_command_imports_only_its_own_module():
+    """`paralon balance` does not wait for web3, Celery or Litestar to import."""
+    program = ("import sys; from app.cli import main; main(['balance', '--help'], standalone_mode=False); "
+               "print(sorted(m for m in ('web3', 'celery', 'litestar', 'app.cli.payments', 'app.cli.servers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    assert loaded == "[]"
 
 
 if __name__ == "__main__":
