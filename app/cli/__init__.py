@@ -17,8 +17,8 @@ COMMAND_MODULES = {
     "app.cli.dev": ("up", "demo"),
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
     "app.cli.payments": ("stripe", "crypto"),
-    "app.cli.proxy": ("keys", "models", "workers"),
-    "app.cli.servers": ("serve", "sim-worker", "worker", "beat"),
+    "app.cli.proxy": ("keys", "models", "workers", "sim-worker"),
+    "app.cli.servers": ("serve", "worker", "beat"),
 }
 MODULE_OF_COMMAND = {name: module for module, names in COMMAND_MODULES.items() for name in names}
 

@@ -1,5 +1,5 @@
-"""The proxy's records from the command line: `paralon keys`, `models` (prices)
-and `workers`."""
+"""The proxy from the command line: `paralon keys`, `models` (prices),
+`workers`, and `sim-worker` (a simulated GPU worker)."""
 from __future__ import annotations
 
 import click
@@ -9,6 +9,9 @@ from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import prices as model_prices
 from proxy import workers as registry
+from proxy.sim.worker import serve as serve_sim
+
+SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
 
 
 @click.group("keys")
@@ -122,10 +125,20 @@ def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
     emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
 
 
+@click.command("sim-worker")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", required=True, type=click.IntRange(1, 65535))
+@click.option("--profile", type=click.Choice(SIM_PROFILES), default="instant", show_default=True)
+@click.option("--model", default="paralon-demo", show_default=True)
+def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:
+    """A simulated GPU worker speaking vLLM's OpenAI API."""
+    serve_sim(host, port, profile, model)
+
+
 def _suspension_text(worker: registry.WorkerView) -> str:
     if worker.suspended_at is None:
         return ""
     return f"\tsuspended at {worker.suspended_at.isoformat()}: {worker.suspension_reason}"
 
 
-COMMANDS = (keys_group, models_group, workers_group)
+COMMANDS = (keys_group, models_group, workers_group, sim_worker_command)

@@ -1,5 +1,5 @@
-"""The processes that run until stopped: `paralon serve` (the proxy),
-`sim-worker` (a simulated GPU worker), and Celery's `worker` and `beat`."""
+"""The processes of a deployment that run until stopped: `paralon serve` (the
+proxy) and Celery's `worker` and `beat`."""
 from __future__ import annotations
 
 import click
@@ -8,9 +8,6 @@ from app.cli.output import handles_errors
 from app.http.server import run_server
 from app.jobs.celery import celery
 from app.settings import Settings
-from proxy.sim.worker import serve as serve_sim
-
-SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
 
 
 @click.command("serve")
@@ -20,16 +17,6 @@ SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
 def serve_command(host: str, port: int) -> None:
     """Run the OpenAI-compatible proxy (docs at /docs)."""
     run_server(Settings.from_env(), host, port)
-
-
-@click.command("sim-worker")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", required=True, type=click.IntRange(1, 65535))
-@click.option("--profile", type=click.Choice(SIM_PROFILES), default="instant", show_default=True)
-@click.option("--model", default="paralon-demo", show_default=True)
-def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:
-    """A simulated GPU worker speaking vLLM's OpenAI API."""
-    serve_sim(host, port, profile, model)
 
 
 @click.command("worker", context_settings={"ignore_unknown_options": True})
@@ -46,4 +33,4 @@ def beat_command(celery_args) -> None:
     celery.start(["beat", "--loglevel=INFO", *celery_args])
 
 
-COMMANDS = (serve_command, sim_worker_command, worker_command, beat_command)
+COMMANDS = (serve_command, worker_command, beat_command)
