@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import Connection, select
+from sqlalchemy import BigInteger, Column, Connection, ForeignKey, LargeBinary, String, Table, select
 
-from app.schema import management_tokens
 from ledger import commands as cmd
 from ledger.accounts import require_kind
 from ledger.errors import InvalidInput
-from ledger.schema import utc_now
+from ledger.schema import BigId, UTCDateTime, metadata, utc_now
 from proxy.keys import key_sha256, new_secret, revoke_secret
 
 TOKEN_PREFIX = "pt-par-"
@@ -24,6 +23,19 @@ CUSTOMER, ACCOUNTANT, OWNER, ADMIN = "customer", "accountant", "owner", "admin"
 ROLES = (CUSTOMER, ACCOUNTANT, OWNER, ADMIN)
 # The kind of account each role acts for.
 ACCOUNT_KIND_OF_ROLE = {CUSTOMER: cmd.CUSTOMER, ACCOUNTANT: cmd.CUSTOMER, OWNER: cmd.OWNER, ADMIN: cmd.PLATFORM}
+
+# Like API keys: shown once, kept as SHA-256 of 256 random bits.
+management_tokens = Table(
+    "management_tokens",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("role", String(16), nullable=False),
+    Column("token_sha256", LargeBinary(32), nullable=False, unique=True),
+    Column("token_prefix", String(16), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("revoked_at", UTCDateTime),
+)
 
 
 class Principal(NamedTuple):

@@ -8,7 +8,6 @@ is written once (a retry reuses it, so its SHA-256 never changes), and the
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
 from invoices import numbering
+from invoices.files import write_whole
 from invoices.render import render_pdf
 from invoices.schema import invoices
 from ledger import commands as cmd
@@ -96,10 +96,7 @@ def _finish(engine: Engine, settings: InvoiceSettings, number: str) -> dict:
             "amount_nano_usd": invoice.amount_nano_usd,
             "payment_method": invoice.payment_method, "reference": invoice.external_reference,
         })
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".pdf.partial")
-        partial.write_bytes(pdf)
-        os.replace(partial, path)  # whole or not at all
+        write_whole(path, pdf)
     digest = hashlib.sha256(path.read_bytes()).digest()
     recorded = append_now(engine, cmd.RecordInvoice(number, invoice.kind, invoice.source_seq, invoice.account_id,
                                                     invoice.amount_nano_usd, digest.hex(), f"invoice:{number}"))

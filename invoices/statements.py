@@ -12,7 +12,6 @@ and not kept."""
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
 from invoices import read_models
+from invoices.files import write_whole
 from invoices.render import render_statement_pdf
 from invoices.schema import account_postings, earnings_daily, statements, usage_daily
 from invoices.service import InvoiceSettings
@@ -281,10 +281,7 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
     digest = hashlib.sha256(pdf).digest()
     # A name per rendering: two workers issuing at once each write their own file, and the row names the winner's.
     path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}-{digest.hex()[:12]}.pdf"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".pdf.partial")
-    partial.write_bytes(pdf)
-    os.replace(partial, path)
+    write_whole(path, pdf)
     row = {"account_id": account_id, "month": month.text, "kind": figures["account"]["kind"],
            "opening_balance_nano_usd": figures["opening_balance_nano_usd"], "closing_balance_nano_usd": figures["closing_balance_nano_usd"],
            "through_seq": figures["through_seq"], "issued_at": now, "pdf_path": str(path), "pdf_sha256": digest}

@@ -1,157 +1,144 @@
-"""`paralon serve`, keys, prices, workers and the simulated worker."""
+"""The proxy from the command line: `paralon keys`, `models` (prices),
+`workers`, and `sim-worker` (a simulated GPU worker)."""
 from __future__ import annotations
 
 import click
 
-from app.settings import Settings
-from ledger.db import make_engine
+from app.cli.output import emit, engine, handles_errors, json_option
 from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import prices as model_prices
 from proxy import workers as registry
+from proxy.sim.cli import serve as serve_sim
 
 SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
 
 
-def register(main: click.Group, emit, handles_errors, json_option) -> None:
-    def engine():
-        return make_engine(Settings.from_env().database.url)
+@click.group("keys")
+def keys_group() -> None:
+    """API keys for inference (shown once, stored hashed)."""
 
-    @main.command("serve")
-    @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-    @handles_errors
-    def serve(host: str, port: int) -> None:
-        """Run the OpenAI-compatible proxy (docs at /docs)."""
-        from app.http.server import run_server
 
-        run_server(Settings.from_env(), host, port)
+@keys_group.command("create")
+@click.argument("account_id", type=int)
+@click.option("--name", default=None)
+@click.option("--spend-limit-usd", default=None, help="Refuse requests once the key has spent this much.")
+@json_option
+@handles_errors
+def keys_create(account_id: int, name: str | None, spend_limit_usd: str | None, as_json: bool) -> None:
+    limit = usd_to_nano_usd(spend_limit_usd) if spend_limit_usd is not None else None
+    with engine().begin() as conn:
+        key_id, key = api_keys.create_key(conn, account_id, name=name, spend_limit_nano_usd=limit)
+    emit(as_json, {"id": key_id, "key": key, "account_id": account_id, "spend_limit_nano_usd": limit},
+         f"key {key_id}: {key}\n(shown once: store it now)")
 
-    @main.command("up")
-    @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-    @click.option("--worker-ports", default=(8101, 8102), show_default=True, type=(int, int),
-                  help="Ports of the two simulated workers (h200, 2x4090).")
-    @handles_errors
-    def up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
-        """The embedded default: SQLite, two simulated workers, a demo customer and key, the proxy."""
-        from app.cli.up import run_up
 
-        run_up(host, port, worker_ports)
+@keys_group.command("revoke")
+@click.argument("key_id", type=int)
+@json_option
+@handles_errors
+def keys_revoke(key_id: int, as_json: bool) -> None:
+    with engine().begin() as conn:
+        api_keys.revoke_key(conn, key_id)
+    emit(as_json, {"id": key_id, "revoked": True}, f"key {key_id} revoked")
 
-    @main.group()
-    def keys() -> None:
-        """API keys for inference (shown once, stored hashed)."""
 
-    @keys.command("create")
-    @click.argument("account_id", type=int)
-    @click.option("--name", default=None)
-    @click.option("--spend-limit-usd", default=None, help="Refuse requests once the key has spent this much.")
-    @json_option
-    @handles_errors
-    def keys_create(account_id: int, name: str | None, spend_limit_usd: str | None, as_json: bool) -> None:
-        limit = usd_to_nano_usd(spend_limit_usd) if spend_limit_usd is not None else None
-        with engine().begin() as conn:
-            key_id, key = api_keys.create_key(conn, account_id, name=name, spend_limit_nano_usd=limit)
-        emit(as_json, {"id": key_id, "key": key, "account_id": account_id, "spend_limit_nano_usd": limit},
-             f"key {key_id}: {key}\n(shown once: store it now)")
+@keys_group.command("list")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def keys_list(account_id: int, as_json: bool) -> None:
+    with engine().connect() as conn:
+        listed = api_keys.list_keys(conn, account_id)
+    emit(as_json, {"keys": listed}, "\n".join(f"{k['id']}\t{k['prefix']}…\t{'revoked' if k['revoked'] else 'live'}" for k in listed))
 
-    @keys.command("revoke")
-    @click.argument("key_id", type=int)
-    @json_option
-    @handles_errors
-    def keys_revoke(key_id: int, as_json: bool) -> None:
-        with engine().begin() as conn:
-            api_keys.revoke_key(conn, key_id)
-        emit(as_json, {"id": key_id, "revoked": True}, f"key {key_id} revoked")
 
-    @keys.command("list")
-    @click.argument("account_id", type=int)
-    @json_option
-    @handles_errors
-    def keys_list(account_id: int, as_json: bool) -> None:
-        with engine().connect() as conn:
-            listed = api_keys.list_keys(conn, account_id)
-        emit(as_json, {"keys": listed}, "\n".join(f"{k['id']}\t{k['prefix']}…\t{'revoked' if k['revoked'] else 'live'}" for k in listed))
+@click.group("models")
+def models_group() -> None:
+    """Model prices."""
 
-    @main.group()
-    def models() -> None:
-        """Model prices."""
 
-    @models.command("set-price")
-    @click.argument("model")
-    @click.option("--input-usd-per-mtok", required=True, help="USD per million prompt tokens, e.g. 0.15")
-    @click.option("--output-usd-per-mtok", required=True, help="USD per million completion tokens, e.g. 0.60")
-    @json_option
-    @handles_errors
-    def models_set_price(model: str, input_usd_per_mtok: str, output_usd_per_mtok: str, as_json: bool) -> None:
-        with engine().begin() as conn:
-            price = model_prices.set_price(conn, model, input_usd_per_mtok, output_usd_per_mtok)
-        emit(as_json, {"model": model, **price._asdict()},
-             f"{model}: ${input_usd_per_mtok}/MTok in, ${output_usd_per_mtok}/MTok out")
+@models_group.command("set-price")
+@click.argument("model")
+@click.option("--input-usd-per-mtok", required=True, help="USD per million prompt tokens, e.g. 0.15")
+@click.option("--output-usd-per-mtok", required=True, help="USD per million completion tokens, e.g. 0.60")
+@json_option
+@handles_errors
+def models_set_price(model: str, input_usd_per_mtok: str, output_usd_per_mtok: str, as_json: bool) -> None:
+    with engine().begin() as conn:
+        price = model_prices.set_price(conn, model, input_usd_per_mtok, output_usd_per_mtok)
+    emit(as_json, {"model": model, **price._asdict()},
+         f"{model}: ${input_usd_per_mtok}/MTok in, ${output_usd_per_mtok}/MTok out")
 
-    @main.group()
-    def workers() -> None:
-        """GPU workers (vLLM or llama.cpp servers) and their owners."""
 
-    @workers.command("add")
-    @click.option("--owner", "owner_account_id", type=int, required=True, help="The owner account paid 80% of what it serves.")
-    @click.option("--url", required=True, help="Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000")
-    @click.option("--model", required=True, help="The public model name callers use.")
-    @click.option("--engine", "engine_name", type=click.Choice(registry.ENGINES), default="vllm", show_default=True)
-    @click.option("--context-length", type=int, default=None, help="Tokens; read from the worker when omitted.")
-    @json_option
-    @handles_errors
-    def workers_add(owner_account_id: int, url: str, model: str, engine_name: str, context_length: int | None, as_json: bool) -> None:
-        with engine().begin() as conn:
-            worker_id = registry.add_worker(conn, owner_account_id, url, model, engine_name, context_length)
-        emit(as_json, {"id": worker_id, "owner_account_id": owner_account_id, "url": url, "model": model, "engine": engine_name},
-             f"worker {worker_id} added")
+@click.group("workers")
+def workers_group() -> None:
+    """GPU workers (vLLM or llama.cpp servers) and their owners."""
 
-    @workers.command("list")
-    @json_option
-    @handles_errors
-    def workers_list(as_json: bool) -> None:
-        with engine().connect() as conn:
-            listed = registry.list_workers(conn)
-        emit(as_json, {"workers": [w.as_dict() for w in listed]},
-             "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}\t{w.url}"
-                       f"\t{w.usage_strikes} strikes{_suspension_text(w)}" for w in listed))
 
-    @workers.command("drain")
-    @click.argument("worker_id", type=int)
-    @json_option
-    @handles_errors
-    def workers_drain(worker_id: int, as_json: bool) -> None:
-        """No new requests; in-flight ones finish; `drained` within 120 s."""
-        with engine().begin() as conn:
-            worker = registry.drain_worker(conn, worker_id)
-        emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
+@workers_group.command("add")
+@click.option("--owner", "owner_account_id", type=int, required=True, help="The owner account paid 80% of what it serves.")
+@click.option("--url", required=True, help="Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000")
+@click.option("--model", required=True, help="The public model name callers use.")
+@click.option("--engine", "engine_name", type=click.Choice(registry.ENGINES), default="vllm", show_default=True)
+@click.option("--context-length", type=int, default=None, help="Tokens; read from the worker when omitted.")
+@json_option
+@handles_errors
+def workers_add(owner_account_id: int, url: str, model: str, engine_name: str, context_length: int | None, as_json: bool) -> None:
+    with engine().begin() as conn:
+        worker_id = registry.add_worker(conn, owner_account_id, url, model, engine_name, context_length)
+    emit(as_json, {"id": worker_id, "owner_account_id": owner_account_id, "url": url, "model": model, "engine": engine_name},
+         f"worker {worker_id} added")
 
-    @workers.command("resume")
-    @click.argument("worker_id", type=int)
-    @click.option("--reason", default="resumed by an operator", show_default=True, help="Recorded in the WorkerResumed event.")
-    @json_option
-    @handles_errors
-    def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
-        """Return a suspended worker to routing; its strikes start again from zero."""
-        with engine().begin() as conn:
-            worker = registry.resume_worker(conn, worker_id, resumed_by="operator (command line)", reason=reason)
-        emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
 
-    @main.command("sim-worker")
-    @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", required=True, type=click.IntRange(1, 65535))
-    @click.option("--profile", type=click.Choice(SIM_PROFILES), default="instant", show_default=True)
-    @click.option("--model", default="paralon-demo", show_default=True)
-    def sim_worker(host: str, port: int, profile: str, model: str) -> None:
-        """A simulated GPU worker speaking vLLM's OpenAI API."""
-        from proxy.sim.cli import serve as serve_sim
+@workers_group.command("list")
+@json_option
+@handles_errors
+def workers_list(as_json: bool) -> None:
+    with engine().connect() as conn:
+        listed = registry.list_workers(conn)
+    emit(as_json, {"workers": [w.as_dict() for w in listed]},
+         "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}\t{w.url}"
+                   f"\t{w.usage_strikes} strikes{_suspension_text(w)}" for w in listed))
 
-        serve_sim(host, port, profile, model)
+
+@workers_group.command("drain")
+@click.argument("worker_id", type=int)
+@json_option
+@handles_errors
+def workers_drain(worker_id: int, as_json: bool) -> None:
+    """No new requests; in-flight ones finish; `drained` within 120 s."""
+    with engine().begin() as conn:
+        worker = registry.drain_worker(conn, worker_id)
+    emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
+
+
+@workers_group.command("resume")
+@click.argument("worker_id", type=int)
+@click.option("--reason", default="resumed by an operator", show_default=True, help="Recorded in the WorkerResumed event.")
+@json_option
+@handles_errors
+def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
+    """Return a suspended worker to routing; its strikes start again from zero."""
+    with engine().begin() as conn:
+        worker = registry.resume_worker(conn, worker_id, resumed_by="operator (command line)", reason=reason)
+    emit(as_json, worker.as_dict(), f"worker {worker_id} is {worker.state}")
+
+
+@click.command("sim-worker")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", required=True, type=click.IntRange(1, 65535))
+@click.option("--profile", type=click.Choice(SIM_PROFILES), default="instant", show_default=True)
+@click.option("--model", default="paralon-demo", show_default=True)
+def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:
+    """A simulated GPU worker speaking vLLM's OpenAI API."""
+    serve_sim(host, port, profile, model)
 
 
 def _suspension_text(worker: registry.WorkerView) -> str:
     if worker.suspended_at is None:
         return ""
     return f"\tsuspended at {worker.suspended_at.isoformat()}: {worker.suspension_reason}"
+
+
+COMMANDS = (keys_group, models_group, workers_group, sim_worker_command)

@@ -32,6 +32,7 @@ DEMO_MODEL = "paralon-demo"
 DEMO_CREDITS_USD = "10"
 DEMO_WORKERS = (("h200", 8101), ("2x4090", 8102))
 START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -69,24 +70,40 @@ def _require_free(port: int) -> None:
 
 
 def start_sim_workers(worker_ports: list[tuple[str, int]]) -> list[subprocess.Popen]:
-    processes = []
-    for profile, port in worker_ports:
-        _require_free(port)
-        processes.append(subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(port),
-             "--profile", profile, "--model", DEMO_MODEL]))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for _, port in worker_ports:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise click.ClickException(f"the simulated worker on port {port} did not start")
-            time.sleep(0.1)
+    """Started and answering, or none left running."""
+    processes: list[subprocess.Popen] = []
+    try:
+        for profile, port in worker_ports:
+            _require_free(port)
+            processes.append(subprocess.Popen(
+                [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(port),
+                 "--profile", profile, "--model", DEMO_MODEL]))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for _, port in worker_ports:
+            _wait_until_answering(port, deadline)
+    except BaseException:
+        stop_sim_workers(processes)
+        raise
     return processes
+
+
+def _wait_until_answering(port: int, deadline: float) -> None:
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"the simulated worker on port {port} did not start")
+        time.sleep(0.1)
+
+
+def stop_sim_workers(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(STOP_TIMEOUT_S)
 
 
 def print_welcome(demo: Demo, base_url: str, worker_ports: list[tuple[str, int]]) -> None:
@@ -118,7 +135,4 @@ def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
         print_welcome(demo, f"http://{host}:{port}", fleet)
         run_server(settings, host, port, embedded_beat=celery.conf.task_always_eager)  # no broker: no `paralon beat` either
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(10)
+        stop_sim_workers(processes)

@@ -8,6 +8,8 @@ import logging
 from litestar import Request, Response, post
 
 from app.http.plumbing import json_response
+from app import outbox
+from app.jobs.celery import send_task
 from app.payments import stripe as stripe_payments
 from ledger.errors import LedgerError
 
@@ -33,6 +35,7 @@ async def stripe_webhook(request: Request) -> Response:
 async def _process(engine, event_id: str) -> None:
     try:
         outcome = await asyncio.to_thread(stripe_payments.process_event, engine, event_id)
+        await asyncio.to_thread(outbox.dispatch, engine, send_task)  # invoices and credit notes of what it committed
         log.info("stripe event %s: %s", event_id, outcome)
     except Exception:  # stored and unprocessed: `paralon stripe process-pending` picks it up
         log.exception("stripe event %s failed", event_id)

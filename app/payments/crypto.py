@@ -9,27 +9,39 @@ reversed. Scans are bounded in blocks and go on from where they stopped.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eth_abi import encode
+from eth_abi.exceptions import DecodingError
 from eth_account import Account
 from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
+from web3.exceptions import LogTopicError, MismatchedABI
+from web3.types import EventData
 
-from app.jobs import outbox
-from app.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
+from app import outbox
+from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
-from ledger.accounts import create_system_account
-from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
-from ledger.schema import accounts, utc_now
+from ledger.accounts import create_system_account, require_kind
+from ledger.errors import InvalidInput
+from ledger.schema import utc_now
 from ledger.store import append_one
 
-TRANSFER_TOPIC = "0x" + Web3.keccak(text="Transfer(address,address,uint256)").hex().removeprefix("0x")
+# ERC-20's Transfer event, decoded by web3 from its ABI (a log of any other shape is not one).
+TRANSFER_EVENT_ABI = {
+    "type": "event", "name": "Transfer", "anonymous": False,
+    "inputs": [{"name": "from", "type": "address", "indexed": True}, {"name": "to", "type": "address", "indexed": True},
+               {"name": "value", "type": "uint256", "indexed": False}],
+}
+TRANSFER_EVENT = Web3().eth.contract(abi=[TRANSFER_EVENT_ABI]).events.Transfer()
 CONFIRMATIONS_DEFAULT = 12
 SCAN_BLOCKS_MAX = 2_000
 REORG_DEPTH_BLOCKS = 128  # recent block hashes kept to notice a reorganisation
 NANO_DECIMALS = 9
 Account.enable_unaudited_hdwallet_features()
+logger = logging.getLogger(__name__)
 
 
 class CryptoNotConfigured(InvalidInput):
@@ -84,11 +96,7 @@ def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -
     if not settings.seed:
         raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_SEED")
     with engine.begin() as conn:
-        kind = conn.execute(select(accounts.c.kind).where(accounts.c.id == account_id)).scalar()
-        if kind is None:
-            raise UnknownAccount(f"account {account_id} does not exist")
-        if kind != cmd.CUSTOMER:
-            raise WrongAccountKind(f"deposit addresses are for customer accounts; {account_id} is a {kind} account")
+        require_kind(conn, account_id, (cmd.CUSTOMER,), "deposit addresses are for customer accounts")
         known = conn.execute(select(crypto_deposit_addresses.c.address).where(crypto_deposit_addresses.c.account_id == account_id)).scalar()
         if known:
             return known
@@ -116,6 +124,8 @@ class ScanReport:
 
 
 def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
+    """One bounded scan. The invoices of what it credits wait in the outbox for
+    the caller to dispatch (`app.outbox.dispatch`)."""
     if not settings.tokens:
         raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_TOKENS")
     chain_id, head = w3.eth.chain_id, w3.eth.block_number
@@ -135,8 +145,6 @@ def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
             _remember_blocks(conn, w3, chain_id, max(next_block, head - REORG_DEPTH_BLOCKS + 1), to_block)
         _set_position(conn, chain_id, to_block + 1)
         _credit_confirmed(conn, chain_id, head - settings.confirmations + 1, counter, report)
-    if report.credited:
-        outbox.dispatch(engine)  # the invoices, now that the credits are committed
     return report
 
 
@@ -159,7 +167,7 @@ def _undo_reorganisation(engine: Engine, w3: Web3, chain_id: int, next_block: in
                                                                       crypto_transfers.c.block_number >= first_gone)).all():
             if transfer.credit_seq is not None:
                 append_one(conn, cmd.ReverseEvent(transfer.credit_seq, f"chain {chain_id} reorganised: transfer {transfer.tx_hash}:{transfer.log_index} vanished",
-                                                  f"crypto:reverse:{chain_id}:{transfer.tx_hash}:{transfer.log_index}:{transfer.block_hash}"))
+                                               f"crypto:reverse:{chain_id}:{transfer.tx_hash}:{transfer.log_index}:{transfer.block_hash}"))
                 report.reversed += 1
             else:
                 report.forgotten += 1
@@ -185,13 +193,15 @@ def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chai
     if not owners:
         return
     decimals = {t.address: t.decimals for t in settings.tokens}
-    topics_to = ["0x" + "00" * 12 + a.lower().removeprefix("0x") for a in owners]
+    topics_to = ["0x" + encode(["address"], [address]).hex() for address in owners]
     logs = w3.eth.get_logs({"fromBlock": from_block, "toBlock": to_block, "address": list(decimals),
-                            "topics": [TRANSFER_TOPIC, None, topics_to]})
+                            "topics": [TRANSFER_EVENT.topic, None, topics_to]})
     for log in logs:
-        token = Web3.to_checksum_address(log["address"])
-        to_address = Web3.to_checksum_address("0x" + _hex(log["topics"][2])[-40:])
-        raw = int.from_bytes(bytes(log["data"]), "big") if not isinstance(log["data"], str) else int(log["data"], 16)
+        transfer = _decode_transfer(log)
+        if transfer is None:
+            continue
+        token, to_address = Web3.to_checksum_address(transfer["address"]), Web3.to_checksum_address(transfer["args"]["to"])
+        raw = transfer["args"]["value"]  # an int of up to 256 bits, kept exactly
         if token not in decimals or to_address not in owners or raw <= 0:
             continue
         key = {"chain_id": chain_id, "tx_hash": _hex(log["transactionHash"]), "log_index": log["logIndex"]}
@@ -203,6 +213,17 @@ def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chai
             account_id=owners[to_address], raw_amount=raw, amount_nano_usd=raw * 10 ** (NANO_DECIMALS - decimals[token]),
         ))
         report.transfers_seen += 1
+
+
+def _decode_transfer(log) -> EventData | None:
+    """The ERC-20 Transfer this log is, or None: a configured address may also emit
+    logs of another shape under the same topic (an ERC-721 Transfer, a malformed value)."""
+    try:
+        return TRANSFER_EVENT.process_log(log)
+    except (MismatchedABI, LogTopicError, DecodingError) as exc:
+        logger.warning("log %s:%s of %s is not an ERC-20 Transfer: %s",
+                       _hex(log["transactionHash"]), log["logIndex"], log["address"], exc)
+        return None
 
 
 def _remember_blocks(conn: Connection, w3: Web3, chain_id: int, from_block: int, to_block: int) -> None:
@@ -225,8 +246,9 @@ def _credit_confirmed(conn: Connection, chain_id: int, confirmed_up_to: int, cou
     for t in due:
         reference = f"chain:{chain_id}:tx:{t.tx_hash}:log:{t.log_index}:token:{t.token}:raw:{t.raw_amount}"
         result = append_one(conn, cmd.PurchaseCredits(t.account_id, t.amount_nano_usd, "crypto", reference, counter,
-                                                      f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
+                                                   f"crypto:{chain_id}:{t.tx_hash}:{t.log_index}:{t.block_hash}"))
         conn.execute(update(crypto_transfers).where(crypto_transfers.c.chain_id == chain_id, crypto_transfers.c.tx_hash == t.tx_hash,
                                                     crypto_transfers.c.log_index == t.log_index).values(credit_seq=result.seq))
         outbox.add(conn, "paralon.issue_invoice", result.seq)
         report.credited += 1
+

@@ -19,8 +19,8 @@ import stripe
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
-from app.jobs import outbox
-from app.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
+from app import outbox
+from app.payments.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
 from ledger.money import NANO_USD_PER_CENT
@@ -133,7 +133,9 @@ def process_event(engine: Engine, event_id: str) -> str:
     every ledger effect carries an idempotency key derived from Stripe's ids,
     and is appended in the transaction that records it on the session row.
     An event that needs something not yet seen (a refund before its payment)
-    stays pending, and is processed again after the next credit."""
+    stays pending, and is processed again after the next credit. The invoices
+    and credit notes it writes to the outbox are sent by the caller, after this
+    returns (`app.outbox.dispatch`)."""
     with engine.connect() as conn:
         row = conn.execute(select(stripe_events).where(stripe_events.c.event_id == event_id)).one()
     event = orjson.loads(row.payload)
@@ -143,7 +145,6 @@ def process_event(engine: Engine, event_id: str) -> str:
         if not outcome.startswith(WAITING):
             values["processed_at"] = utc_now()
         conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id).values(**values))
-    outbox.dispatch(engine)  # invoices and credit notes, now that what they document is committed
     if outcome.startswith("credited"):
         process_pending(engine, waiting_only=True)
     return outcome

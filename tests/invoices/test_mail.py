@@ -3,11 +3,6 @@ PDF; with the server down then up, a real Celery worker on the local Redis
 sends each invoice exactly once."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import uuid
 from email import message_from_bytes, policy
 
 import pytest
@@ -15,9 +10,11 @@ from aiosmtpd.controller import Controller
 
 from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings, issue_for_top_up
+from invoices.tasks import EMAIL_INVOICE
 from ledger import commands as cmd
 from ledger.service import append_now
-from tests.support.harness import free_port, make_fleet, wait_for
+from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
+from tests.support.harness import free_port, make_fleet
 
 
 class Inbox:
@@ -65,30 +62,19 @@ def test_the_invoice_arrives_by_smtp_with_its_pdf_once(fleet, tmp_path):
     assert attachment.get_content() == open(invoice["pdf_path"], "rb").read()
 
 
-def test_smtp_down_then_up_sends_each_invoice_exactly_once(fleet, tmp_path, redis_url):
+def test_smtp_down_then_up_sends_each_invoice_exactly_once(fleet, tmp_path, celery_worker):
     numbers = [issue_for_top_up(fleet.engine, InvoiceSettings(tmp_path), _top_up(fleet, f"t{i}"))["number"] for i in range(3)]
-    port, queue = free_port(), f"paralon-test-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,
-           "PARALON_SMTP_HOST": "127.0.0.1", "PARALON_SMTP_PORT": str(port), "PARALON_INVOICE_DIR": str(tmp_path)}
-    worker = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "worker", "-Q", queue,
-                               "--concurrency", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    inbox = Inbox()
-    server = None
+    port, inbox = free_port(), Inbox()
+    worker = celery_worker({"PARALON_DATABASE_URL": fleet.database_url, "PARALON_SMTP_HOST": "127.0.0.1",
+                            "PARALON_SMTP_PORT": str(port), "PARALON_INVOICE_DIR": str(tmp_path)})
+    sent = [worker.send(EMAIL_INVOICE, number) for number in numbers + numbers[:1]]  # one of them queued twice
+    worker.wait_for_states(sent, "RETRY")  # the mail server is down: every attempt failed and is to be retried
+    assert inbox.messages == []
+    server = _smtp(port, inbox)
     try:
-        from celery import Celery
-
-        client = Celery(broker=redis_url)
-        for number in numbers + numbers[:1]:  # one of them queued twice
-            client.send_task("paralon.email_invoice", args=[number], queue=queue)
-        time.sleep(3)  # the mail server is down: every attempt fails and is retried
-        assert inbox.messages == []
-        server = _smtp(port, inbox)
-        wait_for(lambda: len(inbox.messages) >= 3, timeout_s=60)
-        time.sleep(6)  # time for any duplicate to arrive
+        outcomes = [worker.result(one) for one in sent]  # every task has finished: nothing more can arrive
     finally:
-        worker.terminate()
-        worker.wait(20)
-        if server is not None:
-            server.stop()
+        server.stop()
+    assert sorted(outcomes) == ["already sent", "sent", "sent", "sent"], outcomes
     subjects = sorted(m["Subject"] for m in inbox.messages)
     assert len(subjects) == 3 and all(any(n in s for s in subjects) for n in numbers), subjects

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ANVIL = ROOT / "node_modules" / ".bin" / "anvil"
 ARTIFACT = Path(__file__).resolve().parent / "chain" / "TestUSD.json"
 START_TIMEOUT_S = 30
+PUSH1, PUSH32, MSTORE8, LOG0, STOP = 0x60, 0x7F, 0x53, 0xA0, 0x00  # EVM opcodes
 
 
 @contextmanager
@@ -68,3 +69,21 @@ def snapshot(w3: Web3) -> str:
 
 def revert(w3: Web3, snapshot_id: str) -> None:
     assert w3.provider.make_request("evm_revert", [snapshot_id])["result"] is True
+
+
+def install_log_emitter(w3: Web3, address: str, topics: list[bytes], data: bytes) -> None:
+    """Code at `address` that emits one log of these topics and data on every call: the
+    logs a real ERC-20 never emits (another event under the Transfer topic, a malformed value)."""
+    if len(topics) > 4 or len(data) > 255:
+        raise ValueError("at most 4 topics and 255 bytes of data")
+    code = bytearray()
+    for offset, byte in enumerate(data):
+        code += bytes([PUSH1, byte, PUSH1, offset, MSTORE8])
+    for topic in reversed(topics):
+        code += bytes([PUSH32]) + topic.rjust(32, b"\0")
+    code += bytes([PUSH1, len(data), PUSH1, 0, LOG0 + len(topics), STOP])
+    w3.provider.make_request("anvil_setCode", [address, "0x" + code.hex()])
+
+
+def call(w3: Web3, address: str) -> None:
+    w3.eth.wait_for_transaction_receipt(w3.eth.send_transaction({"from": w3.eth.accounts[0], "to": address, "gas": 100_000}))

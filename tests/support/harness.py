@@ -178,24 +178,6 @@ def serving(database_url: str, **env: str):
         proc.stop()
 
 
-def celery_redis_url(db: int) -> str:
-    """A Redis database of the tests' own for a Celery broker; skips without Redis (fails in CI)."""
-    import redis
-
-    from tests.conftest import REQUIRE_SERVICES
-
-    url = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + f"/{db}"
-    try:
-        redis.Redis.from_url(url).ping()
-    except Exception:
-        if REQUIRE_SERVICES:
-            raise
-        import pytest
-
-        pytest.skip("Redis is not reachable")
-    return url
-
-
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -4,13 +4,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import click
 import httpx
 import openai
+import pytest
 
+from app.cli import up
 from tests.support.harness import free_port, wait_for
 
 
@@ -56,3 +60,28 @@ def test_up_serves_the_demo_and_the_printed_key_works(tmp_path):
             raise AssertionError(f"a simulated worker still answers on {worker_port}")
         except httpx.ConnectError:
             pass
+
+
+def test_a_simulated_worker_that_cannot_start_leaves_none_running(monkeypatch):
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs) -> subprocess.Popen:
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(up.subprocess, "Popen", popen)
+    free, taken = free_port(), socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(click.ClickException, match="is in use"):
+            up.start_sim_workers([("instant", free), ("instant", taken.getsockname()[1])])
+    finally:
+        taken.close()
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+                raise AssertionError("the simulated worker started first was left running")
+    assert len(started) == 1

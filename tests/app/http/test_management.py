@@ -14,8 +14,7 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from app.cli import main
-from app.schema import management_tokens
-from app.tokens import create_token
+from app.tokens import create_token, management_tokens
 from proxy.keys import key_sha256
 from ledger import accounts as acc
 from ledger.db import make_engine

@@ -1,17 +1,25 @@
 """Stablecoin deposits against a real EVM node (anvil): no credit before N
 confirmations, one after, none again on rescans, none for a transfer that a
 reorganisation removed, a reversal for one that vanished after its credit,
-and none for other tokens or other addresses."""
+and none for other tokens, other addresses or logs that are not ERC-20 Transfers."""
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from app.payments.crypto import CryptoSettings, Token, deposit_address, derive_address, scan_once
+import pytest
+from eth_abi import encode
+from sqlalchemy import select
+from web3 import Web3
+
+from app.payments.crypto import TRANSFER_EVENT, CryptoSettings, Token, deposit_address, derive_address, scan_once
+from app.payments.schema import crypto_transfers
+from invoices.service import list_invoices
 from ledger import accounts as acc
 from ledger.errors import UnknownAccount, WrongAccountKind
 from ledger.verify import verify
-from tests.support.anvil import deploy_stablecoin, mine, revert, running_anvil, send, snapshot
-from tests.support.harness import make_fleet
+from tests.support.anvil import call, deploy_stablecoin, install_log_emitter, mine, revert, running_anvil, send, snapshot
+from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
+from tests.support.harness import make_fleet, wait_for
 
 SEED = "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about"
 CONFIRMATIONS = 3
@@ -64,6 +72,29 @@ def test_a_deposit_is_credited_once_after_n_confirmations(chain):
     assert _balance(fleet) == 25 * USD and fleet.events("CreditsPurchased") == 1
     with fleet.engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_only_erc20_transfers_of_a_configured_token_count_at_their_exact_raw_amount(chain):
+    """Logs are decoded by web3 from the Transfer ABI: another event under the same topic,
+    or a value that is not one 256-bit word, is never read as a deposit."""
+    fleet, w3, token, other_token, settings = chain
+    address = deposit_address(fleet.engine, settings, fleet.customer_id)
+    odd = Web3.to_checksum_address("0x" + "0d" * 20)  # configured too, but what it emits is no ERC-20 Transfer
+    settings = dataclasses.replace(settings, tokens=(*settings.tokens, Token(odd, 6, "ODD")))
+    transfer, sender, to = Web3.to_bytes(hexstr=TRANSFER_EVENT.topic), encode(["address"], [w3.eth.accounts[0]]), encode(["address"], [address])
+    install_log_emitter(w3, odd, [transfer, sender, to], b"\x05")  # a value of one byte
+    call(w3, odd)
+    install_log_emitter(w3, odd, [transfer, sender, to, (7).to_bytes(32, "big")], b"")  # an ERC-721 Transfer of token 7
+    call(w3, odd)
+    w3.eth.wait_for_transaction_receipt(token.functions.approve(address, 5_000000).transact({"from": w3.eth.accounts[0]}))
+    send(w3, other_token, address, 1_000000)  # a token nobody configured
+    send(w3, token, address, 25_000001)  # the one deposit
+    mine(w3, CONFIRMATIONS)
+    report = scan_once(fleet.engine, w3, settings)
+    assert (report.transfers_seen, report.credited) == (1, 1)
+    assert _balance(fleet) == 25_000001 * 10**3
+    with fleet.engine.connect() as conn:
+        assert conn.execute(select(crypto_transfers.c.token, crypto_transfers.c.raw_amount)).one() == (token.address, 25_000001)
 
 
 def test_a_transfer_removed_by_a_reorganisation_is_never_credited(chain):
@@ -137,33 +168,18 @@ def test_the_cli_and_the_api_give_the_same_address_and_the_cli_scans(chain):
     assert run("crypto", "deposit-address", "999999", "--json", expect=2)["error"]["code"] == "unknown_account"
 
 
-def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain, redis_url):
+def test_a_real_celery_worker_on_redis_runs_the_deposit_scan(chain, celery_worker):
     """The watcher as a task: a `paralon worker` process on the local Redis
     takes `paralon.crypto_scan` and credits the confirmed deposit."""
-    import os
-    import subprocess
-    import sys
-    import uuid
-
-    from celery import Celery
-
     fleet, w3, token, _, settings = chain
     address = deposit_address(fleet.engine, settings, fleet.customer_id)
     send(w3, token, address, 2_000000)
     mine(w3, CONFIRMATIONS)
-    queue = f"paralon-test-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PARALON_DATABASE_URL": fleet.database_url, "PARALON_CELERY_BROKER_URL": redis_url,
-           "PARALON_CELERY_RESULT_URL": redis_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
-           "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
-           "PARALON_CRYPTO_SEED": SEED}
-    worker = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "worker", "-Q", queue,
-                               "--concurrency", "1", "--pool", "solo"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        client = Celery(broker=redis_url, backend=redis_url)
-        result = client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)
-        assert result["credited"] == 1
-        assert client.send_task("paralon.crypto_scan", queue=queue).get(timeout=60)["credited"] == 0, "safe to run twice"
-    finally:
-        worker.terminate()
-        worker.wait(20)
+    worker = celery_worker({"PARALON_DATABASE_URL": fleet.database_url, "PARALON_CHAIN_RPC_URL": w3.provider.endpoint_uri,
+                            "PARALON_CRYPTO_TOKENS": f"{token.address}:6:TUSD", "PARALON_CRYPTO_CONFIRMATIONS": str(CONFIRMATIONS),
+                            "PARALON_CRYPTO_SEED": SEED}, concurrency=1, pool="solo")
+    assert worker.result(worker.send("paralon.crypto_scan"))["credited"] == 1
+    assert worker.result(worker.send("paralon.crypto_scan"))["credited"] == 0, "safe to run twice"
     assert _balance(fleet) == 2 * USD
+    invoiced = wait_for(lambda: [i for i in list_invoices(fleet.engine, fleet.customer_id) if i["pdf_sha256"]], timeout_s=60)
+    assert [i["amount_nano_usd"] for i in invoiced] == [2 * USD], "the outbox sent the credit's invoice to the worker"

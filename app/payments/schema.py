@@ -1,22 +1,11 @@
-"""Tables of the edge: management tokens (who may do what through the API)."""
+"""The tables of card and stablecoin top-ups: Stripe's checkout sessions,
+webhook events and disputes; each customer's deposit address, the chain
+scanner's position, recent block hashes and the transfers it saw."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, LargeBinary, Numeric, String, Table, Text, text
+from sqlalchemy import BigInteger, Column, ForeignKey, Numeric, String, Table, Text, text
 
-from ledger.schema import BigId, UTCDateTime, metadata
-
-# Like API keys: shown once, kept as SHA-256 of 256 random bits.
-management_tokens = Table(
-    "management_tokens",
-    metadata,
-    Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
-    Column("role", String(16), nullable=False),
-    Column("token_sha256", LargeBinary(32), nullable=False, unique=True),
-    Column("token_prefix", String(16), nullable=False),
-    Column("created_at", UTCDateTime, nullable=False),
-    Column("revoked_at", UTCDateTime),
-)
+from ledger.schema import UTCDateTime, metadata
 
 stripe_checkout_sessions = Table(
     "stripe_checkout_sessions",
@@ -93,15 +82,4 @@ crypto_transfers = Table(
     Column("raw_amount", Numeric(78, 0), nullable=False),  # exactly as on chain
     Column("amount_nano_usd", BigInteger, nullable=False),
     Column("credit_seq", BigInteger),  # the CreditsPurchased event, once confirmed
-)
-
-# Tasks written in the transaction that made them necessary, sent after it commits.
-outbox = Table(
-    "outbox",
-    metadata,
-    Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("task", String(100), nullable=False),
-    Column("args", Text, nullable=False),
-    Column("created_at", UTCDateTime, nullable=False),
-    Column("dispatched_at", UTCDateTime),
 )

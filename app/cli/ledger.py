@@ -1,0 +1,180 @@
+"""The money core from the command line: `paralon migrate`, `credits`,
+`balance`, `ledger` (verify, replay, export, reverse) and `holds`."""
+from __future__ import annotations
+
+import sys
+import uuid
+
+import click
+
+from app.cli.output import emit, engine, handles_errors, json_option, progress
+from app.migrate import migrate
+from invoices import exports
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger.errors import InvalidInput
+from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
+from ledger.schema import utc_now
+from ledger.service import append_now, sweep_expired_holds
+from ledger.verify import count_events, rebuild_balances, verify
+
+
+@click.command("migrate")
+@json_option
+@handles_errors
+def migrate_command(as_json: bool) -> None:
+    """Create or upgrade the schema (PARALON_DATABASE_URL)."""
+    revision = migrate(engine())
+    emit(as_json, {"revision": revision}, f"database is at revision {revision}")
+
+
+def _append(command: cmd.Command, as_json: bool, what: str) -> None:
+    result = append_now(engine(), command)
+    emit(
+        as_json,
+        {"status": result.status, "seq": result.seq, "event_type": result.event_type, "idempotency_key": command.idempotency_key},
+        f"{what}: event {result.seq} ({result.status})",
+    )
+
+
+@click.group("credits")
+def credits_group() -> None:
+    """Operator grants and adjustments (each with a reason)."""
+
+
+@credits_group.command("grant")
+@click.argument("account_id", type=int)
+@click.option("--usd", required=True, help="Amount in USD, e.g. 12.50")
+@click.option("--reason", required=True)
+@click.option("--idempotency-key", default=None, help="Retry-safe key; the same key with another amount is refused.")
+@json_option
+@handles_errors
+def credits_grant(account_id: int, usd: str, reason: str, idempotency_key: str | None, as_json: bool) -> None:
+    amount = usd_to_nano_usd(usd)
+    key = idempotency_key or f"grant:{uuid.uuid4()}"
+    _append(cmd.GrantCredits(account_id, amount, reason, key), as_json, f"granted {usd} USD to account {account_id}")
+
+
+@credits_group.command("adjust")
+@click.argument("account_id", type=int)
+@click.option("--usd", required=True, help="Signed amount in USD, e.g. -1.25")
+@click.option("--reason", required=True)
+@click.option("--idempotency-key", default=None)
+@json_option
+@handles_errors
+def credits_adjust(account_id: int, usd: str, reason: str, idempotency_key: str | None, as_json: bool) -> None:
+    delta = usd_to_nano_usd(usd)
+    key = idempotency_key or f"adjust:{uuid.uuid4()}"
+    _append(cmd.AdjustBalance(account_id, delta, reason, key), as_json, f"adjusted account {account_id} by {usd} USD")
+
+
+@click.command("balance")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def balance_command(account_id: int, as_json: bool) -> None:
+    """Credits, holds and what is available (earnings for an owner)."""
+    with engine().connect() as conn:
+        view = acc.read_balance(conn, account_id)
+    data = {
+        "account_id": account_id,
+        "kind": view.kind,
+        "balance_nano_usd": view.balance_nano_usd,
+        "available_nano_usd": view.available_nano_usd,
+        "held_nano_usd": view.held_nano_usd,
+        "last_event_seq": view.last_event_seq,
+    }
+    if view.kind == cmd.OWNER:
+        data["earnings_nano_usd"] = view.balance_nano_usd
+    text = "\n".join(f"{k}: {v}" for k, v in data.items())
+    emit(as_json, data, text)
+
+
+@click.group("ledger")
+def ledger_group() -> None:
+    """Prove, rebuild and correct the ledger."""
+
+
+@ledger_group.command("verify")
+@json_option
+@handles_errors
+def ledger_verify(as_json: bool) -> None:
+    """Exit 0 when the chain, every zero sum and every balance hold; 1 with a report otherwise."""
+    with engine().connect() as conn:
+        total = count_events(conn)
+        with progress(total, "verifying") as bar:
+            report = verify(conn, progress=bar.update)
+    data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
+            "problems_total": report.problems_total, "problems": report.problems}
+    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts" if report.ok else "\n".join(
+        [f"FAILED: {report.problems_total} problem(s)"] + report.problems
+    )
+    emit(as_json, data, text)
+    sys.exit(0 if report.ok else 1)
+
+
+@ledger_group.command("replay")
+@json_option
+@handles_errors
+def ledger_replay(as_json: bool) -> None:
+    """Rebuild the read models (balances) from the first event."""
+    db = engine()
+    with db.connect() as conn:
+        total = count_events(conn)
+    with db.begin() as conn, progress(total, "replaying") as bar:
+        accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
+         f"replayed {total} events into {accounts_rebuilt} account balances")
+
+
+@ledger_group.command("export")
+@click.argument("account_id", type=int)
+@click.option("--from", "start_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), inclusive")
+@click.option("--to", "end_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), exclusive")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default="-", show_default=True)
+@handles_errors
+def ledger_export(account_id: int, start_text: str, end_text: str, output: str) -> None:
+    """Every posting of ACCOUNT_ID in [from, to) as CSV, with the running balance (what GET /v1/exports/ledger.csv sends)."""
+    start, end = exports.parse_period_bound(start_text, "--from"), exports.parse_period_bound(end_text, "--to")
+    if end <= start:
+        raise InvalidInput("--to must be after --from")
+    db = engine()
+    with db.connect() as conn:
+        acc.require_kind(conn, account_id, (cmd.CUSTOMER, cmd.OWNER, cmd.PLATFORM, cmd.EXTERNAL), "")  # exists
+    end = min(end, utc_now())
+    totals = exports.prepare(db, account_id, start, end)
+    with click.open_file(output, "wb") as out, progress(totals.postings, "exporting") as bar:
+        for chunk in exports.csv_chunks(db, account_id, start, end, totals):
+            out.write(chunk)
+            bar.update(chunk.count(b"\n"))
+    click.echo(f"{totals.postings} postings; opening {nano_usd_to_usd_text(totals.opening_balance_nano_usd)} USD, "
+               f"closing {nano_usd_to_usd_text(totals.closing_balance_nano_usd)} USD", err=True)
+
+
+@ledger_group.command("reverse")
+@click.argument("seq", type=int)
+@click.option("--reason", required=True)
+@json_option
+@handles_errors
+def ledger_reverse(seq: int, reason: str, as_json: bool) -> None:
+    """Undo an event with a new event that negates its postings."""
+    _append(cmd.ReverseEvent(seq, reason, f"reverse:{seq}"), as_json, f"reversed event {seq}")
+
+
+@click.group("holds")
+def holds_group() -> None:
+    """Reservations placed by the proxy."""
+
+
+@holds_group.command("expire")
+@json_option
+@handles_errors
+def holds_expire(as_json: bool) -> None:
+    """Close holds past their expiry (what the sweeper does): released when
+    nothing was delivered, settled at the recorded usage when something was."""
+    swept = sweep_expired_holds(engine())
+    emit(as_json, {"expired": swept.released, "settled": swept.settled},
+         f"released {swept.released} expired hold(s), settled {swept.settled} at their recorded usage")
+
+
+COMMANDS = (migrate_command, credits_group, balance_command, ledger_group, holds_group)

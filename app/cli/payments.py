@@ -1,0 +1,74 @@
+"""Top-ups from the command line: `paralon stripe` and `paralon crypto`. What
+they credit is invoiced through the outbox, dispatched once their commits are done."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import click
+
+from app.cli.output import emit, engine, handles_errors, json_option
+from app import outbox
+from app.jobs.celery import send_task
+from app.payments.crypto import connect, deposit_address, scan_once
+from app.payments.stripe import process_pending
+from app import wiring
+from app.settings import Settings
+
+CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
+
+
+@click.group("stripe")
+def stripe_group() -> None:
+    """Card top-ups through Stripe."""
+
+
+@stripe_group.command("process-pending")
+@json_option
+@handles_errors
+def stripe_process_pending(as_json: bool) -> None:
+    """Process stored webhook events that were not processed yet."""
+    db = engine()
+    done = process_pending(db)
+    outbox.dispatch(db, send_task)
+    emit(as_json, {"processed": [{"event_id": e, "outcome": o} for e, o in done]},
+         "\n".join(f"{e}: {o}" for e, o in done) or "nothing pending")
+
+
+@click.group("crypto")
+def crypto_group() -> None:
+    """Stablecoin top-ups: deposit addresses and the chain scanner."""
+
+
+@crypto_group.command("deposit-address")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def crypto_deposit_address(account_id: int, as_json: bool) -> None:
+    settings = wiring.crypto_settings(Settings.from_env())
+    address = deposit_address(engine(), settings, account_id)
+    chain_id = connect(settings).eth.chain_id if settings.rpc_url else None
+    emit(as_json, {"account_id": account_id, "address": address, "chain_id": chain_id}, f"{address} (chain {chain_id})")
+
+
+@crypto_group.command("scan")
+@click.option("--once", is_flag=True, help="One bounded scan, then exit (otherwise scan every --interval-s).")
+@click.option("--interval-s", default=CRYPTO_SCAN_INTERVAL_S_DEFAULT, show_default=True, type=click.FloatRange(0.1, 3600))
+@json_option
+@handles_errors
+def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:
+    """Credit confirmed deposits; notice reorganisations; resume where the last scan stopped."""
+    settings = wiring.crypto_settings(Settings.from_env())
+    db, w3 = engine(), connect(settings)
+    while True:
+        report = scan_once(db, w3, settings)
+        if report.credited:
+            outbox.dispatch(db, send_task)  # the invoices, now that the credits are committed
+        report_fields = dataclasses.asdict(report)
+        emit(as_json, report_fields, " ".join(f"{k}={v}" for k, v in report_fields.items()))
+        if once:
+            return
+        time.sleep(interval_s)
+
+
+COMMANDS = (stripe_group, crypto_group)
