@@ -20,30 +20,19 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
 from app.migrate import migrate
 from ledger.db import make_engine
 from ledger.service import Ledger
+from tests.support.services import REQUIRE_SERVICES, XDIST_WORKER, redis_url  # noqa: F401 (a fixture)
 
 # Invoices issued by tests (in-process or by a `serve` they start) go to a scratch directory.
 os.environ.setdefault("PARALON_INVOICE_DIR", tempfile.mkdtemp(prefix="paralon-invoices-"))
 
 POSTGRES_ADMIN_URL = os.environ.get("PARALON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_BASE_URL = os.environ.get("PARALON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-REQUIRE_SERVICES = os.environ.get("PARALON_REQUIRE_SERVICES") == "1"
-# pytest-xdist names its workers gw0, gw1, ...; without it there is one process.
-XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-WORKER_NUMBER = int(XDIST_WORKER.removeprefix("gw")) if XDIST_WORKER.startswith("gw") else 0
-REDIS_DB = WORKER_NUMBER + 1  # gw0 -> 1, gw1 -> 2, ...; db 0 is left to whatever else runs on the server
 PG_POOL_CONNECTIONS_TEST = 30  # the concurrency tests race dozens of threads on one engine
-
-
-def worker_redis_url() -> str:
-    """PARALON_TEST_REDIS_URL with this test process's own database number."""
-    return REDIS_BASE_URL.rsplit("/", 1)[0] + f"/{REDIS_DB}"
 
 
 @functools.cache
@@ -190,19 +179,3 @@ def ledger(engine):
     ledger = Ledger(engine)
     yield ledger
     ledger.close()
-
-
-@pytest.fixture
-def redis_url() -> str:
-    """This test process's own Redis database (PARALON_TEST_REDIS_URL with db 1 for gw0, 2 for gw1, ...)."""
-    url = worker_redis_url()
-    client = redis.Redis.from_url(url)
-    try:
-        client.ping()
-    except redis.RedisError:
-        if REQUIRE_SERVICES:
-            raise
-        pytest.skip("Redis is not reachable at PARALON_TEST_REDIS_URL")
-    finally:
-        client.close()
-    return url

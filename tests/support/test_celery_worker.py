@@ -17,6 +17,7 @@ FAILING_TEST = """
 import os
 
 from tests.support.celery_worker import celery_worker  # noqa: F401
+from tests.support.services import redis_url  # noqa: F401
 
 
 def test_fails_while_its_worker_runs(celery_worker, tmp_path):
