@@ -7,7 +7,6 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from weasyprint import HTML
 
 from ledger.money import NANO_USD_PER_USD, nano_usd_to_usd_text
 
@@ -39,5 +38,9 @@ def render_statement_pdf(statement: dict) -> bytes:
 
 
 def _pdf(template: str, **context) -> bytes:
+    # Imported here: WeasyPrint takes about 0.5 s of CPU to import, which every
+    # `paralon serve` replica and command would pay although only PDF work needs it.
+    from weasyprint import HTML
+
     html = _templates.get_template(template).render(fonts=(HERE / "fonts").as_uri(), currency="USD", **context)
     return HTML(string=html, base_url=str(HERE)).write_pdf(pdf_variant=PDF_VARIANT)
