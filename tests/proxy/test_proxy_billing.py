@@ -11,9 +11,10 @@ import httpx
 import openai
 import orjson
 import pytest
+from sqlalchemy import select
 
 from ledger.holds import expired_captures
-from ledger.schema import utc_now
+from ledger.schema import holds, utc_now
 from ledger.store import append_batch
 from proxy.schema import workers
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
@@ -301,7 +302,11 @@ def test_a_hold_the_sweeper_took_mid_stream_is_charged_in_full_without_a_second_
     before = fleet.balance(fleet.customer_id).balance_nano_usd
 
     def sweep_as_if_expired():
-        time.sleep(1.5)  # at least one renewal has recorded what was delivered
+        def delivered_recorded() -> bool:  # a renewal has recorded what was delivered
+            with fleet.engine.connect() as conn:
+                return bool(conn.execute(select(holds.c.capture_nano_usd).where(holds.c.capture_nano_usd > 0)).first())
+
+        wait_for(delivered_recorded, timeout_s=10)
         with fleet.engine.begin() as conn:
             due = expired_captures(conn, now=utc_now() + timedelta(hours=1))
             assert len(due) == 1 and all(not isinstance(r, Exception) for r in append_batch(conn, due))
