@@ -15,13 +15,13 @@ from datetime import UTC, datetime
 from sqlalchemy import BigInteger, Engine, Integer, func, literal, select, tuple_
 
 from invoices import read_models, statements
+from invoices.limits import CATCH_UP_ROUNDS_MAX, EXPORT_PAGE_ROWS
 from invoices.schema import account_postings
 from ledger.errors import InvalidInput
 from ledger.log import consumer_position
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import UTCDateTime
 
-EXPORT_PAGE_ROWS = 5_000
 CSV_COLUMNS = ("event_seq", "leg", "recorded_at", "event_type", "source_type", "amount_nano_usd", "amount_usd",
                "balance_after_nano_usd", "model", "api_key_id", "worker_id", "reference")
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
@@ -57,7 +57,7 @@ def _period(account_id: int, start: datetime | None, end: datetime | None, throu
 
 
 def prepare(engine: Engine, account_id: int, start: datetime | None, end: datetime,
-            rounds_max: int = statements.CATCH_UP_ROUNDS_MAX) -> ExportTotals:
+            rounds_max: int = CATCH_UP_ROUNDS_MAX) -> ExportTotals:
     """Catch the read models up to `end`, then the export's totals as of that moment."""
     statements.ensure_applied(engine, end, rounds_max)
     with engine.connect() as conn:
@@ -80,7 +80,7 @@ def _text(value: str) -> str:
 
 
 def csv_chunks(engine: Engine, account_id: int, start: datetime | None, end: datetime | None,
-               totals: ExportTotals) -> Iterator[bytes]:
+               totals: ExportTotals, page_rows: int = EXPORT_PAGE_ROWS) -> Iterator[bytes]:
     """The header, then one chunk per page of rows, in time order."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -93,7 +93,7 @@ def csv_chunks(engine: Engine, account_id: int, start: datetime | None, end: dat
             query = query.where(tuple_(ap.recorded_at, ap.event_seq, ap.leg) > tuple_(
                 literal(at, UTCDateTime), literal(seq, BigInteger), literal(leg, Integer)))
         with engine.connect() as conn:
-            rows = conn.execute(query.order_by(ap.recorded_at, ap.event_seq, ap.leg).limit(EXPORT_PAGE_ROWS)).all()
+            rows = conn.execute(query.order_by(ap.recorded_at, ap.event_seq, ap.leg).limit(page_rows)).all()
         for r in rows:
             balance += r.amount_nano_usd
             writer.writerow((r.event_seq, r.leg, r.recorded_at.isoformat(), r.event_type, r.source_type, r.amount_nano_usd,
@@ -102,6 +102,6 @@ def csv_chunks(engine: Engine, account_id: int, start: datetime | None, end: dat
         yield buffer.getvalue().encode()
         buffer.seek(0)
         buffer.truncate()
-        if len(rows) < EXPORT_PAGE_ROWS:
+        if len(rows) < page_rows:
             return
         after = (rows[-1].recorded_at, rows[-1].event_seq, rows[-1].leg)

@@ -15,18 +15,16 @@ from pathlib import Path
 
 from sqlalchemy import Engine, or_, select, update
 
+from invoices.limits import MAIL_CLAIM_TIMEOUT_S, SMTP_PORT_DEFAULT, SMTP_TIMEOUT_S
 from invoices.render import cents_text
 from invoices.schema import invoices
 from ledger.schema import accounts, utc_now
-
-CLAIM_TIMEOUT_S = 300
-SMTP_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
 class MailSettings:
     host: str | None
-    port: int = 25
+    port: int = SMTP_PORT_DEFAULT
     user: str | None = None
     password: str | None = field(default=None, repr=False)  # secrets stay out of reprs and logs
     sender: str = "billing@paralon.example"
@@ -41,7 +39,7 @@ def send_invoice(engine: Engine, settings: MailSettings, number: str) -> str:
         claimed = conn.execute(
             update(invoices).where(invoices.c.number == number, invoices.c.emailed_at.is_(None), invoices.c.pdf_path.is_not(None),
                                    or_(invoices.c.email_claimed_at.is_(None),
-                                       invoices.c.email_claimed_at < now - timedelta(seconds=CLAIM_TIMEOUT_S)))
+                                       invoices.c.email_claimed_at < now - timedelta(seconds=MAIL_CLAIM_TIMEOUT_S)))
             .values(email_claimed_at=now)
         ).rowcount
         invoice = conn.execute(select(invoices).where(invoices.c.number == number)).one()

@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 from sqlalchemy import Connection, select, update
 
+from invoices.limits import DOCUMENT_SEQUENCE_DIGITS
 from invoices.schema import invoice_counters, invoices
 
 SERIES_INVOICE = "PAR"
 SERIES_CREDIT_NOTE = "PARCN"
-SEQUENCE_DIGITS = 6
 
 
 class Numbered(NamedTuple):
@@ -21,7 +21,7 @@ class Numbered(NamedTuple):
 
 
 def format_number(series: str, year: int, sequence: int) -> str:
-    return f"{series}-{year}-{sequence:0{SEQUENCE_DIGITS}d}"
+    return f"{series}-{year}-{sequence:0{DOCUMENT_SEQUENCE_DIGITS}d}"
 
 
 def assign(conn: Connection, series: str, year: int, source_seq: int, row: dict) -> Numbered:

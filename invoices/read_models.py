@@ -12,6 +12,7 @@ import orjson
 from sqlalchemy import Connection, Engine, Integer, delete, func, select
 from sqlalchemy.dialects import sqlite
 
+from invoices.limits import PAGES_PER_RUN_MAX, REFERENCE_CHARS_MAX
 from invoices.schema import account_postings, earnings_daily, usage_daily
 from ledger import log
 from ledger.db import is_postgres
@@ -20,8 +21,6 @@ from ledger.schema import UTCDateTime, consumer_positions, ledger_events
 from ledger.storage import pg_arrays
 
 CONSUMER = "read_models.usage_earnings"
-PAGES_PER_RUN_MAX = 100
-REFERENCE_LENGTH_MAX = 500
 POSTING_COLUMNS = ("account_id", "event_seq", "leg", "recorded_at", "event_type", "source_type", "amount_nano_usd",
                    "model", "api_key_id", "worker_id", "reference")
 
@@ -85,7 +84,7 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
             # Each side sees only its own: a customer not which worker answered, an owner not whose key asked.
             postings.append((account_id, event.seq, leg, event.recorded_at, event.event_type, source_type, amount, model,
                              0 if account_id == owner else key_id, 0 if account_id == customer else worker_id,
-                             reference[:REFERENCE_LENGTH_MAX]))
+                             reference[:REFERENCE_CHARS_MAX]))
     _add(conn, usage_daily, USAGE_KEY, USAGE_SUMS, usage)
     _add(conn, earnings_daily, EARNINGS_KEY, EARNINGS_SUMS, earnings)
     _insert(conn, account_postings, POSTING_COLUMNS, postings)

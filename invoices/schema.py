@@ -1,14 +1,25 @@
 """Invoices and credit notes: gapless numbers per series and year."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, ForeignKey, Index, Integer, LargeBinary, String, Table
+from sqlalchemy import BigInteger, Column, ForeignKey, Index, Integer, String, Table
 
-from ledger.schema import UTCDateTime, metadata
+from invoices.limits import (
+    DAY_CHARS,
+    DOCUMENT_KIND_CHARS_MAX,
+    DOCUMENT_NUMBER_CHARS_MAX,
+    MONTH_CHARS,
+    PAYMENT_METHOD_CHARS_MAX,
+    PDF_PATH_CHARS_MAX,
+    REFERENCE_CHARS_MAX,
+    SERIES_CHARS_MAX,
+)
+from ledger.limits import ACCOUNT_KIND_CHARS_MAX, EVENT_TYPE_CHARS_MAX, NAME_CHARS_MAX, REASON_CHARS_MAX
+from ledger.schema import Sha256, UTCDateTime, metadata
 
 invoice_counters = Table(
     "invoice_counters",
     metadata,
-    Column("series", String(16), primary_key=True),
+    Column("series", String(SERIES_CHARS_MAX), primary_key=True),
     Column("year", Integer, primary_key=True),
     Column("last_number", BigInteger, nullable=False),
 )
@@ -16,20 +27,20 @@ invoice_counters = Table(
 invoices = Table(
     "invoices",
     metadata,
-    Column("number", String(32), primary_key=True),  # PAR-2026-000001
-    Column("series", String(16), nullable=False),
+    Column("number", String(DOCUMENT_NUMBER_CHARS_MAX), primary_key=True),  # PAR-2026-000001
+    Column("series", String(SERIES_CHARS_MAX), nullable=False),
     Column("year", Integer, nullable=False),
     Column("sequence", BigInteger, nullable=False),
-    Column("kind", String(16), nullable=False),  # invoice, credit_note
+    Column("kind", String(DOCUMENT_KIND_CHARS_MAX), nullable=False),  # invoice, credit_note
     Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
     Column("source_seq", BigInteger, nullable=False, unique=True),  # the ledger event invoiced: one document each
-    Column("corrects_number", String(32)),
+    Column("corrects_number", String(DOCUMENT_NUMBER_CHARS_MAX)),
     Column("amount_nano_usd", BigInteger, nullable=False),
-    Column("payment_method", String(16), nullable=False),
-    Column("external_reference", String(500), nullable=False),
+    Column("payment_method", String(PAYMENT_METHOD_CHARS_MAX), nullable=False),
+    Column("external_reference", String(REASON_CHARS_MAX), nullable=False),
     Column("issued_at", UTCDateTime, nullable=False),
-    Column("pdf_path", String(1000)),
-    Column("pdf_sha256", LargeBinary(32)),
+    Column("pdf_path", String(PDF_PATH_CHARS_MAX)),
+    Column("pdf_sha256", Sha256),
     Column("issued_event_seq", BigInteger),  # the InvoiceIssued event
     Column("emailed_at", UTCDateTime),
     Column("email_claimed_at", UTCDateTime),  # a sender is at work; another waits for it or its timeout
@@ -42,8 +53,8 @@ usage_daily = Table(
     metadata,
     Column("account_id", BigInteger, primary_key=True),
     Column("api_key_id", BigInteger, primary_key=True),  # 0 when the request had none
-    Column("model", String(200), primary_key=True),
-    Column("day", String(10), primary_key=True),  # YYYY-MM-DD
+    Column("model", String(NAME_CHARS_MAX), primary_key=True),
+    Column("day", String(DAY_CHARS), primary_key=True),  # YYYY-MM-DD
     Column("requests", BigInteger, nullable=False),
     Column("prompt_tokens", BigInteger, nullable=False),
     Column("completion_tokens", BigInteger, nullable=False),
@@ -55,8 +66,8 @@ earnings_daily = Table(
     metadata,
     Column("owner_account_id", BigInteger, primary_key=True),
     Column("worker_id", BigInteger, primary_key=True),
-    Column("model", String(200), primary_key=True),
-    Column("day", String(10), primary_key=True),
+    Column("model", String(NAME_CHARS_MAX), primary_key=True),
+    Column("day", String(DAY_CHARS), primary_key=True),
     Column("requests", BigInteger, nullable=False),
     Column("earnings_nano_usd", BigInteger, nullable=False),
 )
@@ -72,13 +83,13 @@ account_postings = Table(
     Column("event_seq", BigInteger, primary_key=True),
     Column("leg", Integer, primary_key=True, autoincrement=False),
     Column("recorded_at", UTCDateTime, nullable=False),
-    Column("event_type", String(64), nullable=False),
-    Column("source_type", String(64), nullable=False),  # the reversed event's type for a reversal, else event_type
+    Column("event_type", String(EVENT_TYPE_CHARS_MAX), nullable=False),
+    Column("source_type", String(EVENT_TYPE_CHARS_MAX), nullable=False),  # the reversed event's type for a reversal, else event_type
     Column("amount_nano_usd", BigInteger, nullable=False),
-    Column("model", String(200), nullable=False),  # settlements; '' otherwise
+    Column("model", String(NAME_CHARS_MAX), nullable=False),  # settlements; '' otherwise
     Column("api_key_id", BigInteger, nullable=False),  # 0 when none
     Column("worker_id", BigInteger, nullable=False),
-    Column("reference", String(500), nullable=False),  # request id, payment reference or reason
+    Column("reference", String(REFERENCE_CHARS_MAX), nullable=False),  # request id, payment reference or reason
     Index("ix_account_postings_time", "account_id", "recorded_at", "event_seq", "leg"),
 )
 
@@ -87,12 +98,12 @@ statements = Table(
     "statements",
     metadata,
     Column("account_id", BigInteger, ForeignKey("accounts.id"), primary_key=True),
-    Column("month", String(7), primary_key=True),  # YYYY-MM, UTC
-    Column("kind", String(16), nullable=False),  # customer, owner
+    Column("month", String(MONTH_CHARS), primary_key=True),  # YYYY-MM, UTC
+    Column("kind", String(ACCOUNT_KIND_CHARS_MAX), nullable=False),  # customer, owner
     Column("opening_balance_nano_usd", BigInteger, nullable=False),
     Column("closing_balance_nano_usd", BigInteger, nullable=False),
     Column("through_seq", BigInteger, nullable=False),  # the last ledger event of the month
     Column("issued_at", UTCDateTime, nullable=False),
-    Column("pdf_path", String(1000), nullable=False),
-    Column("pdf_sha256", LargeBinary(32), nullable=False),
+    Column("pdf_path", String(PDF_PATH_CHARS_MAX), nullable=False),
+    Column("pdf_sha256", Sha256, nullable=False),
 )

@@ -17,14 +17,14 @@ from sqlalchemy.exc import IntegrityError
 
 from invoices import numbering
 from invoices.files import write_whole
+from invoices.limits import NUMBER_ASSIGN_ATTEMPTS_MAX
 from invoices.render import render_pdf
 from invoices.schema import invoices
 from ledger import commands as cmd
 from ledger.errors import InvalidInput
+from ledger.limits import REASON_CHARS_MAX
 from ledger.schema import accounts, ledger_events, utc_now
 from ledger.service import append_now
-
-ASSIGN_ATTEMPTS_MAX = 5
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def issue_for_top_up(engine: Engine, settings: InvoiceSettings, source_seq: int)
         raise InvalidInput(f"event {source_seq} is not a credited top-up")
     payload = orjson.loads(event.payload)
     row = {"kind": "invoice", "account_id": payload["account_id"], "amount_nano_usd": payload["amount_nano_usd"],
-           "payment_method": payload["payment_method"], "external_reference": payload["external_reference"][:500],
+           "payment_method": payload["payment_method"], "external_reference": payload["external_reference"][:REASON_CHARS_MAX],
            "issued_at": utc_now()}
     number = _assign(engine, numbering.SERIES_INVOICE, row["issued_at"].year, source_seq, row)
     return _finish(engine, settings, number)
@@ -62,19 +62,19 @@ def issue_credit_note(engine: Engine, settings: InvoiceSettings, source_seq: int
     corrected = issue_for_top_up(engine, settings, corrected_seq)
     payload = orjson.loads(event.payload)
     row = {"kind": "credit_note", "account_id": payload["account_id"], "amount_nano_usd": payload["amount_nano_usd"],
-           "payment_method": payload.get("payment_method", "card"), "external_reference": payload["external_reference"][:500],
+           "payment_method": payload.get("payment_method", "card"), "external_reference": payload["external_reference"][:REASON_CHARS_MAX],
            "issued_at": utc_now(), "corrects_number": corrected["number"]}
     number = _assign(engine, numbering.SERIES_CREDIT_NOTE, row["issued_at"].year, source_seq, row)
     return _finish(engine, settings, number)
 
 
 def _assign(engine: Engine, series: str, year: int, source_seq: int, row: dict) -> str:
-    for attempt in range(1, ASSIGN_ATTEMPTS_MAX + 1):
+    for attempt in range(1, NUMBER_ASSIGN_ATTEMPTS_MAX + 1):
         try:
             with engine.begin() as conn:
                 return numbering.assign(conn, series, year, source_seq, row).number
         except IntegrityError:  # a concurrent first number of the year, or of this very top-up: look again
-            if attempt == ASSIGN_ATTEMPTS_MAX:
+            if attempt == NUMBER_ASSIGN_ATTEMPTS_MAX:
                 raise
     raise AssertionError("unreachable")
 

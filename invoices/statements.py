@@ -23,19 +23,25 @@ from sqlalchemy.exc import IntegrityError
 
 from invoices import read_models
 from invoices.files import write_whole
+from invoices.limits import (
+    CATCH_UP_ROUNDS_MAX,
+    CLOSE_GRACE_S,
+    ITEMISED_LINES_MAX,
+    MONTHS_PER_YEAR,
+    STATEMENT_FILE_DIGEST_CHARS,
+    STATEMENT_YEAR_MAX,
+    STATEMENT_YEAR_MIN,
+)
 from invoices.render import render_statement_pdf
 from invoices.schema import account_postings, earnings_daily, statements, usage_daily
 from invoices.service import InvoiceSettings
 from ledger.accounts import require_kind
 from ledger.commands import CUSTOMER, OWNER
 from ledger.errors import InvalidInput, InvariantBroken, LedgerError
+from ledger.events import GENESIS_HASH
 from ledger.log import consumer_position
 from ledger.schema import accounts, ledger_events, ledger_postings, utc_now
 
-CLOSE_GRACE_S = 300
-YEAR_MIN, YEAR_MAX = 2000, 9998
-CATCH_UP_ROUNDS_MAX = 20
-ITEMISED_LINES_MAX = 5_000  # beyond this a statement points to the ledger export
 SETTLED = "RequestSettled"
 STATED_KINDS, STATED_RULE = (CUSTOMER, OWNER), "statements are for customers and owners"
 SECTION_TITLES = {  # in the order a statement shows them; usage (earnings) comes third
@@ -66,10 +72,10 @@ class Month:
 
 def parse_month(text: str) -> Month:
     match = re.fullmatch(r"(\d{4})-(0[1-9]|1[0-2])", text or "")
-    if match is None or not YEAR_MIN <= int(match[1]) <= YEAR_MAX:
-        raise InvalidInput(f"a month is YYYY-MM from {YEAR_MIN} to {YEAR_MAX}, not {text!r}")
+    if match is None or not STATEMENT_YEAR_MIN <= int(match[1]) <= STATEMENT_YEAR_MAX:
+        raise InvalidInput(f"a month is YYYY-MM from {STATEMENT_YEAR_MIN} to {STATEMENT_YEAR_MAX}, not {text!r}")
     year, month = int(match[1]), int(match[2])
-    return Month(text, datetime(year, month, 1, tzinfo=UTC), datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC))
+    return Month(text, datetime(year, month, 1, tzinfo=UTC), datetime(year + month // MONTHS_PER_YEAR, month % MONTHS_PER_YEAR + 1, 1, tzinfo=UTC))
 
 
 def previous_month(now: datetime) -> Month:
@@ -191,7 +197,7 @@ def _last_event_before(conn: Connection, end: datetime) -> tuple[int, str]:
     row = conn.execute(select(ledger_events.c.seq, ledger_events.c.hash)
                        .where(ledger_events.c.seq <= position, ledger_events.c.recorded_at < end)
                        .order_by(ledger_events.c.seq.desc()).limit(1)).first()
-    return (row.seq, row.hash.hex()) if row else (0, bytes(32).hex())
+    return (row.seq, row.hash.hex()) if row else (0, GENESIS_HASH.hex())
 
 
 def reconcile(engine: Engine, end: datetime, account_id: int | None = None) -> dict[int, tuple[int, int]]:
@@ -280,7 +286,7 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
     pdf = render_statement_pdf(figures)
     digest = hashlib.sha256(pdf).digest()
     # A name per rendering: two workers issuing at once each write their own file, and the row names the winner's.
-    path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}-{digest.hex()[:12]}.pdf"
+    path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}-{digest.hex()[:STATEMENT_FILE_DIGEST_CHARS]}.pdf"
     write_whole(path, pdf)
     row = {"account_id": account_id, "month": month.text, "kind": figures["account"]["kind"],
            "opening_balance_nano_usd": figures["opening_balance_nano_usd"], "closing_balance_nano_usd": figures["closing_balance_nano_usd"],

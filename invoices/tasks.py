@@ -20,14 +20,10 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from invoices import read_models, service, statements
+from invoices.limits import MAIL_RETRIES_MAX, MAIL_RETRY_WAIT_S, STATEMENT_RETRIES_MAX, STATEMENT_RETRY_WAIT_S
 from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings
 from ledger.schema import utc_now
-
-MAIL_RETRY_WAIT_S = 5
-MAIL_RETRIES_MAX = 10_000  # keep trying while the mail server is down
-STATEMENT_RETRY_WAIT_S = 60
-STATEMENT_RETRIES_MAX = 60
 
 ISSUE_INVOICE = "paralon.issue_invoice"
 ISSUE_CREDIT_NOTE = "paralon.issue_credit_note"

@@ -22,6 +22,10 @@ EVENT_TYPE_CHARS_MAX = 64
 IDEMPOTENCY_KEY_CHARS_MAX = 200  # also request ids, references' names and metadata names
 REASON_CHARS_MAX = 500  # reasons, external references, metadata strings
 CONSUMER_NAME_CHARS_MAX = 100
+# Names the other packages keep beside the ledger: a model's (the proxy's
+# prices and workers, and the read models, from a settlement's metadata), an
+# API key's, a usage report's reason.
+NAME_CHARS_MAX = 200
 
 # Counts inside one command
 META_ENTRIES_MAX = 32

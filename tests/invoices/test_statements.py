@@ -21,6 +21,7 @@ from app.cli import main
 from app.statement_labels import statement_labels
 from invoices import read_models
 from invoices import statements as st
+from invoices.limits import CLOSE_GRACE_S
 from invoices.render import cents_text
 from invoices.schema import account_postings, statements
 from invoices.service import InvoiceSettings
@@ -213,7 +214,7 @@ def test_months():
     assert st.parse_month("2026-12").end == at("2027-01-01T00:00:00")
     assert st.previous_month(at("2027-01-01T00:30:00")).text == "2026-12"
     assert not st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00"))
-    assert st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00") + timedelta(seconds=st.CLOSE_GRACE_S))
+    assert st.is_closed(st.parse_month("2026-12"), at("2027-01-01T00:00:00") + timedelta(seconds=CLOSE_GRACE_S))
 
 
 def _tokens(fleet) -> dict[str, str]:
@@ -334,13 +335,12 @@ def test_the_export_pages_through_postings_that_share_one_instant(history, monke
     october = st.parse_month("2026-10")
     totals = exports.prepare(fleet.engine, fleet.customer_id, october.start, october.end)
 
-    def export() -> list[list[str]]:
-        text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, october.start, october.end, totals)).decode()
+    def export(**page) -> list[list[str]]:
+        text = b"".join(exports.csv_chunks(fleet.engine, fleet.customer_id, october.start, october.end, totals, **page)).decode()
         return [line.split(",") for line in text.splitlines()]
 
     whole = export()
-    monkeypatch.setattr(exports, "EXPORT_PAGE_ROWS", 2)
-    assert export() == whole, "pages of two rows give the same rows, none twice, none lost"
+    assert export(page_rows=2) == whole, "pages of two rows give the same rows, none twice, none lost"
     assert len(whole) - 1 == totals.postings == 12
     assert int(whole[-1][whole[0].index("balance_after_nano_usd")]) == totals.closing_balance_nano_usd == OCTOBER_CLOSING + 5 * GB + 10
 
