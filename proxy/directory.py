@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from proxy import keys, prices, workers
-from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, KEY_CACHE_ENTRIES_MAX, KEY_CACHE_TTL_S
+from proxy.limits import DECODE_RATE_TOKENS_MIN, DIRECTORY_REFRESH_INTERVAL_S, KEY_CACHE_ENTRIES_MAX, KEY_CACHE_TTL_S
 from proxy.schema import api_keys
 
 
@@ -34,7 +34,7 @@ class WorkerLoad:
 
     def observe(self, tokens: int, decode_s: float, concurrency: int) -> None:
         self.completed += 1
-        if tokens >= 2 and decode_s > 0:
+        if tokens >= DECODE_RATE_TOKENS_MIN and decode_s > 0:
             self.peak_tokens_per_s = max(self.peak_tokens_per_s, tokens / decode_s * max(1, concurrency))
 
     def start_new_period(self, now_s: float) -> None:

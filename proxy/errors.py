@@ -3,6 +3,8 @@ status and OpenAI error type. The HTTP edge (app/http/errors.py) turns them
 into OpenAI's error JSON and adds its own (authentication, permissions)."""
 from __future__ import annotations
 
+from proxy.limits import NOT_READY_RETRY_AFTER_S
+
 
 class ProxyError(Exception):
     status = 500
@@ -49,4 +51,4 @@ class NotReady(ProxyError):
     """What was asked for is being prepared (a read model is catching up): ask again shortly."""
 
     status, error_type, code = 503, "service_unavailable", "not_ready"
-    retry_after_s = 5
+    retry_after_s = NOT_READY_RETRY_AFTER_S

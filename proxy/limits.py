@@ -5,10 +5,11 @@ writes a limit's number. Tests that need a smaller value pass it as a
 parameter (a hold's TTL, an idle timeout) rather than patch this module."""
 from __future__ import annotations
 
+# What the proxy shares with the ledger and the read models: the hold's
+# lifetime it serves with, and how long a name (a model's, a key's) may be.
+from ledger.limits import HOLD_TTL_S_DEFAULT, NAME_CHARS_MAX  # noqa: F401
+
 # --- Holds (DESIGN.md, Metering rules) ---------------------------------------
-# Short, because requests still running renew their holds: after a crash the
-# customer's credits come back (or settle) within about this long.
-HOLD_TTL_S = 60
 # How often a process renews the holds of its requests still running and
 # records what each has delivered, in one statement for all of them.
 HOLD_RENEW_INTERVAL_S_MAX = 1.0
@@ -28,21 +29,24 @@ UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token
 MAX_TOKENS_WITHOUT_CONTEXT = 4096
 MAX_TOKENS_LIMIT = 1_000_000  # the largest max_tokens a caller may ask for
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
+NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0
-NAME_CHARS_MAX = 200  # model names, key names, reasons (the columns are this wide)
 
 # --- The connections to workers (proxy/upstream.py) ----------------------------
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_IDLE_TIMEOUT_S = 300.0  # a worker silent this long mid-response is abandoned
 UPSTREAM_IDLE_CONNECTIONS_PER_WORKER_MAX = 256
 UPSTREAM_READ_PAUSE_BYTES = 1024 * 1024  # stop reading from a worker whose caller is this far behind
+UPSTREAM_READ_RESUME_BYTES = UPSTREAM_READ_PAUSE_BYTES // 2  # and read again once it caught up this far
 SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it is complete
 
 # --- Health checks and measurement (proxy/health.py) ---------------------------
 HEALTH_INTERVAL_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
 MEASURED_REQUESTS_MIN = 5  # completed requests before a new worker's throughput is shared
+# A decode rate needs two tokens: it is timed from the first token, whose time is the prompt's.
+DECODE_RATE_TOKENS_MIN = 2
 WEIGHT_PERIOD_S = 60.0  # a measured throughput is shared again at most this often
 DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
 
@@ -60,9 +64,17 @@ PROBE_CAPACITY_REQUESTS = 8
 PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
 AFFINITY_PREFIX_BYTES_MAX = 16_384  # of a conversation, hashed for affinity
 AFFINITY_PROMPT_HEAD_BYTES = 1024  # of a completion prompt: what a continued prompt shares
+AFFINITY_KEY_BYTES = 16  # the BLAKE2b digest of that prefix
+WORKER_ID_BYTES = 8  # a worker's id (a BIGINT), hashed with the affinity key
+RENDEZVOUS_HASH_BYTES = 8  # the BLAKE2b digest of (affinity key, worker id), an unsigned integer h
+RENDEZVOUS_HASH_SPAN = 2 ** (8 * RENDEZVOUS_HASH_BYTES) + 2  # (h + 1) / span is strictly between 0 and 1
 # Measured throughput is rounded to steps of this ratio (about 19%), so that
 # replicas that measured slightly differently still agree on weights.
 THROUGHPUT_STEP_RATIO = 2**0.25
+
+# --- Workers' rows (proxy/schema.py) -------------------------------------------
+WORKER_URL_CHARS_MAX = 2000
+STATE_CHARS_MAX = 16  # a worker's engine and state, a usage report's state: words of the code
 
 # --- Usage strikes (proxy/workers.py) ------------------------------------------
 USAGE_STRIKES_MAX = 3  # strikes that suspend a worker
@@ -83,6 +95,8 @@ TEMPLATE_TOKENS_PER_CONTENT_PART = 2  # the separator an engine joins text parts
 TEMPLATE_TOKENS_WITH_TOOLS = 512  # the tools preamble ("You may call one or more functions...")
 TEMPLATE_TOKENS_PER_TOOL = 8  # the line around each tool definition
 TEMPLATE_TOKENS_WITH_TOKEN_IDS = 2  # BOS (and EOS) an engine may add around token ids it did not tokenise
+# A template's `tojson` may indent by up to four spaces: at most this many times what indenting by two adds.
+TEMPLATE_JSON_INDENT_RATIO_MAX = 2
 
 # --- Metering: the completion bound ---------------------------------------------
 # Tokens an engine produces but never relays as text.
@@ -96,13 +110,16 @@ COMPLETION_TOLERANCE_PERCENT = 5
 
 # --- API keys and prices -------------------------------------------------------
 KEY_RANDOM_BYTES = 32
-KEY_PREFIX_SHOWN_CHARS = 12
+KEY_PREFIX_SHOWN_CHARS = 12  # of a key (or a management token), in listings; never enough to use
+KEY_PREFIX_CHARS_MAX = 16  # the column the shown prefix is kept in
+TOKENS_PER_MTOK = 1_000_000  # prices are quoted per million tokens
 PRICE_DECIMALS_MAX = 6  # of a price in USD per million tokens
 PRICE_USD_PER_MTOK_MAX = 10_000
 
 # --- Revocations (proxy/revocations.py) ----------------------------------------
 REVOCATION_RECONNECT_WAIT_S_MIN = 0.1
 REVOCATION_RECONNECT_WAIT_S_MAX = 5.0
+REVOCATION_RECONNECT_BACKOFF_FACTOR = 2  # each failed reconnection waits this many times longer
 # A listening connection silent this long is asked whether it is still there,
 # so a connection dropped without a word is noticed within about this time.
 REVOCATION_LIVENESS_CHECK_INTERVAL_S = 5.0
@@ -117,3 +134,7 @@ SIM_KV_BLOCK_TOKENS = 16
 SIM_PREFIX_CACHE_BLOCKS_MAX = 65_536
 # Unpaced streams would otherwise never give the event loop back while writing.
 SIM_INSTANT_YIELD_EVERY_TOKENS = 8
+# Its prompt model: bytes per token, and the template's tokens per message.
+SIM_PROMPT_BYTES_PER_TOKEN = 4
+SIM_PROMPT_TOKENS_PER_MESSAGE = 4
+SIM_WORD_STEP = 37  # coprime with the simulated text's 61 words (proxy/sim/engine.py), so it visits every word

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import orjson
 
+from ledger.money import PERCENT
 from proxy.errors import InvalidRequest
 from proxy.limits import (
     COMPLETION_ALLOWANCE_TOKENS_PER_FINISH,
@@ -42,6 +43,7 @@ from proxy.limits import (
     COMPLETION_TOLERANCE_TOKENS_MIN,
     MAX_TOKENS_LIMIT,
     MAX_TOKENS_WITHOUT_CONTEXT,
+    TEMPLATE_JSON_INDENT_RATIO_MAX,
     TEMPLATE_TOKENS_PER_CONTENT_PART,
     TEMPLATE_TOKENS_PER_MESSAGE,
     TEMPLATE_TOKENS_PER_REASONING,
@@ -82,7 +84,7 @@ def json_bytes_bound(value: object) -> int:
         indented = len(orjson.dumps(value, option=orjson.OPT_INDENT_2))
     except (TypeError, orjson.JSONEncodeError):
         raise InvalidRequest("the request holds a value that is not JSON") from None
-    return len(json.dumps(value, ensure_ascii=False).encode()) + 2 * (indented - compact)
+    return len(json.dumps(value, ensure_ascii=False).encode()) + TEMPLATE_JSON_INDENT_RATIO_MAX * (indented - compact)
 
 
 def _content_bytes(content: object, param: str) -> int:
@@ -289,7 +291,7 @@ def billable_usage(reported_prompt: int | None, reported_completion: int | None,
     when the answer finished: until then an engine holds back text it has
     counted (a partial stop string, the bytes of an unfinished character)."""
     completion_bound = output.completion_bound()
-    tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, completion_bound * COMPLETION_TOLERANCE_PERCENT // 100)
+    tolerance = max(COMPLETION_TOLERANCE_TOKENS_MIN, completion_bound * COMPLETION_TOLERANCE_PERCENT // PERCENT)
     completion, prompt, over_reported, strike_reason = output.relayed_chunks, prompt_bound, False, None
     if reported_completion is not None:
         completion = min(reported_completion, completion_bound)

@@ -9,10 +9,8 @@ from ledger import commands as cmd
 from ledger.errors import InvalidAmount
 from ledger.money import NANO_USD_PER_USD, usd_to_nano_usd
 from ledger.schema import utc_now
-from proxy.limits import NAME_CHARS_MAX, PRICE_DECIMALS_MAX, PRICE_USD_PER_MTOK_MAX
+from proxy.limits import NAME_CHARS_MAX, PRICE_DECIMALS_MAX, PRICE_USD_PER_MTOK_MAX, TOKENS_PER_MTOK
 from proxy.schema import model_prices
-
-TOKENS_PER_MTOK = 1_000_000
 
 
 class Price(NamedTuple):

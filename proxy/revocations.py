@@ -18,6 +18,7 @@ from proxy.keys import REVOCATION_CHANNEL, parse_revocation
 from proxy.limits import (
     REVOCATION_CONNECT_TIMEOUT_S,
     REVOCATION_LIVENESS_CHECK_INTERVAL_S,
+    REVOCATION_RECONNECT_BACKOFF_FACTOR,
     REVOCATION_RECONNECT_WAIT_S_MAX,
     REVOCATION_RECONNECT_WAIT_S_MIN,
 )
@@ -48,7 +49,7 @@ async def follow_revocations(engine: Engine, on_revoked: Callable[[str, int], No
         except (psycopg.Error, OSError) as exc:
             log.warning("revocation listener lost its connection (%s); reconnecting in %.1f s", exc, wait_s)
         await asyncio.sleep(wait_s)
-        wait_s = min(wait_s * 2, REVOCATION_RECONNECT_WAIT_S_MAX)
+        wait_s = min(wait_s * REVOCATION_RECONNECT_BACKOFF_FACTOR, REVOCATION_RECONNECT_WAIT_S_MAX)
 
 
 async def _listen(conninfo: str, on_revoked: Callable[[str, int], None], on_listening: Callable[[], None]) -> None:

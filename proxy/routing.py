@@ -20,12 +20,16 @@ import orjson
 from proxy import workers as registry
 from proxy.errors import ContextTooLong, NoWorkerAvailable
 from proxy.limits import (
+    AFFINITY_KEY_BYTES,
     AFFINITY_PREFIX_BYTES_MAX,
     AFFINITY_PROMPT_HEAD_BYTES,
     PROBE_CAPACITY_REQUESTS,
     PROBE_WEIGHT_TOKENS_PER_S,
+    RENDEZVOUS_HASH_BYTES,
+    RENDEZVOUS_HASH_SPAN,
     THROUGHPUT_STEP_RATIO,
     TOKENS_PER_S_PER_REQUEST_MIN,
+    WORKER_ID_BYTES,
 )
 
 
@@ -75,7 +79,7 @@ def affinity_key(model: str, body: dict) -> bytes:
         head = orjson.dumps(prefix, option=orjson.OPT_SORT_KEYS)
     else:
         head = _prompt_head(body.get("prompt"))
-    return hashlib.blake2b(model.encode() + b"\0" + head[:AFFINITY_PREFIX_BYTES_MAX], digest_size=16).digest()
+    return hashlib.blake2b(model.encode() + b"\0" + head[:AFFINITY_PREFIX_BYTES_MAX], digest_size=AFFINITY_KEY_BYTES).digest()
 
 
 def _prompt_head(prompt: object) -> bytes:
@@ -87,8 +91,8 @@ def _prompt_head(prompt: object) -> bytes:
 
 def _unit_hash(key: bytes, worker_id: int) -> float:
     """A uniform number in (0, 1), the same in every process."""
-    digest = hashlib.blake2b(key + worker_id.to_bytes(8, "big"), digest_size=8).digest()
-    return (int.from_bytes(digest, "big") + 1) / (2**64 + 2)
+    digest = hashlib.blake2b(key + worker_id.to_bytes(WORKER_ID_BYTES, "big"), digest_size=RENDEZVOUS_HASH_BYTES).digest()
+    return (int.from_bytes(digest, "big") + 1) / RENDEZVOUS_HASH_SPAN
 
 
 def rendezvous_order(key: bytes, candidates: list[Candidate]) -> list[Candidate]:

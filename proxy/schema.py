@@ -1,10 +1,11 @@
 """The proxy's tables: API keys, model prices, workers. Money stays in the ledger."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, LargeBinary, String, Table, text
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, String, Table, text
 
-from ledger.schema import BigId, UTCDateTime, metadata
-from proxy.limits import NAME_CHARS_MAX
+from ledger.limits import IDEMPOTENCY_KEY_CHARS_MAX, REASON_CHARS_MAX
+from ledger.schema import BigId, Sha256, UTCDateTime, metadata
+from proxy.limits import KEY_PREFIX_CHARS_MAX, NAME_CHARS_MAX, STATE_CHARS_MAX, WORKER_URL_CHARS_MAX
 
 # An API key is shown once; only its SHA-256 is kept (the key is 256 random
 # bits, so a fast hash is enough: there is nothing to brute-force).
@@ -13,8 +14,8 @@ api_keys = Table(
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
-    Column("key_sha256", LargeBinary(32), nullable=False, unique=True),
-    Column("key_prefix", String(16), nullable=False),  # shown in listings, never enough to use
+    Column("key_sha256", Sha256, nullable=False, unique=True),
+    Column("key_prefix", String(KEY_PREFIX_CHARS_MAX), nullable=False),  # shown in listings, never enough to use
     Column("name", String(NAME_CHARS_MAX)),
     Column("spend_limit_nano_usd", BigInteger),
     Column("created_at", UTCDateTime, nullable=False),
@@ -39,12 +40,12 @@ workers = Table(
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("owner_account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
-    Column("url", String(2000), nullable=False),
+    Column("url", String(WORKER_URL_CHARS_MAX), nullable=False),
     Column("model", String(NAME_CHARS_MAX), nullable=False),  # the public name callers use
-    Column("engine", String(16), nullable=False),
+    Column("engine", String(STATE_CHARS_MAX), nullable=False),
     # Only an operator (drain) or the usage check (suspend) writes state;
     # heartbeats write the health columns below and nothing else.
-    Column("state", String(16), nullable=False, server_default=text("'active'")),
+    Column("state", String(STATE_CHARS_MAX), nullable=False, server_default=text("'active'")),
     Column("context_length", Integer),  # from the worker's /v1/models when it says
     Column("served_model", String(NAME_CHARS_MAX)),  # the name the engine itself answers to
     Column("healthy", Boolean, nullable=False, server_default=text("false")),
@@ -53,7 +54,7 @@ workers = Table(
     Column("drained_at", UTCDateTime),
     Column("usage_strikes", Integer, nullable=False, server_default=text("0")),
     Column("suspended_at", UTCDateTime),
-    Column("suspension_reason", String(500)),
+    Column("suspension_reason", String(REASON_CHARS_MAX)),
     # Measured total decode rate, shared so every proxy replica weighs alike.
     Column("throughput_tokens_per_s", Integer),
     Column("created_at", UTCDateTime, nullable=False),
@@ -68,11 +69,11 @@ EVIDENCE_STATES = ("pending", "struck", "cleared")
 usage_evidence = Table(
     "usage_evidence",
     metadata,
-    Column("request_id", String(200), primary_key=True),
+    Column("request_id", String(IDEMPOTENCY_KEY_CHARS_MAX), primary_key=True),
     Column("worker_id", BigInteger, ForeignKey("workers.id"), nullable=False),
     Column("customer_account_id", BigInteger, nullable=False),
     Column("reason", String(NAME_CHARS_MAX), nullable=False),
-    Column("state", String(16), nullable=False),
+    Column("state", String(STATE_CHARS_MAX), nullable=False),
     Column("recorded_at", UTCDateTime, nullable=False),
     Column("ledger_seq", BigInteger, nullable=False),
     CheckConstraint("state IN ('pending', 'struck', 'cleared')", name="ck_usage_evidence_state"),

@@ -34,7 +34,7 @@ from proxy.errors import (
 from proxy.generation import CHAT, Generation
 from proxy.keys import KeyGrant
 from proxy.limits import (
-    HOLD_TTL_S,
+    HOLD_TTL_S_DEFAULT,
     SOLVENT_FOR_S,
     UPSTREAM_ATTEMPTS_MAX,
     UPSTREAM_REFUSAL_DETAIL_BYTES_MAX,
@@ -48,7 +48,7 @@ class _Retry(Exception):
 
 
 class InferenceProxy:
-    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S) -> None:
+    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT) -> None:
         self.ledger = ledger
         self.directory = directory
         self.upstream = upstream

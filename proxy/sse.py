@@ -26,7 +26,9 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 DATA_PREFIX = b"data: "  # how every event this proxy writes starts
 _DATA_PREFIX_BYTES = len(DATA_PREFIX)
-DONE_EVENT = DATA_PREFIX + DONE + b"\n\n"
+EVENT_END = b"\n\n"  # how every event this proxy writes ends
+_EVENT_END_BYTES = len(EVENT_END)
+DONE_EVENT = DATA_PREFIX + DONE + EVENT_END
 
 
 class Event(NamedTuple):
@@ -130,9 +132,9 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     at_boundary = False
     async for piece in raw:
         # One whole `data: ` event, LF-terminated, arriving when nothing is under way: as it is.
-        if (at_boundary and piece[:_DATA_PREFIX_BYTES] == DATA_PREFIX and piece.find(b"\n") == len(piece) - 2
+        if (at_boundary and piece[:_DATA_PREFIX_BYTES] == DATA_PREFIX and piece.find(b"\n") == len(piece) - _EVENT_END_BYTES
                 and piece[-1:] == b"\n" and b"\r" not in piece):
-            yield piece[_DATA_PREFIX_BYTES:-2]
+            yield piece[_DATA_PREFIX_BYTES:-_EVENT_END_BYTES]
             continue
         for event in parser.feed(piece):
             yield event.data
@@ -140,4 +142,4 @@ async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def encode(payload: dict) -> bytes:
-    return DATA_PREFIX + orjson.dumps(payload) + b"\n\n"
+    return DATA_PREFIX + orjson.dumps(payload) + EVENT_END

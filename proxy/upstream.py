@@ -25,6 +25,7 @@ from proxy.limits import (
     UPSTREAM_IDLE_CONNECTIONS_PER_WORKER_MAX,
     UPSTREAM_IDLE_TIMEOUT_S,
     UPSTREAM_READ_PAUSE_BYTES,
+    UPSTREAM_READ_RESUME_BYTES,
 )
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -111,7 +112,7 @@ class _Connection(asyncio.Protocol):
         piece = self.pieces.popleft()
         self.buffered_bytes -= len(piece)
         self.last_activity_s = self.loop.time()  # a slow reader is not a silent worker
-        if self.paused and self.buffered_bytes < UPSTREAM_READ_PAUSE_BYTES // 2:
+        if self.paused and self.buffered_bytes < UPSTREAM_READ_RESUME_BYTES:
             self.paused = False
             self.transport.resume_reading()
         return piece

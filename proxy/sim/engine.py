@@ -25,6 +25,7 @@ from proxy.limits import (
     SIM_KV_BLOCK_TOKENS,
     SIM_PREFIX_BLOCK_BYTES,
     SIM_PREFIX_CACHE_BLOCKS_MAX,
+    SIM_WORD_STEP,
 )
 from proxy.sim.profiles import SimProfile
 
@@ -36,7 +37,6 @@ WORDS = (
     "velit", "esse", "cillum", "fugiat", "nulla", "pariatur", "excepteur", "sint", "occaecat", "cupidatat",
     "non", "proident", "sunt", "culpa", "qui", "officia", "deserunt", "mollit", "anim", "id", "est",
 )  # fmt: skip
-WORD_STEP = 37  # coprime with len(WORDS) (61), so the sequence visits every word
 
 
 @dataclass(slots=True)
@@ -206,7 +206,7 @@ class Engine:
         self.time_scale = time_scale
         self.state = EngineState(profile.max_num_seqs)
         self._prefix_cache = PrefixCache(min(SIM_PREFIX_CACHE_BLOCKS_MAX, profile.kv_cache_capacity_tokens // SIM_KV_BLOCK_TOKENS))
-        self._words = [" " + WORDS[(seed + i * WORD_STEP) % len(WORDS)] for i in range(len(WORDS))]
+        self._words = [" " + WORDS[(seed + i * SIM_WORD_STEP) % len(WORDS)] for i in range(len(WORDS))]
         self._words_json = [orjson.dumps(w)[1:-1] for w in self._words]
         self._token_interval_s = self._decode_intervals_s()
 

@@ -17,12 +17,8 @@ from typing import Any
 
 import orjson
 
-from proxy.limits import SIM_MAX_TOKENS_DEFAULT
+from proxy.limits import SIM_MAX_TOKENS_DEFAULT, SIM_PROMPT_BYTES_PER_TOKEN, SIM_PROMPT_TOKENS_PER_MESSAGE
 from proxy.sim.engine import GenerationRequest, chat_cache_bytes
-
-# The prompt model above: bytes per token, and the template's tokens per message.
-PROMPT_BYTES_PER_TOKEN = 4
-PROMPT_TOKENS_PER_MESSAGE = 4
 
 
 class HttpError(Exception):
@@ -51,7 +47,7 @@ class Behaviour:
 
 
 def count_prompt_tokens(contents: list[bytes]) -> int:
-    tokens = sum(len(c) // PROMPT_BYTES_PER_TOKEN + PROMPT_TOKENS_PER_MESSAGE for c in contents)
+    tokens = sum(len(c) // SIM_PROMPT_BYTES_PER_TOKEN + SIM_PROMPT_TOKENS_PER_MESSAGE for c in contents)
     return max(1, tokens)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from proxy import metering
+from proxy.limits import SIM_PROMPT_BYTES_PER_TOKEN, SIM_PROMPT_TOKENS_PER_MESSAGE  # the simulated worker's prompt model
 from tests.support.harness import MODEL, ThreadedServer
 
 HONEST = "honest"
@@ -50,8 +51,6 @@ PIECES_PER_WORD = 10  # for the chunk-splitting behaviours: 1 real token, 10 rep
 INFLATION_FACTOR = 10
 DIE_AFTER_WORDS = 7
 CONTEXT_LENGTH_TOKENS = 32_768
-PROMPT_BYTES_PER_TOKEN = 4
-PROMPT_TOKENS_PER_MESSAGE = 4
 REQUEST_BODY_BYTES_MAX = 8 * 1024 * 1024
 REASONING_WORDS = 6
 TOOL_ARGUMENT_PIECES = 6
@@ -269,7 +268,7 @@ def engine_visible_bytes(body: dict) -> list[int]:
 
 def honest_prompt_tokens(body: dict) -> int:
     sizes = engine_visible_bytes(body)
-    return max(1, sum(size // PROMPT_BYTES_PER_TOKEN for size in sizes) + PROMPT_TOKENS_PER_MESSAGE * (len(sizes) - 1))
+    return max(1, sum(size // SIM_PROMPT_BYTES_PER_TOKEN for size in sizes) + SIM_PROMPT_TOKENS_PER_MESSAGE * (len(sizes) - 1))
 
 
 def proxy_public_prompt_bound(body: dict) -> int:
