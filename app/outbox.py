@@ -10,15 +10,14 @@ from collections.abc import Callable
 import orjson
 from sqlalchemy import Column, Connection, Engine, String, Table, Text, select, update
 
+from app.limits import OUTBOX_DISPATCH_TASKS_MAX, OUTBOX_TASK_NAME_CHARS_MAX
 from ledger.schema import BigId, UTCDateTime, metadata, utc_now
-
-DISPATCH_BATCH_MAX = 500
 
 outbox = Table(
     "outbox",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("task", String(100), nullable=False),
+    Column("task", String(OUTBOX_TASK_NAME_CHARS_MAX), nullable=False),
     Column("args", Text, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("dispatched_at", UTCDateTime),
@@ -35,7 +34,8 @@ def add(conn: Connection, task: str, *args) -> None:
 def dispatch(engine: Engine, send: SendTask) -> int:
     """Send what committed tasks are waiting; returns how many were sent."""
     with engine.connect() as conn:
-        waiting = conn.execute(select(outbox).where(outbox.c.dispatched_at.is_(None)).order_by(outbox.c.id).limit(DISPATCH_BATCH_MAX)).all()
+        waiting = conn.execute(select(outbox).where(outbox.c.dispatched_at.is_(None)).order_by(outbox.c.id)
+                               .limit(OUTBOX_DISPATCH_TASKS_MAX)).all()
     for row in waiting:  # sent first, marked after: a task may go twice, never not at all
         send(row.task, orjson.loads(row.args))
         with engine.begin() as conn:

@@ -3,15 +3,8 @@ from __future__ import annotations
 
 import gc
 
-# A group-commit batch allocates hundreds of thousands of short-lived objects.
-# With CPython's default gen0 threshold (700 allocations) that sets off
-# collections all through every batch, and the older generations keep walking
-# every long-lived object (SQLAlchemy metadata, statement caches). Freezing
-# what start-up built and collecting less often cut the CPU per settlement by
-# about a quarter in benchmarks/ledger_throughput.py.
-GC_GEN0_THRESHOLD_ALLOCATIONS = 100_000
-GC_GEN1_THRESHOLD_COLLECTIONS = 50
-GC_GEN2_THRESHOLD_COLLECTIONS = 50
+# Why these thresholds: app/limits.py.
+from app.limits import GC_GEN0_THRESHOLD_ALLOCATIONS, GC_GEN1_THRESHOLD_COLLECTIONS, GC_GEN2_THRESHOLD_COLLECTIONS
 
 
 def tune_garbage_collector() -> None:

@@ -12,25 +12,39 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.limits import (
+    CHECKOUT_MAX_USD_DEFAULT,
+    CHECKOUT_MIN_USD_DEFAULT,
+    CHECKOUT_USD_MAX,
+    CRYPTO_CONFIRMATIONS_DEFAULT,
+    CRYPTO_CONFIRMATIONS_MAX,
+    CRYPTO_SCAN_INTERVAL_S_DEFAULT,
+    CRYPTO_START_BLOCK_MAX,
+    GROUP_COMMIT_BATCH_COMMANDS_MAX,
+    GROUP_COMMIT_WAIT_MS_MAX,
+    HEALTH_INTERVAL_MS_MAX,
+    HOLD_SWEEP_INTERVAL_MS_MAX,
+    HOLD_SWEEP_INTERVAL_S,
+    HOLD_TTL_S_MIN,
+    INTERVAL_MS_MIN,
+    KEY_CACHE_TTL_MS_MAX,
+    SERVE_PORT_DEFAULT,
+    TCP_PORT_MAX,
+)
+from invoices.limits import SMTP_PORT_DEFAULT
 from ledger.db import normalise_url
-from ledger.group_commit import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT
+from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, HOLD_TTL_S_DEFAULT, HOLD_TTL_S_MAX, MS_PER_S
+from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S
 
 DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
-GROUP_COMMIT_BATCH_SIZE_MAX_LIMIT = 10_000
-GROUP_COMMIT_WAIT_MS_LIMIT = 100
-HEALTH_INTERVAL_MS_DEFAULT = 2000
-KEY_CACHE_TTL_MS_DEFAULT = 1000
-HOLD_TTL_S_DEFAULT = 60
-HOLD_SWEEP_INTERVAL_MS_DEFAULT = 10_000
-PUBLIC_URL_DEFAULT = "http://127.0.0.1:8000"
-CHECKOUT_MIN_USD_DEFAULT = 5
-CHECKOUT_MAX_USD_DEFAULT = 10_000
-CHECKOUT_USD_LIMIT = 1_000_000
-CRYPTO_CONFIRMATIONS_DEFAULT = 12
-CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
+PUBLIC_URL_DEFAULT = f"http://127.0.0.1:{SERVE_PORT_DEFAULT}"
 INVOICE_DIR_DEFAULT = "./var/invoices"
-SMTP_PORT_DEFAULT = 25
 MAIL_FROM_DEFAULT = "billing@paralon.example"
+
+
+def in_ms(seconds: float) -> int:
+    """A limit the proxy names in seconds, as a PARALON_*_MS variable takes it."""
+    return round(seconds * MS_PER_S)
 
 
 class SettingsError(ValueError):
@@ -49,9 +63,9 @@ class _Group(BaseSettings):
 class DatabaseConfig(_Group):
     url: str = _env("PARALON_DATABASE_URL", DATABASE_URL_DEFAULT)
     group_commit_batch_size_max: int = _env("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT,
-                                            ge=1, le=GROUP_COMMIT_BATCH_SIZE_MAX_LIMIT)
+                                            ge=1, le=GROUP_COMMIT_BATCH_COMMANDS_MAX)
     group_commit_wait_ms: int = _env("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT),
-                                     ge=0, le=GROUP_COMMIT_WAIT_MS_LIMIT)
+                                     ge=0, le=GROUP_COMMIT_WAIT_MS_MAX)
 
     @field_validator("url")
     @classmethod
@@ -61,11 +75,12 @@ class DatabaseConfig(_Group):
 
 
 class ProxyConfig(_Group):
-    health_interval_ms: int = _env("PARALON_HEALTH_INTERVAL_MS", HEALTH_INTERVAL_MS_DEFAULT, ge=50, le=60_000)
-    key_cache_ttl_ms: int = _env("PARALON_KEY_CACHE_TTL_MS", KEY_CACHE_TTL_MS_DEFAULT, ge=0, le=60_000)
-    hold_ttl_s: int = _env("PARALON_HOLD_TTL_S", HOLD_TTL_S_DEFAULT, ge=2, le=24 * 3600)
-    hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", HOLD_SWEEP_INTERVAL_MS_DEFAULT,
-                                       ge=50, le=3_600_000)
+    health_interval_ms: int = _env("PARALON_HEALTH_INTERVAL_MS", in_ms(HEALTH_INTERVAL_S),
+                                   ge=INTERVAL_MS_MIN, le=HEALTH_INTERVAL_MS_MAX)
+    key_cache_ttl_ms: int = _env("PARALON_KEY_CACHE_TTL_MS", in_ms(KEY_CACHE_TTL_S), ge=0, le=KEY_CACHE_TTL_MS_MAX)
+    hold_ttl_s: int = _env("PARALON_HOLD_TTL_S", HOLD_TTL_S_DEFAULT, ge=HOLD_TTL_S_MIN, le=HOLD_TTL_S_MAX)
+    hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", in_ms(HOLD_SWEEP_INTERVAL_S),
+                                       ge=INTERVAL_MS_MIN, le=HOLD_SWEEP_INTERVAL_MS_MAX)
     public_url: str = _env("PARALON_PUBLIC_URL", PUBLIC_URL_DEFAULT)
     worker_ca_bundle: str | None = _env("PARALON_WORKER_CA_BUNDLE")
 
@@ -79,22 +94,23 @@ class StripeConfig(_Group):
     secret_key: SecretStr | None = _env("PARALON_STRIPE_SECRET_KEY")
     webhook_secret: SecretStr | None = _env("PARALON_STRIPE_WEBHOOK_SECRET")
     api_base: str | None = _env("PARALON_STRIPE_API_BASE")
-    checkout_min_usd: int = _env("PARALON_CHECKOUT_MIN_USD", CHECKOUT_MIN_USD_DEFAULT, ge=1, le=CHECKOUT_USD_LIMIT)
-    checkout_max_usd: int = _env("PARALON_CHECKOUT_MAX_USD", CHECKOUT_MAX_USD_DEFAULT, ge=1, le=CHECKOUT_USD_LIMIT)
+    checkout_min_usd: int = _env("PARALON_CHECKOUT_MIN_USD", CHECKOUT_MIN_USD_DEFAULT, ge=1, le=CHECKOUT_USD_MAX)
+    checkout_max_usd: int = _env("PARALON_CHECKOUT_MAX_USD", CHECKOUT_MAX_USD_DEFAULT, ge=1, le=CHECKOUT_USD_MAX)
 
 
 class CryptoConfig(_Group):
     rpc_url: str | None = _env("PARALON_CHAIN_RPC_URL")
     tokens: str = _env("PARALON_CRYPTO_TOKENS", "")
-    confirmations: int = _env("PARALON_CRYPTO_CONFIRMATIONS", CRYPTO_CONFIRMATIONS_DEFAULT, ge=1, le=10_000)
+    confirmations: int = _env("PARALON_CRYPTO_CONFIRMATIONS", CRYPTO_CONFIRMATIONS_DEFAULT, ge=1,
+                              le=CRYPTO_CONFIRMATIONS_MAX)
     seed: SecretStr | None = _env("PARALON_CRYPTO_SEED")  # a BIP-39 mnemonic, or the path of a file holding one
-    start_block: int = _env("PARALON_CRYPTO_START_BLOCK", 0, ge=0, le=10**12)
+    start_block: int = _env("PARALON_CRYPTO_START_BLOCK", 0, ge=0, le=CRYPTO_START_BLOCK_MAX)
     scan_interval_s: float = _env("PARALON_CRYPTO_SCAN_INTERVAL_S", CRYPTO_SCAN_INTERVAL_S_DEFAULT, gt=0)
 
 
 class MailConfig(_Group):
     smtp_host: str | None = _env("PARALON_SMTP_HOST")
-    smtp_port: int = _env("PARALON_SMTP_PORT", SMTP_PORT_DEFAULT, ge=1, le=65535)
+    smtp_port: int = _env("PARALON_SMTP_PORT", SMTP_PORT_DEFAULT, ge=1, le=TCP_PORT_MAX)
     smtp_user: str | None = _env("PARALON_SMTP_USER")
     smtp_password: SecretStr | None = _env("PARALON_SMTP_PASSWORD")
     sender: str = _env("PARALON_MAIL_FROM", MAIL_FROM_DEFAULT)

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import BigInteger, Column, Connection, ForeignKey, LargeBinary, String, Table, select
+from sqlalchemy import BigInteger, Column, Connection, ForeignKey, String, Table, select
 
+from app.limits import ROLE_CHARS_MAX
 from ledger import commands as cmd
 from ledger.accounts import require_kind
 from ledger.errors import InvalidInput
-from ledger.schema import BigId, UTCDateTime, metadata, utc_now
+from ledger.schema import BigId, Sha256, UTCDateTime, metadata, utc_now
 from proxy.keys import key_sha256, new_secret, revoke_secret
+from proxy.limits import KEY_PREFIX_CHARS_MAX, KEY_PREFIX_SHOWN_CHARS
 
 TOKEN_PREFIX = "pt-par-"
-TOKEN_PREFIX_SHOWN_CHARS = 12
 CUSTOMER, ACCOUNTANT, OWNER, ADMIN = "customer", "accountant", "owner", "admin"
 ROLES = (CUSTOMER, ACCOUNTANT, OWNER, ADMIN)
 # The kind of account each role acts for.
@@ -30,9 +31,9 @@ management_tokens = Table(
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
-    Column("role", String(16), nullable=False),
-    Column("token_sha256", LargeBinary(32), nullable=False, unique=True),
-    Column("token_prefix", String(16), nullable=False),
+    Column("role", String(ROLE_CHARS_MAX), nullable=False),
+    Column("token_sha256", Sha256, nullable=False, unique=True),
+    Column("token_prefix", String(KEY_PREFIX_CHARS_MAX), nullable=False),  # shown like an API key's
     Column("created_at", UTCDateTime, nullable=False),
     Column("revoked_at", UTCDateTime),
 )
@@ -57,7 +58,7 @@ def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str
     token_id = conn.execute(
         management_tokens.insert()
         .values(account_id=account_id, role=role, token_sha256=key_sha256(token),
-                token_prefix=token[:TOKEN_PREFIX_SHOWN_CHARS], created_at=utc_now())
+                token_prefix=token[:KEY_PREFIX_SHOWN_CHARS], created_at=utc_now())
         .returning(management_tokens.c.id)
     ).scalar_one()
     return token_id, token

@@ -33,6 +33,12 @@ def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = NANO_USD_D
     return int(nano)
 
 
+def nano_usd_per_unit(decimals: int) -> int:
+    """Nano-USD in the smallest unit of an amount kept with `decimals` decimals
+    (a stablecoin's 6: 1000); exact for up to NANO_USD_DECIMALS."""
+    return 10 ** (NANO_USD_DECIMALS - decimals)
+
+
 def nano_usd_to_usd_text(amount_nano_usd: int) -> str:
     """Exact decimal text, nine decimals: 12500000000 -> '12.500000000'."""
     sign = "-" if amount_nano_usd < 0 else ""

@@ -6,15 +6,16 @@ import click
 
 from app.cli.demo import run_demo
 from app.cli.output import handles_errors
-from app.cli.up import run_up
+from app.cli.up import DEMO_WORKER_PORTS, run_up
+from app.limits import SERVE_PORT_DEFAULT, TCP_PORT_MAX
 from app.settings import Settings
 from ledger.db import make_engine
 
 
 @click.command("up")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--worker-ports", default=(8101, 8102), show_default=True, type=(int, int),
+@click.option("--port", default=SERVE_PORT_DEFAULT, show_default=True, type=click.IntRange(1, TCP_PORT_MAX))
+@click.option("--worker-ports", default=tuple(port for _, port in DEMO_WORKER_PORTS), show_default=True, type=(int, int),
               help="Ports of the two simulated workers (h200, 2x4090).")
 @handles_errors
 def up_command(host: str, port: int, worker_ports: tuple[int, int]) -> None:

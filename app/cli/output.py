@@ -14,7 +14,7 @@ from app.settings import Settings
 from ledger.db import make_engine
 from ledger.errors import LedgerError
 
-EXIT_INVALID = 2
+EXIT_INVALID = click.UsageError.exit_code  # 2, as for a command line click refuses
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 

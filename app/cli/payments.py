@@ -10,12 +10,11 @@ import click
 from app.cli.output import emit, engine, handles_errors, json_option
 from app import outbox
 from app.jobs.celery import send_task
+from app.limits import CRYPTO_SCAN_INTERVAL_S_DEFAULT, CRYPTO_SCAN_INTERVAL_S_MAX, CRYPTO_SCAN_INTERVAL_S_MIN
 from app.payments.crypto import connect, deposit_address, scan_once
 from app.payments.stripe import process_pending
 from app import wiring
 from app.settings import Settings
-
-CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
 
 
 @click.group("stripe")
@@ -53,7 +52,8 @@ def crypto_deposit_address(account_id: int, as_json: bool) -> None:
 
 @crypto_group.command("scan")
 @click.option("--once", is_flag=True, help="One bounded scan, then exit (otherwise scan every --interval-s).")
-@click.option("--interval-s", default=CRYPTO_SCAN_INTERVAL_S_DEFAULT, show_default=True, type=click.FloatRange(0.1, 3600))
+@click.option("--interval-s", default=CRYPTO_SCAN_INTERVAL_S_DEFAULT, show_default=True,
+              type=click.FloatRange(CRYPTO_SCAN_INTERVAL_S_MIN, CRYPTO_SCAN_INTERVAL_S_MAX))
 @json_option
 @handles_errors
 def crypto_scan(once: bool, interval_s: float, as_json: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from app.cli.output import emit, engine, handles_errors, json_option
+from app.limits import TCP_PORT_MAX
 from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import prices as model_prices
@@ -127,7 +128,7 @@ def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
 
 @click.command("sim-worker")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", required=True, type=click.IntRange(1, 65535))
+@click.option("--port", required=True, type=click.IntRange(1, TCP_PORT_MAX))
 @click.option("--profile", type=click.Choice(SIM_PROFILES), default="instant", show_default=True)
 @click.option("--model", default="paralon-demo", show_default=True)
 def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:

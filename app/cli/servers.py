@@ -7,12 +7,13 @@ import click
 from app.cli.output import handles_errors
 from app.http.server import run_server
 from app.jobs.celery import celery
+from app.limits import SERVE_PORT_DEFAULT, TCP_PORT_MAX
 from app.settings import Settings
 
 
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=SERVE_PORT_DEFAULT, show_default=True, type=click.IntRange(1, TCP_PORT_MAX))
 @handles_errors
 def serve_command(host: str, port: int) -> None:
     """Run the OpenAI-compatible proxy (docs at /docs)."""

@@ -14,6 +14,12 @@ import click
 import httpx
 from sqlalchemy import Engine, select
 
+from app.limits import (
+    SIM_WORKERS_START_TIMEOUT_S,
+    SIM_WORKERS_STOP_TIMEOUT_S,
+    SIM_WORKER_PROBE_INTERVAL_S,
+    SIM_WORKER_PROBE_TIMEOUT_S,
+)
 from app.migrate import migrate
 from app.jobs.celery import celery
 from app.http.server import run_server
@@ -30,9 +36,7 @@ from proxy.schema import workers
 
 DEMO_MODEL = "paralon-demo"
 DEMO_CREDITS_USD = "10"
-DEMO_WORKERS = (("h200", 8101), ("2x4090", 8102))
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
+DEMO_WORKER_PORTS = (("h200", 8101), ("2x4090", 8102))  # (profile, port) of each simulated worker
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def start_sim_workers(worker_ports: list[tuple[str, int]]) -> list[subprocess.Po
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(port),
                  "--profile", profile, "--model", DEMO_MODEL]))
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + SIM_WORKERS_START_TIMEOUT_S
         for _, port in worker_ports:
             _wait_until_answering(port, deadline)
     except BaseException:
@@ -90,20 +94,20 @@ def start_sim_workers(worker_ports: list[tuple[str, int]]) -> list[subprocess.Po
 def _wait_until_answering(port: int, deadline: float) -> None:
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=SIM_WORKER_PROBE_TIMEOUT_S).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             raise click.ClickException(f"the simulated worker on port {port} did not start")
-        time.sleep(0.1)
+        time.sleep(SIM_WORKER_PROBE_INTERVAL_S)
 
 
 def stop_sim_workers(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         process.terminate()
     for process in processes:
-        process.wait(STOP_TIMEOUT_S)
+        process.wait(SIM_WORKERS_STOP_TIMEOUT_S)
 
 
 def print_welcome(demo: Demo, base_url: str, worker_ports: list[tuple[str, int]]) -> None:
@@ -128,7 +132,7 @@ API docs: {base_url}/docs     Stop: Ctrl-C
 def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
     settings = Settings.from_env()
     _require_free(port)
-    fleet = [(profile, worker_port) for (profile, _), worker_port in zip(DEMO_WORKERS, worker_ports)]
+    fleet = [(profile, worker_port) for (profile, _), worker_port in zip(DEMO_WORKER_PORTS, worker_ports)]
     demo = prepare_demo(make_engine(settings.database.url), fleet)
     processes = start_sim_workers(fleet)
     try:

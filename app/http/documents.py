@@ -15,13 +15,12 @@ from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
 from app.http.plumbing import json_response, read
+from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
 from invoices import exports, statements
 from proxy.errors import InvalidRequest
 
 STATEMENT_FORMATS = ("pdf", "json")
-# A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
-HTTP_CATCH_UP_ROUNDS_MAX = 1
 
 
 class DocumentController(Controller):

@@ -24,30 +24,32 @@ from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
 from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
-from app.settings import (
-    HEALTH_INTERVAL_MS_DEFAULT,
-    HOLD_SWEEP_INTERVAL_MS_DEFAULT,
-    HOLD_TTL_S_DEFAULT,
-    KEY_CACHE_TTL_MS_DEFAULT,
-    Settings,
+from app.limits import (
+    HOLD_SWEEP_INTERVAL_S,
+    UPSTREAM_CONNECTIONS_MAX,
+    UPSTREAM_POOL_TIMEOUT_S,
+    UPSTREAM_READ_TIMEOUT_S,
+    UPSTREAM_WRITE_TIMEOUT_S,
 )
+from app.settings import Settings
 from invoices.service import InvoiceSettings
 from ledger.db import is_postgres
+from ledger.limits import HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
 from proxy.directory import Directory
 from proxy.health import HealthChecker
+from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S, UPSTREAM_CONNECT_TIMEOUT_S
 from proxy.revocations import follow_revocations
 from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
-UPSTREAM_CONNECTIONS_MAX = 1024
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
-MS_PER_S = 1000
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=UPSTREAM_READ_TIMEOUT_S,
+                                 write=UPSTREAM_WRITE_TIMEOUT_S, pool=UPSTREAM_POOL_TIMEOUT_S)
 
 
-def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_MS_DEFAULT / MS_PER_S,
-               health_interval_s: float = HEALTH_INTERVAL_MS_DEFAULT / MS_PER_S, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
-               hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_MS_DEFAULT / MS_PER_S,
+def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
+               health_interval_s: float = HEALTH_INTERVAL_S, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
+               hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
                worker_ca_bundle_path: str | None = None) -> Litestar:

@@ -26,14 +26,13 @@ from app.http.guards import (
     requires_reader,
 )
 from app.http.plumbing import json_object, json_response, read, write
+from app.limits import CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
 from ledger.money import usd_to_nano_usd
 from proxy.errors import InvalidRequest
 
 RESUMED_REASON_DEFAULT = "resumed by an administrator"
-# Without an Idempotency-Key header, the same top-up asked for twice within this window is one session.
-CHECKOUT_RETRY_WINDOW_S = 60
 
 
 class AccountController(Controller):

@@ -7,9 +7,10 @@ import logging
 import uvicorn
 
 from app import wiring
-from app.http.factory import MS_PER_S, create_app
+from app.http.factory import create_app
 from app.runtime import tune_garbage_collector
 from app.settings import Settings
+from ledger.limits import MS_PER_S
 
 QUIET_LOGGERS = ("httpx", "stripe")  # a line per request is noise
 

@@ -19,14 +19,12 @@ from sqlalchemy import Engine
 
 from app import wiring
 from app import outbox
+from app.limits import OUTBOX_INTERVAL_S, READ_MODELS_INTERVAL_S, STATEMENTS_DAILY_AT_HOUR, STATEMENTS_DAILY_AT_MINUTE
 from app.payments.crypto import connect, scan_once
 from app.settings import Settings
 from app.statement_labels import statement_labels
 from invoices import tasks as invoice_tasks
 from ledger.db import make_engine
-
-OUTBOX_INTERVAL_S = 5.0
-READ_MODELS_INTERVAL_S = 5.0
 
 _settings = Settings.from_env()
 broker_url = _settings.celery.broker_url
@@ -44,9 +42,10 @@ celery.conf.update(
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
-        # Daily, after the close grace of a month (invoices.statements.CLOSE_GRACE_S): the 1st issues
+        # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
-        "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS, "schedule": crontab(minute=30, hour=0)},
+        "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
+                               "schedule": crontab(minute=STATEMENTS_DAILY_AT_MINUTE, hour=STATEMENTS_DAILY_AT_HOUR)},
     },
 )
 

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 from celery.schedules import maybe_schedule
 
 from app.jobs.celery import celery
+from app.limits import EMBEDDED_BEAT_TICK_S
 
-TICK_S = 1.0
-NEVER = datetime(2000, 1, 1, tzinfo=UTC)
+NEVER = datetime.fromtimestamp(0, UTC)  # a last run long before any schedule: every entry is due at start
 log = logging.getLogger("paralon.beat")
 
 
@@ -27,7 +27,7 @@ def due_tasks(last_run_at: dict[str, datetime]) -> list[str]:
     return due
 
 
-async def run_embedded_beat(tick_s: float = TICK_S) -> None:
+async def run_embedded_beat(tick_s: float = EMBEDDED_BEAT_TICK_S) -> None:
     """Every entry runs once at start (what a stopped laptop missed), then when due."""
     last_run_at = {name: NEVER for name in celery.conf.beat_schedule}
     while True:

@@ -22,10 +22,12 @@ from web3.exceptions import LogTopicError, MismatchedABI
 from web3.types import EventData
 
 from app import outbox
+from app.limits import CHAIN_RPC_TIMEOUT_S, CRYPTO_REORG_DEPTH_BLOCKS, CRYPTO_SCAN_BLOCKS_MAX
 from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
 from ledger.accounts import create_system_account, require_kind
 from ledger.errors import InvalidInput
+from ledger.money import NANO_USD_DECIMALS, nano_usd_per_unit
 from ledger.schema import utc_now
 from ledger.store import append_one
 
@@ -36,10 +38,6 @@ TRANSFER_EVENT_ABI = {
                {"name": "value", "type": "uint256", "indexed": False}],
 }
 TRANSFER_EVENT = Web3().eth.contract(abi=[TRANSFER_EVENT_ABI]).events.Transfer()
-CONFIRMATIONS_DEFAULT = 12
-SCAN_BLOCKS_MAX = 2_000
-REORG_DEPTH_BLOCKS = 128  # recent block hashes kept to notice a reorganisation
-NANO_DECIMALS = 9
 Account.enable_unaudited_hdwallet_features()
 logger = logging.getLogger(__name__)
 
@@ -74,8 +72,8 @@ def parse_tokens(text: str) -> tuple[Token, ...]:
             token = Token(Web3.to_checksum_address(address), int(decimals), symbol)
         except ValueError:
             raise InvalidInput(f"PARALON_CRYPTO_TOKENS wants address:decimals:symbol, got {item!r}") from None
-        if not 0 <= token.decimals <= NANO_DECIMALS:
-            raise InvalidInput(f"{token.symbol}: at most {NANO_DECIMALS} decimals convert to nano-USD exactly")
+        if not 0 <= token.decimals <= NANO_USD_DECIMALS:
+            raise InvalidInput(f"{token.symbol}: at most {NANO_USD_DECIMALS} decimals convert to nano-USD exactly")
         tokens.append(token)
     return tuple(tokens)
 
@@ -109,7 +107,7 @@ def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -
 def connect(settings: CryptoSettings) -> Web3:
     if not settings.rpc_url:
         raise CryptoNotConfigured("crypto deposits need PARALON_CHAIN_RPC_URL")
-    return Web3(Web3.HTTPProvider(settings.rpc_url, request_kwargs={"timeout": 30}))
+    return Web3(Web3.HTTPProvider(settings.rpc_url, request_kwargs={"timeout": CHAIN_RPC_TIMEOUT_S}))
 
 
 @dataclass
@@ -137,12 +135,12 @@ def scan_once(engine: Engine, w3: Web3, settings: CryptoSettings) -> ScanReport:
         next_block = settings.start_block
     report = ScanReport(chain_id, next_block, next_block - 1)
     next_block = _undo_reorganisation(engine, w3, chain_id, next_block, report)
-    to_block = min(head, next_block + SCAN_BLOCKS_MAX - 1)
+    to_block = min(head, next_block + CRYPTO_SCAN_BLOCKS_MAX - 1)
     report.from_block, report.to_block = next_block, to_block
     with engine.begin() as conn:
         if to_block >= next_block:
             _record_transfers(conn, w3, settings, chain_id, next_block, to_block, report)
-            _remember_blocks(conn, w3, chain_id, max(next_block, head - REORG_DEPTH_BLOCKS + 1), to_block)
+            _remember_blocks(conn, w3, chain_id, max(next_block, head - CRYPTO_REORG_DEPTH_BLOCKS + 1), to_block)
         _set_position(conn, chain_id, to_block + 1)
         _credit_confirmed(conn, chain_id, head - settings.confirmations + 1, counter, report)
     return report
@@ -210,7 +208,7 @@ def _record_transfers(conn: Connection, w3: Web3, settings: CryptoSettings, chai
             continue
         conn.execute(crypto_transfers.insert().values(
             **key, block_number=log["blockNumber"], block_hash=_hex(log["blockHash"]), token=token, to_address=to_address,
-            account_id=owners[to_address], raw_amount=raw, amount_nano_usd=raw * 10 ** (NANO_DECIMALS - decimals[token]),
+            account_id=owners[to_address], raw_amount=raw, amount_nano_usd=raw * nano_usd_per_unit(decimals[token]),
         ))
         report.transfers_seen += 1
 
@@ -230,7 +228,7 @@ def _remember_blocks(conn: Connection, w3: Web3, chain_id: int, from_block: int,
     for number in range(max(from_block, 0), to_block + 1):
         conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number == number))
         conn.execute(crypto_blocks.insert().values(chain_id=chain_id, number=number, hash=_hash_of(w3, number)))
-    conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number < to_block - REORG_DEPTH_BLOCKS))
+    conn.execute(delete(crypto_blocks).where(crypto_blocks.c.chain_id == chain_id, crypto_blocks.c.number < to_block - CRYPTO_REORG_DEPTH_BLOCKS))
 
 
 def _set_position(conn: Connection, chain_id: int, next_block: int) -> None:

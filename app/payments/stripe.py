@@ -20,15 +20,20 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app import outbox
+from app.limits import (
+    CHECKOUT_IDEMPOTENCY_DIGEST_CHARS,
+    STRIPE_NETWORK_RETRIES_MAX,
+    STRIPE_OUTCOME_CHARS_MAX,
+    STRIPE_SIGNATURE_TOLERANCE_S,
+)
 from app.payments.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
-from ledger.money import NANO_USD_PER_CENT
+from ledger.money import CENTS_PER_USD, NANO_USD_PER_CENT
 from ledger.schema import utc_now
 from ledger.store import append_one
 
 STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
-SIGNATURE_TOLERANCE_S = 300
 STRIPE_COUNTER_ACCOUNT = "external:stripe"
 DISPUTED_ACCOUNT = "external:stripe:disputed"
 PAID_SESSION_EVENTS = ("checkout.session.completed", "checkout.session.async_payment_succeeded")
@@ -61,9 +66,9 @@ def amount_cents(amount_usd: object, settings: StripeSettings) -> int:
         raise InvalidAmount(f"amount_usd must be a decimal amount such as \"25.00\", got {amount_usd!r}") from None
     if not value.is_finite() or value != value.quantize(Decimal("0.01")):
         raise InvalidAmount(f"amount_usd has more than two decimals: {amount_usd!r}")
-    cents = int(value * 100)
+    cents = int(value * CENTS_PER_USD)
     if not settings.checkout_min_cents <= cents <= settings.checkout_max_cents:
-        raise InvalidAmount(f"amount_usd must be from {settings.checkout_min_cents / 100:.2f} to {settings.checkout_max_cents / 100:.2f}")
+        raise InvalidAmount(f"amount_usd must be from {settings.checkout_min_cents / CENTS_PER_USD:.2f} to {settings.checkout_max_cents / CENTS_PER_USD:.2f}")
     return cents
 
 
@@ -72,12 +77,12 @@ def _client(settings: StripeSettings) -> stripe.StripeClient:
         raise StripeNotConfigured("card top-ups need PARALON_STRIPE_SECRET_KEY")
     addresses = {"api": settings.api_base} if settings.api_base else None
     return stripe.StripeClient(settings.secret_key, stripe_version=STRIPE_API_VERSION, base_addresses=addresses,
-                               max_network_retries=2)
+                               max_network_retries=STRIPE_NETWORK_RETRIES_MAX)
 
 
 def checkout_idempotency_key(account_id: int, cents: int, caller_key: str) -> str:
     """The same account, amount and caller key always make the same session."""
-    return "paralon-checkout-" + hashlib.sha256(f"{account_id}:{cents}:{caller_key}".encode()).hexdigest()[:40]
+    return "paralon-checkout-" + hashlib.sha256(f"{account_id}:{cents}:{caller_key}".encode()).hexdigest()[:CHECKOUT_IDEMPOTENCY_DIGEST_CHARS]
 
 
 def create_checkout(engine: Engine, settings: StripeSettings, account_id: int, amount_usd: object, caller_key: str) -> dict:
@@ -108,7 +113,7 @@ def receive_webhook(engine: Engine, settings: StripeSettings, payload: bytes, si
         raise StripeNotConfigured("webhooks need PARALON_STRIPE_WEBHOOK_SECRET")
     try:
         stripe.WebhookSignature.verify_header(payload.decode("utf-8", "replace"), signature_header, settings.webhook_secret,
-                                              tolerance=SIGNATURE_TOLERANCE_S)
+                                              tolerance=STRIPE_SIGNATURE_TOLERANCE_S)
     except stripe.SignatureVerificationError as exc:
         raise BadSignature(f"webhook signature refused: {exc}") from None
     try:
@@ -141,7 +146,7 @@ def process_event(engine: Engine, event_id: str) -> str:
     event = orjson.loads(row.payload)
     outcome = _apply(engine, event)
     with engine.begin() as conn:
-        values = {"outcome": outcome[:500]}
+        values = {"outcome": outcome[:STRIPE_OUTCOME_CHARS_MAX]}
         if not outcome.startswith(WAITING):
             values["processed_at"] = utc_now()
         conn.execute(update(stripe_events).where(stripe_events.c.event_id == event_id).values(**values))

@@ -1,0 +1,91 @@
+"""Every limit and default of the edge (app/), named once, with its unit in the name.
+
+A limit that a part owns is imported from that part and never written here
+again: the hold's lifetime and the group-commit defaults from
+`ledger.limits`, the proxy's intervals from `proxy.limits`, the mail's from
+`invoices.limits`. Where a setting takes another unit (milliseconds), it is
+derived from that one constant. Tests that need a smaller value pass it as a
+parameter rather than patch this module."""
+from __future__ import annotations
+
+# --- Settings: bounds and defaults of PARALON_* (app/settings.py) ----------------
+GROUP_COMMIT_BATCH_COMMANDS_MAX = 10_000  # the largest PARALON_GROUP_COMMIT_BATCH_SIZE_MAX
+GROUP_COMMIT_WAIT_MS_MAX = 100  # the largest PARALON_GROUP_COMMIT_WAIT_MS
+INTERVAL_MS_MIN = 50  # the shortest health-probe and hold-sweep intervals
+HEALTH_INTERVAL_MS_MAX = 60_000
+KEY_CACHE_TTL_MS_MAX = 60_000  # a revoked key stops working within this long even if its notice is lost
+HOLD_TTL_S_MIN = 2  # the shortest hold lifetime a replica serves with
+HOLD_SWEEP_INTERVAL_S = 10.0  # how often a replica closes the holds crashed replicas left behind
+HOLD_SWEEP_INTERVAL_MS_MAX = 3_600_000
+CHECKOUT_MIN_USD_DEFAULT = 5
+CHECKOUT_MAX_USD_DEFAULT = 10_000
+CHECKOUT_USD_MAX = 1_000_000  # the largest either checkout setting may be
+CRYPTO_CONFIRMATIONS_DEFAULT = 12
+CRYPTO_CONFIRMATIONS_MAX = 10_000
+CRYPTO_START_BLOCK_MAX = 10**12
+CRYPTO_SCAN_INTERVAL_S_DEFAULT = 15.0
+CRYPTO_SCAN_INTERVAL_S_MIN = 0.1  # of `paralon crypto scan --interval-s`
+CRYPTO_SCAN_INTERVAL_S_MAX = 3600
+
+# --- Ports ----------------------------------------------------------------------
+SERVE_PORT_DEFAULT = 8000
+TCP_PORT_MAX = 65535
+
+# --- The HTTP service (app/http/) --------------------------------------------------
+# The HTTP client of the health probes (app/http/factory.py). Each probe sets
+# its own timeout (proxy.limits.HEALTH_PROBE_TIMEOUT_S); these are the client's.
+UPSTREAM_CONNECTIONS_MAX = 1024
+UPSTREAM_READ_TIMEOUT_S = 600.0
+UPSTREAM_WRITE_TIMEOUT_S = 30.0
+UPSTREAM_POOL_TIMEOUT_S = 30.0
+# A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
+HTTP_CATCH_UP_ROUNDS_MAX = 1
+# Without an Idempotency-Key header, the same top-up asked for twice within this window is one session.
+CHECKOUT_RETRY_WINDOW_S = 60
+
+# --- Stripe (app/payments/stripe.py, app/payments/schema.py) ------------------------
+STRIPE_SIGNATURE_TOLERANCE_S = 300  # a webhook signed longer ago is refused (a replay)
+STRIPE_NETWORK_RETRIES_MAX = 2
+CHECKOUT_IDEMPOTENCY_DIGEST_CHARS = 40  # of a SHA-256 in hex, in the checkout's idempotency key
+STRIPE_ID_CHARS_MAX = 255  # a session's, a payment intent's, an event's, a dispute's id
+STRIPE_EVENT_TYPE_CHARS_MAX = 100
+STRIPE_OUTCOME_CHARS_MAX = 500  # what processing an event did, kept beside it
+DISPUTE_STATUS_CHARS_MAX = 16  # frozen, won, lost
+
+# --- Stablecoin deposits (app/payments/crypto.py, app/payments/schema.py) ------------
+CRYPTO_SCAN_BLOCKS_MAX = 2_000  # blocks one scan reads
+CRYPTO_REORG_DEPTH_BLOCKS = 128  # recent block hashes kept to notice a reorganisation
+CHAIN_RPC_TIMEOUT_S = 30
+EVM_ADDRESS_CHARS = 42  # 0x and 40 hex digits
+EVM_HASH_CHARS = 66  # 0x and 64 hex digits
+UINT256_DIGITS = 78  # decimal digits of the largest uint256: a raw amount as on chain
+
+# --- Jobs (app/outbox.py, app/jobs/) --------------------------------------------------
+OUTBOX_DISPATCH_TASKS_MAX = 500  # tasks one dispatch sends
+OUTBOX_TASK_NAME_CHARS_MAX = 100
+OUTBOX_INTERVAL_S = 5.0  # how often beat sends what a stopped process left in the outbox
+READ_MODELS_INTERVAL_S = 5.0
+# Each day at 00:30 UTC, after a month's close grace (invoices.limits.CLOSE_GRACE_S).
+STATEMENTS_DAILY_AT_HOUR = 0
+STATEMENTS_DAILY_AT_MINUTE = 30
+EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
+
+# --- Management tokens (app/tokens.py) ---------------------------------------------
+ROLE_CHARS_MAX = 16  # customer, accountant, owner, admin
+
+# --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
+SIM_WORKERS_START_TIMEOUT_S = 20.0
+SIM_WORKERS_STOP_TIMEOUT_S = 10.0
+SIM_WORKER_PROBE_TIMEOUT_S = 1.0  # one /health request while waiting for a worker to answer
+SIM_WORKER_PROBE_INTERVAL_S = 0.1
+
+# --- Garbage collection of long-running processes (app/runtime.py) --------------------
+# A group-commit batch allocates hundreds of thousands of short-lived objects.
+# With CPython's default gen0 threshold (700 allocations) that sets off
+# collections all through every batch, and the older generations keep walking
+# every long-lived object (SQLAlchemy metadata, statement caches). Freezing
+# what start-up built and collecting less often cut the CPU per settlement by
+# about a quarter in benchmarks/ledger_throughput.py.
+GC_GEN0_THRESHOLD_ALLOCATIONS = 100_000
+GC_GEN1_THRESHOLD_COLLECTIONS = 50
+GC_GEN2_THRESHOLD_COLLECTIONS = 50
