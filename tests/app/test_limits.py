@@ -1,35 +1,18 @@
-"""Every limit of app/ is named once, with its unit, in app/limits.py
-(tests/support/literals.py says which numbers are not limits)."""
+"""The settings default to the values the parts own, in the units the variables take."""
 from __future__ import annotations
 
 import inspect
 import os
-from pathlib import Path
 
-import app
 from app.http.factory import create_app
 from app.limits import HOLD_SWEEP_INTERVAL_S
 from app.settings import Settings
 from invoices.limits import SMTP_PORT_DEFAULT
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, HOLD_TTL_S_DEFAULT, MS_PER_S
 from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S
-from tests.support.literals import assigned_names, stray_numbers
-
-APP_DIR = Path(app.__file__).parent
-DATA_FILES = {"cli/demo.py": "the scripted tour's story (its prices, token counts and requests), not limits"}
-
-
-def test_no_limit_is_written_outside_limits_py():
-    assert stray_numbers(APP_DIR, DATA_FILES) == [], "name these in app/limits.py"
-
-
-def test_each_limit_is_named_once():
-    names = assigned_names(APP_DIR / "limits.py")
-    assert sorted(names) == sorted(set(names))
 
 
 def test_the_settings_default_to_what_each_part_owns(monkeypatch):
-    """A default the proxy or the ledger owns is read from there, in the unit the variable takes."""
     for name in [name for name in os.environ if name.startswith("PARALON_")]:
         monkeypatch.delenv(name)
     settings = Settings()
@@ -39,6 +22,9 @@ def test_the_settings_default_to_what_each_part_owns(monkeypatch):
     assert settings.proxy.hold_ttl_s == HOLD_TTL_S_DEFAULT
     assert settings.database.group_commit_batch_size_max == BATCH_SIZE_MAX_DEFAULT
     assert settings.mail.smtp_port == SMTP_PORT_DEFAULT
+
+
+def test_the_service_defaults_to_what_each_part_owns():
     served = inspect.signature(create_app).parameters
     assert served["key_cache_ttl_s"].default == KEY_CACHE_TTL_S and served["health_interval_s"].default == HEALTH_INTERVAL_S
     assert served["hold_ttl_s"].default == HOLD_TTL_S_DEFAULT and served["hold_sweep_interval_s"].default == HOLD_SWEEP_INTERVAL_S
