@@ -20,9 +20,9 @@ from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger.accounts import require_kind
-from ledger.errors import InvalidInput, LedgerError
+from ledger.errors import InvalidInput
 from ledger.schema import utc_now
-from ledger.store import CREATED, AppendResult, append_batch
+from ledger.store import CREATED, AppendResult, append_one
 from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
 from proxy.schema import usage_evidence, workers
 
@@ -111,8 +111,10 @@ def list_workers(conn: Connection, *, owner_account_id: int | None = None) -> li
     return [WorkerView(*row) for row in conn.execute(query)]
 
 
-def get_worker(conn: Connection, worker_id: int) -> WorkerView:
-    row = conn.execute(select(*_COLUMNS).where(workers.c.id == worker_id)).first()
+def get_worker(conn: Connection, worker_id: int, *, lock: bool = False) -> WorkerView:
+    """The worker's row; with `lock`, locked until the caller's transaction ends."""
+    query = select(*_COLUMNS).where(workers.c.id == worker_id)
+    row = conn.execute(query.with_for_update() if lock else query).first()
     if row is None:
         raise UnknownWorker(f"worker {worker_id} does not exist")
     return WorkerView(*row)
@@ -241,16 +243,10 @@ def resume_worker(conn: Connection, worker_id: int, *, resumed_by: str, reason: 
 
 def _lock_worker(conn: Connection, worker_id: int) -> WorkerView:
     """Strikes of one worker are decided one at a time, across replicas."""
-    row = conn.execute(select(*_COLUMNS).where(workers.c.id == worker_id).with_for_update()).first()
-    if row is None:
-        raise UnknownWorker(f"worker {worker_id} does not exist")
-    return WorkerView(*row)
+    return get_worker(conn, worker_id, lock=True)
 
 
 def _append(conn: Connection, command: cmd.Command) -> AppendResult:
     """A ledger event in the caller's transaction, with the worker's change it records."""
     cmd.validate_shape(command)
-    result = append_batch(conn, [command])[0]
-    if isinstance(result, LedgerError):
-        raise result
-    return result
+    return append_one(conn, command)

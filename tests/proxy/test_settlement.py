@@ -26,6 +26,7 @@ from proxy.directory import Directory, WorkerLoad
 from proxy.generation import CHAT, Generation
 from proxy.generations import rest_key
 from proxy.keys import KeyGrant
+from proxy.limits import HOLD_TTL_S_DEFAULT
 from proxy.prices import Price
 from proxy.schema import usage_evidence
 from proxy.settlement import Settler, discrepancy_of, hold_key
@@ -35,7 +36,6 @@ PRICE = Price(150, 600)
 CREDITS_NANO_USD = 10**9
 PROMPT_BOUND = 50
 MAX_TOKENS = 100
-HOLD_TTL_S = 60
 OWNER_SHARE_PERCENT = 80  # DESIGN.md, Money: written out, not read from the code under test
 
 
@@ -54,7 +54,7 @@ class Books:
         self.ledger = Ledger(self.engine)
         self.directory = Directory(self.engine)
         self.load = self.directory.loads[worker_id] = WorkerLoad()
-        self.settler = Settler(self.ledger, self.directory, UpstreamPool(), hold_ttl_s=HOLD_TTL_S)
+        self.settler = Settler(self.ledger, self.directory, UpstreamPool(), hold_ttl_s=HOLD_TTL_S_DEFAULT)
         self.requests = 0
 
     def close(self) -> None:
@@ -71,7 +71,7 @@ class Books:
             settle=self.settler.settle)
         plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
         hold = self.ledger.place_hold(PlaceHold(generation.grant.account_id, plan.amount_nano_usd,
-                                                hold_key(generation.request_id), HOLD_TTL_S, plan.minimum_nano_usd))
+                                                hold_key(generation.request_id), HOLD_TTL_S_DEFAULT, plan.minimum_nano_usd))
         generation.accept_hold(hold.hold_id, hold.amount_nano_usd)
         self.settler.track(generation)
         generation.use_worker(self.worker, {"messages": []})
@@ -92,7 +92,7 @@ class Books:
         with self.engine.connect() as conn:
             return [(r.reason, r.state) for r in conn.execute(select(usage_evidence.c.reason, usage_evidence.c.state))]
 
-    def sweep(self, after_s: int = HOLD_TTL_S + 1) -> None:
+    def sweep(self, after_s: int = HOLD_TTL_S_DEFAULT + 1) -> None:
         """What the sweeper does once the holds have expired."""
         later = utc_now() + timedelta(seconds=after_s)
         with self.engine.begin() as conn:
