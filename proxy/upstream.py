@@ -58,12 +58,14 @@ class _Connection(asyncio.Protocol):
         self.buffered_bytes = 0
         self.waiter: asyncio.Future | None = None
         self.complete = self.lost = self.paused = self.keep_alive = False
+        self.reused = self.answered = False  # kept alive from an earlier response; a byte of this one arrived
         self.last_activity_s = loop.time()
 
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.headers_done = self.loop.create_future()
-        self.complete = self.keep_alive = False
+        self.complete = self.keep_alive = self.answered = False
+        self.reused = True
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -71,6 +73,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_activity_s = self.loop.time()
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -197,7 +200,18 @@ class UpstreamPool:
         head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\nContent-Type: application/json\r\n"
                 f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n").encode()
         connection = await self._acquire(origin)
-        connection.transport.write(head + body)
+        try:
+            return await self._send(origin, connection, head + body)
+        except UpstreamError:
+            if not connection.reused or connection.answered:
+                raise
+        # The worker closed a kept-alive connection as this request went out (uvicorn,
+        # which vLLM runs on, closes one idle for 5 s): it never started, so send it
+        # again, once, on a new connection.
+        return await self._send(origin, await self._connect(origin), head + body)
+
+    async def _send(self, origin: _Origin, connection: _Connection, request: bytes) -> UpstreamResponse:
+        connection.transport.write(request)
         try:
             status = await connection.headers_done
         except BaseException:  # failed, or the caller gave up: either way the worker must stop
@@ -212,6 +226,9 @@ class UpstreamPool:
             if not connection.lost:
                 connection.reset()
                 return connection
+        return await self._connect(origin)
+
+    async def _connect(self, origin: _Origin) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = {"ssl": self.tls_context, "server_hostname": origin.host} if origin.scheme == "https" else {}
         try:

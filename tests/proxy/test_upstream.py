@@ -26,6 +26,60 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
+def test_a_kept_alive_connection_the_worker_closed_is_replaced_and_the_request_sent_once_more():
+    """Given a worker that answers one request per connection, keeps it alive,
+    then closes it when the next request arrives (a keep-alive timeout racing the
+    request), when a second request goes out on the kept connection, then it is
+    sent again on a new connection and answered; a fresh connection that fails
+    is not retried."""
+    received = []
+
+    async def handler(reader, writer):
+        received.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # the next request on this connection: closed unanswered
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+    async def main():
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        answers = []
+        for i in range(3):
+            response = await pool.post(url + "/v1/x", f"req{i}".encode())
+            answers.append((response.status, await response.read()))
+        pool.close()
+        server.close()
+        return answers
+
+    assert asyncio.run(main()) == [(200, b"ok")] * 3
+    assert received == [b"req0", b"req1", b"req2"], "each request reached the worker once"
+
+
+def test_a_new_connection_closed_before_any_answer_is_not_sent_again():
+    attempts = []
+
+    async def handler(reader, writer):
+        attempts.append(await _read_request(reader))
+        writer.close()
+
+    async def main():
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        try:
+            with pytest.raises(UpstreamError):
+                await pool.post(url + "/v1/x", b"once")
+        finally:
+            pool.close()
+            server.close()
+
+    asyncio.run(main())
+    assert attempts == [b"once"]
+
+
 def test_chunked_pieces_arrive_in_order_and_the_connection_is_reused():
     connections = []
 
