@@ -16,7 +16,7 @@ from ledger.storage.base import Storage
 from ledger.storage.postgres import PostgresStorage
 from ledger.storage.sqlite import SqliteStorage
 
-__all__ = ["BadDatabaseUrl", "STORAGES", "normalise_url", "make_engine", "storage_of", "is_postgres"]
+__all__ = ["BadDatabaseUrl", "STORAGES", "normalise_url", "make_engine", "storage_of", "is_postgres", "snapshot_connection"]
 
 STORAGES: tuple[Storage, ...] = (PostgresStorage(), SqliteStorage())
 _BY_DIALECT = {storage.dialect: storage for storage in STORAGES}
@@ -47,6 +47,11 @@ def normalise_url(raw: str) -> URL:
 def make_engine(raw_url: str, *, pool_size: int = POOL_CONNECTIONS_DEFAULT) -> Engine:
     url = normalise_url(raw_url)
     return _storage_for(url).create_engine(url, pool_size=pool_size)
+
+
+def snapshot_connection(engine: Engine) -> Connection:
+    """A connection whose reads all see one state of the ledger (for verify)."""
+    return storage_of(engine).snapshot_connection(engine)
 
 
 def is_postgres(conn_or_engine: Connection | Engine) -> bool:

@@ -13,6 +13,7 @@ from app import wiring
 from app.settings import Settings
 from app.runtime import tune_garbage_collector
 from ledger import commands as cmd
+from ledger.db import snapshot_connection
 from ledger.holds import PlaceHold
 from ledger.money import nano_usd_to_usd_text, split_charge, usd_to_nano_usd
 from ledger.verify import verify
@@ -51,6 +52,6 @@ def run_demo(engine: Engine, settings: Settings) -> None:
     click.echo(f"  charged in total      ${nano_usd_to_usd_text(total)}")
     click.echo(f"  customer available    ${nano_usd_to_usd_text(c_view.available_nano_usd)} (held {c_view.held_nano_usd})")
     click.echo(f"  owner earnings (80%)  ${nano_usd_to_usd_text(o_view.balance_nano_usd)} = sum of charge*80//100: {o_view.balance_nano_usd == owner_total}")
-    with engine.connect() as conn:
+    with snapshot_connection(engine) as conn:
         report = verify(conn)
     click.echo(f"ledger verify: {'ok' if report.ok else report.problems} ({report.events_checked} events, hash chain intact)")

@@ -12,6 +12,7 @@ from app.migrate import migrate
 from invoices import exports
 from ledger import accounts as acc
 from ledger import commands as cmd
+from ledger.db import snapshot_connection
 from ledger.errors import InvalidInput
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
@@ -100,7 +101,7 @@ def ledger_group() -> None:
 @handles_errors
 def ledger_verify(as_json: bool) -> None:
     """Exit 0 when the chain, every zero sum and every balance hold; 1 with a report otherwise."""
-    with engine().connect() as conn:
+    with snapshot_connection(engine()) as conn:  # appends may go on meanwhile
         total = count_events(conn)
         with progress(total, "verifying") as bar:
             report = verify(conn, progress=bar.update)

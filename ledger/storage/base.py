@@ -84,6 +84,12 @@ class Storage(ABC):
         """An engine whose transactions serialise as the ledger's rules expect."""
 
     @abstractmethod
+    def snapshot_connection(self, engine: Engine) -> Connection:
+        """A connection whose reads all see one state of the database: verify
+        reads the log, the head and the balances in many statements while
+        appends go on."""
+
+    @abstractmethod
     def skip_flush_wait(self, conn: Connection) -> None:
         """This transaction's commit need not wait for its flush: used for
         holds only, which a crash may lose without costing anyone anything."""

@@ -132,6 +132,9 @@ class PostgresStorage(Storage):
             raise BadDatabaseUrl(f"database URL {url.render_as_string(hide_password=True)!r} names no database")
         return url.set(drivername="postgresql+psycopg")
 
+    def snapshot_connection(self, engine: Engine) -> Connection:
+        return engine.connect().execution_options(isolation_level="REPEATABLE READ")  # one snapshot per transaction
+
     def create_engine(self, url: URL, *, pool_size: int) -> Engine:
         # No server-side prepared statements: batch statements take arrays whose
         # length varies, and a generic plan (estimated for ten elements, on whatever

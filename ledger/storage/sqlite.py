@@ -77,6 +77,9 @@ class SqliteStorage(Storage):
             raise BadDatabaseUrl("SQLite needs a file path (sqlite:///path/to/file.db): the ledger must outlive the process")
         return url.set(drivername="sqlite+pysqlite")
 
+    def snapshot_connection(self, engine: Engine) -> Connection:
+        return engine.connect()  # its transaction begins IMMEDIATE: no append runs until it ends
+
     def create_engine(self, url: URL, *, pool_size: int) -> Engine:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / MS_PER_S, "check_same_thread": False})

@@ -12,12 +12,14 @@ from sqlalchemy import func, select
 
 from ledger import commands as cmd
 from ledger import spend_limits
+from ledger.db import snapshot_connection
 from ledger.errors import InsufficientFunds, SpendLimitReached
 from ledger.holds import PlaceHold, place_holds
 from ledger.log import consume_once
 from ledger.schema import ledger_events
 from ledger.service import Ledger, append_now
 from ledger.store import append_batch
+from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
 
 HOLD = 1_000_000
@@ -186,3 +188,33 @@ def test_40_concurrent_holds_from_separate_processes_never_overshoot_a_key_limit
     assert all(isinstance(r, SpendLimitReached) for r in results if isinstance(r, Exception))
     with pg_engine.connect() as conn:
         assert spend_limits.read_limits(conn, [5])[5]["held_nano_usd"] == 10 * HOLD
+
+
+def test_verify_while_appends_go_on_reads_one_state_and_finds_nothing_wrong(pg_engine):
+    """Given a ledger being appended to without pause, when it is verified
+    again and again meanwhile, then every verify is clean: the log, the head
+    and the balances are read from one snapshot, not each at its own moment."""
+    ledger = Ledger(pg_engine)
+    account = customer_with(ledger, 1)
+    ledger.close()
+    stop = threading.Event()
+
+    def keep_appending() -> int:
+        appended = 0
+        while not stop.is_set():
+            append_now(pg_engine, cmd.GrantCredits(account, 1, "more", key("grant")))
+            appended += 1
+        return appended
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        writers = [pool.submit(keep_appending) for _ in range(2)]
+        try:
+            reports = []
+            for _ in range(30):
+                with snapshot_connection(pg_engine) as conn:
+                    reports.append(verify(conn))
+        finally:
+            stop.set()
+        appended = sum(writer.result() for writer in writers)
+    assert appended > 0, "appends went on while verifying"
+    assert [r.problems for r in reports if not r.ok] == []
