@@ -57,11 +57,11 @@ def _env(name: str, default: Any = None, **bounds: Any) -> Any:
 
 
 class _Group(BaseSettings):
-    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", frozen=True, validate_by_name=True)
+    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", frozen=True)
 
 
 class DatabaseConfig(_Group):
-    url: str = _env("PARALON_DATABASE_URL", DATABASE_URL_DEFAULT)
+    url: str = _env("PARALON_DATABASE_URL", DATABASE_URL_DEFAULT, repr=False)  # may hold a password
     group_commit_batch_size_max: int = _env("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT,
                                             ge=1, le=GROUP_COMMIT_BATCH_COMMANDS_MAX)
     group_commit_wait_ms: int = _env("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT),
@@ -99,7 +99,7 @@ class StripeConfig(_Group):
 
 
 class CryptoConfig(_Group):
-    rpc_url: str | None = _env("PARALON_CHAIN_RPC_URL")
+    rpc_url: str | None = _env("PARALON_CHAIN_RPC_URL", repr=False)  # may hold an API key
     tokens: str = _env("PARALON_CRYPTO_TOKENS", "")
     confirmations: int = _env("PARALON_CRYPTO_CONFIRMATIONS", CRYPTO_CONFIRMATIONS_DEFAULT, ge=1,
                               le=CRYPTO_CONFIRMATIONS_MAX)
@@ -121,8 +121,8 @@ class InvoiceConfig(_Group):
 
 
 class CeleryConfig(_Group):
-    broker_url: str | None = _env("PARALON_CELERY_BROKER_URL")  # unset: tasks run in-process
-    result_url: str | None = _env("PARALON_CELERY_RESULT_URL")
+    broker_url: str | None = _env("PARALON_CELERY_BROKER_URL", repr=False)  # unset: tasks run in-process
+    result_url: str | None = _env("PARALON_CELERY_RESULT_URL", repr=False)
 
 
 class Settings(BaseModel):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from app import wiring
 from app.cli import main
-from app.settings import SECRET_VARIABLES, Settings, SettingsError
+from app.settings import DATABASE_URL_DEFAULT, SECRET_VARIABLES, Settings, SettingsError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SEED = "test test test test test test test test test test test junk"
@@ -110,3 +110,24 @@ def test_groups_read_their_variables(env):
     assert settings.database.group_commit_wait_ms == 1 and settings.mail.smtp_host == "mail.example"
     assert wiring.stripe_settings(settings).cancel_url == "https://paralon.example/checkout/cancelled"
     assert wiring.stripe_settings(settings).checkout_max_cents == 500 * 100
+
+
+def test_only_paralon_variables_are_read_never_a_bare_field_name(env):
+    """Given ordinary variables that share a field's name (Django's SECRET_KEY,
+    a URL), the settings ignore them: only PARALON_* names configure Paralon."""
+    for name, value in {"URL": "sqlite:////tmp/elsewhere.db", "SECRET_KEY": "sk_live_not_ours", "API_BASE": "https://elsewhere.example",
+                        "HOLD_TTL_S": "5", "SMTP_HOST": "mail.elsewhere", "BROKER_URL": "redis://elsewhere:6379/0"}.items():
+        env.setenv(name, value)
+    settings = Settings.from_env()
+    assert settings.database.url == DATABASE_URL_DEFAULT
+    assert settings.stripe.secret_key.get_secret_value() == SECRETS["PARALON_STRIPE_SECRET_KEY"]
+    assert settings.stripe.api_base is None and settings.celery.broker_url is None
+    assert settings.proxy.hold_ttl_s != 5 and settings.mail.smtp_host == "mail.example"
+
+
+def test_urls_that_may_hold_a_password_are_not_printed(env):
+    env.setenv("PARALON_DATABASE_URL", "postgresql://paralon:db-pass-1234@db.example:5432/paralon")
+    env.setenv("PARALON_CELERY_BROKER_URL", "redis://:broker-pass-1234@redis.example:6379/0")
+    env.setenv("PARALON_CHAIN_RPC_URL", "https://rpc.example/v2/rpc-key-1234")
+    text = repr(Settings.from_env())
+    assert not any(secret in text for secret in ("db-pass-1234", "broker-pass-1234", "rpc-key-1234")), text
