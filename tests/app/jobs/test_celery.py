@@ -2,7 +2,6 @@
 and the invoices' tasks run with the database and settings it gives them."""
 from __future__ import annotations
 
-
 from app import outbox
 from app.jobs.celery import celery
 from app.jobs.embedded_beat import NEVER, due_tasks
