@@ -1,7 +1,8 @@
 """Integer money. The ledger unit is one nano-dollar (1e-9 USD)."""
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
+import re
+from decimal import Decimal
 
 from ledger.errors import InvalidAmount
 from ledger.limits import AMOUNT_NANO_USD_MAX
@@ -9,21 +10,26 @@ from ledger.limits import AMOUNT_NANO_USD_MAX
 # The unit, and what it is worth.
 NANO_USD_DECIMALS = 9
 NANO_USD_PER_USD = 10**NANO_USD_DECIMALS
-CENTS_PER_USD = 100
+CENT_DECIMALS = 2
+CENTS_PER_USD = 10**CENT_DECIMALS
 NANO_USD_PER_CENT = NANO_USD_PER_USD // CENTS_PER_USD
 # The owner of the GPU that served a request gets this share of its charge; the platform the rest.
 OWNER_SHARE_PERCENT = 80
 PERCENT = 100
+# Amounts are written as plain decimals in ASCII digits: Decimal() alone would also
+# take "1_000", Arabic-Indic digits and "1e999999999" (which then overflows).
+_PLAIN_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+USD_WHOLE_DIGITS_MAX = len(str(AMOUNT_NANO_USD_MAX // NANO_USD_PER_USD))
 
 
 def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = NANO_USD_DECIMALS) -> int:
     """Parse a decimal USD amount exactly; refuse more decimals than the unit can hold."""
-    try:
-        value = Decimal(str(text).strip())
-    except InvalidOperation:
-        raise InvalidAmount(f"not a decimal amount: {text!r}") from None
-    if not value.is_finite():
-        raise InvalidAmount(f"not a finite amount: {text!r}")
+    raw = str(text).strip()
+    if not _PLAIN_DECIMAL.fullmatch(raw):
+        raise InvalidAmount(f"not a decimal amount in plain digits (such as 12.50): {text!r}")
+    if len(raw.lstrip("+-").split(".")[0].lstrip("0")) > USD_WHOLE_DIGITS_MAX:
+        raise InvalidAmount(f"{text!r} exceeds the limit of {AMOUNT_NANO_USD_MAX // NANO_USD_PER_USD} USD")
+    value = Decimal(raw)
     exponent = value.as_tuple().exponent
     if isinstance(exponent, int) and -exponent > decimals_max:
         raise InvalidAmount(f"{text!r} has more than {decimals_max} decimals")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 
 import orjson
 import stripe
@@ -29,7 +28,7 @@ from app.limits import (
 from app.payments.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
-from ledger.money import CENTS_PER_USD, NANO_USD_PER_CENT
+from ledger.money import CENT_DECIMALS, CENTS_PER_USD, NANO_USD_PER_CENT, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.store import append_one
 
@@ -61,12 +60,9 @@ class StripeSettings:
 def amount_cents(amount_usd: object, settings: StripeSettings) -> int:
     """'25.00' -> 2500: at most two decimals, within the configured limits."""
     try:
-        value = Decimal(str(amount_usd).strip())
-    except InvalidOperation:
-        raise InvalidAmount(f"amount_usd must be a decimal amount such as \"25.00\", got {amount_usd!r}") from None
-    if not value.is_finite() or value != value.quantize(Decimal("0.01")):
-        raise InvalidAmount(f"amount_usd has more than two decimals: {amount_usd!r}")
-    cents = int(value * CENTS_PER_USD)
+        cents = usd_to_nano_usd(amount_usd, decimals_max=CENT_DECIMALS) // NANO_USD_PER_CENT
+    except InvalidAmount as exc:
+        raise InvalidAmount(f"amount_usd must be a decimal amount with at most two decimals such as \"25.00\": {exc}") from None
     if not settings.checkout_min_cents <= cents <= settings.checkout_max_cents:
         raise InvalidAmount(f"amount_usd must be from {settings.checkout_min_cents / CENTS_PER_USD:.2f} to {settings.checkout_max_cents / CENTS_PER_USD:.2f}")
     return cents

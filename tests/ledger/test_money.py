@@ -39,3 +39,19 @@ def test_owner_and_platform_shares_add_up_to_the_charge(charge):
 @given(st.integers(min_value=-(10**18), max_value=10**18))
 def test_text_round_trips(nano):
     assert usd_to_nano_usd(nano_usd_to_usd_text(nano)) == nano
+
+
+@pytest.mark.parametrize("text", ["1e999999999", "1e30", "1E+3", "١٢", "1_000", "12,50", "", ".", "+", "0x10", "NaN", "Infinity",
+                                  "12345678901", "99999999999.5", " 1 2"])
+def test_an_amount_that_is_not_plain_ascii_decimal_within_the_limit_is_refused(text):
+    """Given text that Decimal() alone would take (underscores, other scripts'
+    digits, exponents that overflow) or that exceeds the limit, when parsed as
+    USD, then it is an InvalidAmount (exit 2, 400), never another exception."""
+    with pytest.raises(InvalidAmount):
+        usd_to_nano_usd(text)
+
+
+@pytest.mark.parametrize(("text", "nano_usd"), [("12.50", 12_500_000_000), ("0.000000001", 1), (".5", 500_000_000),
+                                                ("-1.25", -1_250_000_000), ("1000000000", 10**18), (7, 7_000_000_000), (2.5, 2_500_000_000)])
+def test_plain_decimals_parse_exactly(text, nano_usd):
+    assert usd_to_nano_usd(text) == nano_usd

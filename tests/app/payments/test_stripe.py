@@ -11,7 +11,9 @@ from sqlalchemy import func, select
 
 from app.outbox import outbox
 from app.payments.schema import stripe_checkout_sessions, stripe_events
+from app.payments.stripe import StripeSettings, amount_cents
 from app.tokens import create_token
+from ledger.errors import InvalidAmount
 from tests.support.stripe_standin import StripeStandIn, session_event, signed
 from tests.support.harness import ThreadedServer, make_fleet, serving, wait_for
 
@@ -265,3 +267,19 @@ def test_every_credit_gets_an_invoice_and_every_refund_a_credit_note(stripe_setu
     assert invoice["number"].startswith("PAR-") and invoice["amount_nano_usd"] == 25 * 10**9
     assert credit_note["number"].startswith("PARCN-") and credit_note["corrects"] == invoice["number"]
     assert credit_note["amount_nano_usd"] == 10 * 10**9 and fleet.events("InvoiceIssued") == 2
+
+
+CHECKOUT_LIMITS = StripeSettings(secret_key=None, webhook_secret=None, api_base=None, checkout_min_cents=500,
+                                 checkout_max_cents=1_000_000, success_url="http://x/done", cancel_url="http://x/cancelled")
+
+
+@pytest.mark.parametrize("amount", ["1e26", 1e30, "1e999999999", "١٢", "1_000", "25.5e0", True])
+def test_an_amount_decimal_alone_would_take_is_refused_as_a_bad_amount(amount):
+    """Exponents that overflow, other scripts' digits and underscores are a 400
+    about amount_usd (InvalidAmount), not a server error."""
+    with pytest.raises(InvalidAmount):
+        amount_cents(amount, CHECKOUT_LIMITS)
+
+
+def test_a_plain_amount_within_the_limits_is_its_cents():
+    assert [amount_cents(a, CHECKOUT_LIMITS) for a in ("25.00", "5", 10000, "9999.99")] == [2500, 500, 1_000_000, 999_999]
