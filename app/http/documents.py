@@ -14,7 +14,7 @@ from litestar.response import Stream
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
-from app.http.plumbing import json_response, read
+from app.http.plumbing import QueryId, json_response, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
 from invoices import exports, statements
@@ -31,7 +31,7 @@ class DocumentController(Controller):
 
     @get("/invoices", guards=[requires_reader],
          summary="Invoices and credit notes of the account (filter by period and kind)")
-    async def list_invoices(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None,
+    async def list_invoices(self, request: Request, who: Caller, account_id: QueryId = None,
                             kind: FromQuery[str | None] = None, to: FromQuery[str | None] = None) -> Response:
         """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
         start, end = _period_bound(request.query_params.get("from"), "from"), _period_bound(to, "to")
@@ -49,14 +49,14 @@ class DocumentController(Controller):
                         headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
 
     @get("/statements", guards=[requires_any_role], summary="Stored monthly statements of the account (closed months)")
-    async def list_statements(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None) -> Response:
+    async def list_statements(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
         listed = await read(request, statements.list_statements, accounts.scoped_account(who, account_id))
         return json_response({"data": [{k: v for k, v in s.items() if k != "pdf_path"} for s in listed]})  # paths stay inside
 
     @get("/statements/{name:str}", guards=[requires_any_role],
          summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
     async def statement(self, request: Request, who: Caller, name: FromPath[str],
-                        account_id: FromQuery[int | None] = None) -> Response:
+                        account_id: QueryId = None) -> Response:
         account = accounts.scoped_account(who, account_id)
         month_text, _, fmt = name.rpartition(".")
         if fmt not in STATEMENT_FORMATS:
@@ -80,7 +80,7 @@ class DocumentController(Controller):
     @get("/exports/ledger.csv", guards=[requires_any_role],
          summary="Every posting of the account in [from, to), with the running balance, as CSV")
     async def ledger_export(self, request: Request, who: Caller, to: FromQuery[str | None] = None,
-                            account_id: FromQuery[int | None] = None) -> Response:
+                            account_id: QueryId = None) -> Response:
         """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
         the opening and closing balances and the row count come in `x-paralon-*` headers."""
         account = accounts.scoped_account(who, account_id)

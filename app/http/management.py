@@ -25,7 +25,7 @@ from app.http.guards import (
     requires_owner_or_admin,
     requires_reader,
 )
-from app.http.plumbing import json_object, json_response, read, write
+from app.http.plumbing import PathId, QueryId, json_object, json_response, read, write
 from app.limits import CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
@@ -48,7 +48,7 @@ class AccountController(Controller):
         return json_response(await read(request, accounts.account_view, who))
 
     @get("/keys", guards=[requires_reader], summary="API keys of the account")
-    async def list_keys(self, request: Request, who: Caller, account_id: FromQuery[int | None] = None) -> Response:
+    async def list_keys(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
         return json_response({"data": await read(request, accounts.list_keys, who, account_id)})
 
     @post("/keys", guards=[requires_customer], summary="Create an API key (shown once)", status_code=201)
@@ -61,7 +61,7 @@ class AccountController(Controller):
         return json_response(await write(request, accounts.create_key, who, body.get("name"), limit), 201)
 
     @delete("/keys/{key_id:int}", guards=[requires_customer_or_admin], summary="Revoke an API key", status_code=200)
-    async def revoke_key(self, request: Request, who: Caller, key_id: FromPath[int]) -> Response:
+    async def revoke_key(self, request: Request, who: Caller, key_id: PathId) -> Response:
         await write(request, accounts.revoke_key, who, key_id)
         request.app.state.directory.evict_key(key_id)  # this process at once; other replicas hear of it from the database
         return json_response({"id": key_id, "revoked": True})
@@ -91,7 +91,7 @@ class AccountController(Controller):
 
     @get("/usage", guards=[requires_reader], summary="Usage of the account from the read models, grouped by day, model or key")
     async def usage(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
-                    account_id: FromQuery[int | None] = None) -> Response:
+                    account_id: QueryId = None) -> Response:
         with about_field("group_by"):
             rows = await read(request, accounts.usage, accounts.scoped_account(who, account_id), group_by)
         return json_response({"data": rows})
@@ -99,7 +99,7 @@ class AccountController(Controller):
     @get("/earnings", guards=[requires_owner_or_admin],
          summary="Earnings of the owner from the read models, grouped by day, worker or model")
     async def earnings(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
-                       account_id: FromQuery[int | None] = None) -> Response:
+                       account_id: QueryId = None) -> Response:
         with about_field("group_by"):
             rows = await read(request, accounts.earnings, accounts.scoped_account(who, account_id), group_by)
         return json_response({"data": rows})
@@ -119,12 +119,12 @@ class WorkerController(Controller):
 
     @post("/{worker_id:int}/drain", guards=[requires_owner_or_admin], status_code=200,
           summary="Drain a worker: no new requests, in-flight ones finish")
-    async def drain_worker(self, request: Request, who: Caller, worker_id: FromPath[int]) -> Response:
+    async def drain_worker(self, request: Request, who: Caller, worker_id: PathId) -> Response:
         return json_response(await write(request, accounts.drain_worker, who, worker_id))
 
     @post("/{worker_id:int}/resume", guards=[requires_admin], status_code=200,
           summary="Resume a suspended worker (admins): its strikes start again from zero")
-    async def resume_worker(self, request: Request, who: Caller, worker_id: FromPath[int]) -> Response:
+    async def resume_worker(self, request: Request, who: Caller, worker_id: PathId) -> Response:
         """Body (optional): {"reason": "…"}. A draining or drained worker is not resumed (409)."""
         body = await json_object(request)
         reason = body.get("reason", RESUMED_REASON_DEFAULT)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import orjson
 from litestar import Request, Response
+from litestar.params import PathParameter, QueryParameter
 from sqlalchemy import Engine
 
+from ledger.limits import INT64_MAX
 from proxy.errors import InvalidRequest
 
 T = TypeVar("T")
+# Row ids are the database's BIGINT: a larger one is a 400 here, not an error from the database.
+PathId = Annotated[int, PathParameter(ge=1, le=INT64_MAX)]
+QueryId = Annotated[int | None, QueryParameter(ge=1, le=INT64_MAX)]
 
 
 def json_response(data: object, status: int = 200, headers: dict | None = None) -> Response:

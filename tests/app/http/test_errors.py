@@ -52,3 +52,18 @@ def test_errors_answer_in_openais_shape(site):
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == error_type and error["message"]
     assert site.call("GET", "/v1/usage?group_by=nope", site.tokens["customer"]).json()["error"]["param"] == "group_by"
     assert site.money() == before
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("DELETE", "/v1/keys/9223372036854775808"), ("DELETE", "/v1/keys/0"), ("GET", "/v1/keys?account_id=9223372036854775808"),
+    ("GET", "/v1/invoices?account_id=99999999999999999999"), ("POST", "/v1/workers/9223372036854775808/drain"),
+])
+def test_an_id_beyond_the_databases_integers_is_a_400_and_moves_nothing(site, method, path):
+    """Given ids a BIGINT cannot hold (2^63 and above) or below 1, the API answers
+    400 in OpenAI's error shape: it never reaches the database to fail there."""
+    before = site.money()
+    token = site.tokens["admin"]
+    response = site.client.request(method, path, headers={"authorization": f"Bearer {token}"})
+    assert response.status_code == 400, response.text
+    assert set(response.json()["error"]) >= {"message", "type"}
+    assert site.money() == before
