@@ -113,6 +113,9 @@ class InferenceProxy:
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise InvalidRequest("stream_options must be an object", param="stream_options")
+        streaming = _flag(body, "stream", "stream")
+        wants_usage = _flag(stream_options, "include_usage", "stream_options")
+        wants_continuous_usage = _flag(stream_options, "continuous_usage_stats", "stream_options")
         prompt_bound = metering.prompt_tokens_bound(kind, body)
         asked_max_tokens = metering.requested_max_tokens(kind, body)
         candidates = routing.candidates(fleet, prompt_bound + (asked_max_tokens or 1))
@@ -123,9 +126,9 @@ class InferenceProxy:
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id)
         generation = Generation(
             kind=kind, request_id=request_id, model=model, price=price, grant=grant, prompt_bound=prompt_bound,
-            max_tokens=max_tokens, wants_usage=bool(stream_options.get("include_usage")),
-            wants_continuous_usage=bool(stream_options.get("continuous_usage_stats")), started_at=utc_now(),
-            streaming=bool(body.get("stream")), settle=self.settler.settle,
+            max_tokens=max_tokens, wants_usage=wants_usage,
+            wants_continuous_usage=wants_continuous_usage, started_at=utc_now(),
+            streaming=streaming, settle=self.settler.settle,
         )
         return generation, candidates, hold_request
 
@@ -208,3 +211,11 @@ def _upstream_refusal(detail: bytes) -> ProxyError:
     if "context" in message.lower():
         return ContextTooLong(message, param="messages")
     return InvalidRequest(message)
+
+
+def _flag(fields: dict, name: str, param: str) -> bool:
+    """A JSON boolean, absent or null meaning false: the string "false" is not false."""
+    value = fields.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false", param=param)
+    return bool(value)

@@ -31,3 +31,15 @@ def test_a_generation_is_read_back_by_its_own_account_only(site):
     assert site.call("GET", f"/v1/generations/{site.settled_request_id}", site.other_key).status_code == 404
     assert site.call("GET", "/v1/generations/no-such-request", site.key).json()["error"]["code"] == "generation_not_found"
     assert site.money() == before
+
+
+def test_a_flag_that_is_not_a_json_boolean_is_refused_before_anything_is_held(site):
+    """"stream": "false" is a string, and a string is true: it would stream to a
+    caller that asked not to. Flags are JSON booleans (null meaning false)."""
+    before = site.money()
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"stream": "false"}, "stream"), ({"stream": 0}, "stream"),
+                        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options")):
+        response = site.call("POST", "/v1/chat/completions", site.key, json={"model": MODEL, "messages": messages, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert site.money() == before, "nothing charged, no hold left behind"
