@@ -19,7 +19,8 @@ PERCENT = 100
 # Amounts are written as plain decimals in ASCII digits: Decimal() alone would also
 # take "1_000", Arabic-Indic digits and "1e999999999" (which then overflows).
 _PLAIN_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
-USD_WHOLE_DIGITS_MAX = len(str(AMOUNT_NANO_USD_MAX // NANO_USD_PER_USD))
+AMOUNT_USD_MAX = AMOUNT_NANO_USD_MAX // NANO_USD_PER_USD
+USD_WHOLE_DIGITS_MAX = len(str(AMOUNT_USD_MAX))
 
 
 def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = NANO_USD_DECIMALS) -> int:
@@ -28,15 +29,11 @@ def usd_to_nano_usd(text: str | int | Decimal, *, decimals_max: int = NANO_USD_D
     if not _PLAIN_DECIMAL.fullmatch(raw):
         raise InvalidAmount(f"not a decimal amount in plain digits (such as 12.50): {text!r}")
     if len(raw.lstrip("+-").split(".")[0].lstrip("0")) > USD_WHOLE_DIGITS_MAX:
-        raise InvalidAmount(f"{text!r} exceeds the limit of {AMOUNT_NANO_USD_MAX // NANO_USD_PER_USD} USD")
-    value = Decimal(raw)
-    exponent = value.as_tuple().exponent
-    if isinstance(exponent, int) and -exponent > decimals_max:
+        raise InvalidAmount(f"{text!r} exceeds the limit of {AMOUNT_USD_MAX} USD")
+    value = Decimal(raw)  # at most 10 whole digits and 9 decimals: exact in Decimal's 28 digits
+    if -value.as_tuple().exponent > decimals_max:
         raise InvalidAmount(f"{text!r} has more than {decimals_max} decimals")
-    nano = value * NANO_USD_PER_USD
-    if nano != nano.to_integral_value():
-        raise InvalidAmount(f"{text!r} is not a whole number of nano-dollars")
-    return int(nano)
+    return int(value * NANO_USD_PER_USD)
 
 
 def nano_usd_per_unit(decimals: int) -> int:
