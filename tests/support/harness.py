@@ -85,6 +85,7 @@ class ServeProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(self.port)],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own process group, so a test can kill it whole (tests/support/faults.py)
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
