@@ -15,8 +15,16 @@ INTERVAL_MS_MIN = 50  # the shortest health-probe and hold-sweep intervals
 HEALTH_INTERVAL_MS_MAX = 60_000
 KEY_CACHE_TTL_MS_MAX = 60_000  # a revoked key stops working within this long even if its notice is lost
 HOLD_TTL_S_MIN = 2  # the shortest hold lifetime a replica serves with
-HOLD_SWEEP_INTERVAL_S = 10.0  # how often a replica closes the holds crashed replicas left behind
+# How often a replica closes the holds crashed replicas left behind: with the
+# hold lifetime (ledger.limits.HOLD_TTL_S_DEFAULT) it bounds how long a crash
+# for good keeps credits held (30 s + 5 s, under the promised minute).
+HOLD_SWEEP_INTERVAL_S = 5.0
 HOLD_SWEEP_INTERVAL_MS_MAX = 3_600_000
+# A replica restarted after a crash waits this long before it settles the holds
+# it finds under its own id: a hold renewed meanwhile belongs to a process still
+# running under the same id (two replicas given one PARALON_REPLICA_ID) and is
+# left to it. Three renewal intervals (proxy.limits.HOLD_RENEW_INTERVAL_S_MAX).
+ORPHANED_HOLDS_WAIT_S = 3.0
 CHECKOUT_MIN_USD_DEFAULT = 5
 CHECKOUT_MAX_USD_DEFAULT = 10_000
 CHECKOUT_USD_MAX = 1_000_000  # the largest either checkout setting may be

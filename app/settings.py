@@ -33,7 +33,14 @@ from app.limits import (
 )
 from invoices.limits import SMTP_PORT_DEFAULT
 from ledger.db import normalise_url
-from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, HOLD_TTL_S_DEFAULT, HOLD_TTL_S_MAX, MS_PER_S
+from ledger.limits import (
+    BATCH_SIZE_MAX_DEFAULT,
+    BATCH_WAIT_MS_DEFAULT,
+    HOLD_TTL_S_DEFAULT,
+    HOLD_TTL_S_MAX,
+    MS_PER_S,
+    REPLICA_ID_CHARS_MAX,
+)
 from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S
 
 DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
@@ -83,11 +90,20 @@ class ProxyConfig(_Group):
                                        ge=INTERVAL_MS_MIN, le=HOLD_SWEEP_INTERVAL_MS_MAX)
     public_url: str = _env("PARALON_PUBLIC_URL", PUBLIC_URL_DEFAULT)
     worker_ca_bundle: str | None = _env("PARALON_WORKER_CA_BUNDLE")
+    # Who places this replica's holds; unset: hostname:port (stable across restarts of one instance).
+    replica_id: str | None = _env("PARALON_REPLICA_ID", min_length=1, max_length=REPLICA_ID_CHARS_MAX)
 
     @field_validator("public_url")
     @classmethod
     def _no_trailing_slash(cls, url: str) -> str:
         return url.rstrip("/")
+
+    @field_validator("replica_id")
+    @classmethod
+    def _printable(cls, replica_id: str | None) -> str | None:
+        if replica_id is not None and not (replica_id.strip() and replica_id.isprintable()):
+            raise ValueError("a replica id is printable text")
+        return replica_id and replica_id.strip()
 
 
 class StripeConfig(_Group):

@@ -21,7 +21,7 @@ from ledger.errors import (
     UnknownAccount,
     WrongAccountKind,
 )
-from ledger.limits import HOLD_TTL_S_DEFAULT, HOLD_TTL_S_MAX, IDEMPOTENCY_KEY_CHARS_MAX
+from ledger.limits import HOLD_TTL_S_DEFAULT, HOLD_TTL_S_MAX, IDEMPOTENCY_KEY_CHARS_MAX, REPLICA_ID_CHARS_MAX
 from ledger.money import require_positive
 
 
@@ -36,6 +36,10 @@ class PlaceHold:
     minimum_nano_usd: int | None = None
     # When set, the hold also reserves against this spend limit (an API key's).
     spend_limit_id: int | None = None
+    # The proxy replica placing it: the one that settles it at once if it
+    # restarts after a crash. Not part of the key's content (a retry may come
+    # through another replica).
+    replica_id: str | None = None
 
 
 class HoldResult(NamedTuple):
@@ -71,6 +75,8 @@ def validate_place_hold(request: PlaceHold) -> None:
     if request.spend_limit_id is not None and (type(request.spend_limit_id) is not int or request.spend_limit_id <= 0):
         raise InvalidInput("a spend limit id is a positive integer")
     cmd.require_text(request.idempotency_key, "idempotency key", IDEMPOTENCY_KEY_CHARS_MAX)
+    if request.replica_id is not None:
+        cmd.require_text(request.replica_id, "replica id", REPLICA_ID_CHARS_MAX)
 
 
 def validate_renewal(renewal: HoldRenewal) -> None:

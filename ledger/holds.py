@@ -100,7 +100,7 @@ def _place_holds_here(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
             limit_placed[limit_id] = limit_placed.get(limit_id, 0) + amount
         seen_keys[request.idempotency_key] = i
         granted[i] = amount
-        rows.append((request.account_id, amount, request.idempotency_key, request.ttl_s, limit_id))
+        rows.append((request.account_id, amount, request.idempotency_key, request.ttl_s, limit_id, request.replica_id))
     ids = storage.insert_holds(conn, rows, now)
     storage.add_holds_placed(conn, placed)
     storage.add_limit_placed(conn, limit_placed)
@@ -190,17 +190,54 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = HOL
     """Void holds past their expiry that delivered nothing (a proxy crashed
     before the first token, or forgot); returns how many. Holds that recorded
     delivered usage are left to `expired_captures`: they settle, not release."""
+    return _release_untouched(conn, holds.c.expires_at < (now or utc_now()), limit)
+
+
+def expired_captures(conn: Connection, now: datetime | None = None, limit: int = HOLDS_EXPIRED_PER_SWEEP_MAX) -> list[cmd.SettleRequest]:
+    """The settlements due for holds past their expiry that recorded delivered
+    usage: each charges what its request had delivered when last recorded and
+    closes the hold (or finds it settled already: the key is the request's).
+    The rows stay locked until the caller's transaction ends, so append the
+    settlements in it: a renewal or the request's own settlement racing the
+    sweeper then waits, and finds the hold settled."""
+    return _captures(conn, holds.c.expires_at < (now or utc_now()), limit)
+
+
+def holds_of_replica(conn: Connection, replica_id: str) -> dict[int, datetime]:
+    """The open holds a replica placed, with their expiries: read by a replica
+    as it starts, before it places any, they are what its crashed run left."""
+    return dict(conn.execute(select(holds.c.id, holds.c.expires_at).where(holds.c.replica_id == replica_id)).all())
+
+
+def release_orphans(conn: Connection, seen: dict[int, datetime]) -> int:
+    """Release those of `seen` (hold id -> expiry, from `holds_of_replica`)
+    that delivered nothing and were not renewed since: nothing runs them."""
+    return _release_untouched(conn, storage_of(conn).one_of(holds.c.id, sorted(seen)), len(seen), seen)
+
+
+def orphan_captures(conn: Connection, seen: dict[int, datetime]) -> list[cmd.SettleRequest]:
+    """The settlements due for those of `seen` that recorded delivered usage
+    and were not renewed since; locked like `expired_captures`."""
+    return _captures(conn, storage_of(conn).one_of(holds.c.id, sorted(seen)), len(seen), seen)
+
+
+def _unrenewed(rows, seen: dict[int, datetime] | None) -> list:
+    """The locked rows whose expiry is still the one seen: a hold renewed
+    meanwhile is in use by a running process (one that shares the replica id)."""
+    return rows if seen is None else [r for r in rows if seen.get(r.id) == r.expires_at]
+
+
+def _release_untouched(conn: Connection, due_where, limit: int, seen: dict[int, datetime] | None = None) -> int:
     storage = storage_of(conn)
     storage.skip_flush_wait(conn)
-    now = now or utc_now()
     due = (
-        select(holds.c.id)
-        .where(holds.c.expires_at < now, holds.c.capture_nano_usd == 0)
+        select(holds.c.id, holds.c.expires_at)
+        .where(due_where, holds.c.capture_nano_usd == 0)
         .order_by(holds.c.expires_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
-    ids = [r[0] for r in conn.execute(due)]
+    ids = [r.id for r in _unrenewed(conn.execute(due).all(), seen)]
     if not ids:
         return 0
     expired = conn.execute(
@@ -211,20 +248,14 @@ def expire_holds(conn: Connection, now: datetime | None = None, limit: int = HOL
     return len(expired)
 
 
-def expired_captures(conn: Connection, now: datetime | None = None, limit: int = HOLDS_EXPIRED_PER_SWEEP_MAX) -> list[cmd.SettleRequest]:
-    """The settlements due for holds past their expiry that recorded delivered
-    usage: each charges what its request had delivered when last recorded and
-    closes the hold (or finds it settled already: the key is the request's).
-    The rows stay locked until the caller's transaction ends, so append the
-    settlements in it: a renewal or the request's own settlement racing the
-    sweeper then waits, and finds the hold settled."""
+def _captures(conn: Connection, due_where, limit: int, seen: dict[int, datetime] | None = None) -> list[cmd.SettleRequest]:
     rows = conn.execute(
-        select(holds.c.id, holds.c.capture_nano_usd, holds.c.capture_owner_account_id, holds.c.capture_request_id,
-               holds.c.capture_meta)
-        .where(holds.c.expires_at < (now or utc_now()), holds.c.capture_nano_usd > 0)
+        select(holds.c.id, holds.c.expires_at, holds.c.capture_nano_usd, holds.c.capture_owner_account_id,
+               holds.c.capture_request_id, holds.c.capture_meta)
+        .where(due_where, holds.c.capture_nano_usd > 0)
         .order_by(holds.c.expires_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
     ).all()
     return [capture_settlement(r.id, r.capture_owner_account_id, r.capture_nano_usd, r.capture_request_id,
-                               orjson.loads(r.capture_meta)) for r in rows]
+                               orjson.loads(r.capture_meta)) for r in _unrenewed(rows, seen)]

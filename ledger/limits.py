@@ -33,11 +33,15 @@ EVIDENCE_REQUEST_IDS_MAX = 100
 
 # Holds
 # How long a hold lives without a renewal: every running request renews its hold
-# well within it, so it bounds only how long credits stay held after a crash.
+# every second, so it bounds only how long credits stay held after a replica
+# crashes for good: this plus the sweep interval (app/limits.py) must stay well
+# under a minute. It also is how long a replica may fail to reach the database
+# before its running requests' holds are settled under them.
 # The proxy serves with this default (PARALON_HOLD_TTL_S overrides it).
-HOLD_TTL_S_DEFAULT = 60
+HOLD_TTL_S_DEFAULT = 30
 HOLD_TTL_S_MAX = 24 * 3600
 HOLDS_EXPIRED_PER_SWEEP_MAX = 1000
+REPLICA_ID_CHARS_MAX = 200  # who placed a hold (PARALON_REPLICA_ID)
 
 # Group commit
 BATCH_SIZE_MAX_DEFAULT = 1024  # commands in one transaction

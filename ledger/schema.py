@@ -24,6 +24,7 @@ from ledger.limits import (
     EMAIL_CHARS_MAX,
     EVENT_TYPE_CHARS_MAX,
     IDEMPOTENCY_KEY_CHARS_MAX,
+    REPLICA_ID_CHARS_MAX,
     SHA256_BYTES,
     SYSTEM_CODE_CHARS_MAX,
 )
@@ -124,6 +125,9 @@ holds = Table(
     Column("capture_owner_account_id", BigInteger),
     Column("capture_request_id", String(IDEMPOTENCY_KEY_CHARS_MAX)),
     Column("capture_meta", Text),  # canonical JSON of the settlement's metadata
+    # The proxy replica that placed it (PARALON_REPLICA_ID): restarted after a
+    # crash, it settles the holds it left at once instead of waiting for expiry.
+    Column("replica_id", String(REPLICA_ID_CHARS_MAX)),
     Index("ix_holds_expiry", "expires_at"),
 )
 

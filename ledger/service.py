@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import NamedTuple
 
 from sqlalchemy import Engine
@@ -13,6 +14,7 @@ from ledger.db import storage_of
 from ledger.errors import HoldNotActive
 from ledger.group_commit import GroupCommitWriter
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, HOLD_BATCH_WAIT_MS_DEFAULT
+from ledger.storage.base import in_chunks
 from ledger.store import CREATED, AppendResult, append_batch, append_one
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,13 @@ class Ledger:
     def expire_holds(self) -> SweepResult:
         return sweep_expired_holds(self.engine)
 
+    def holds_of_replica(self, replica_id: str) -> dict[int, datetime]:
+        with self.engine.connect() as conn:
+            return hl.holds_of_replica(conn, replica_id)
+
+    def settle_orphaned_holds(self, seen: dict[int, datetime]) -> SweepResult:
+        return settle_orphaned_holds(self.engine, seen)
+
 
 class SweepResult(NamedTuple):
     released: int  # expired holds that had delivered nothing
@@ -91,20 +100,39 @@ def sweep_expired_holds(engine: Engine) -> SweepResult:
     """What the sweeper does: a hold past its expiry is released when its
     request delivered nothing, and settled at its last recorded usage when it
     did (a proxy crashed mid-stream): the customer pays for what they received
-    and the owner is paid for it. A settlement that finds its hold closed
+    and the owner is paid for it."""
+    return _close_holds(engine, hl.expire_holds, hl.expired_captures)
+
+
+def settle_orphaned_holds(engine: Engine, seen: dict[int, datetime]) -> SweepResult:
+    """What a replica restarted after a crash does with the holds its crashed
+    run left (`seen`: `holds_of_replica` as it started), at once and as the
+    sweeper would: released, or settled at the usage recorded against them.
+    A hold renewed since it was seen is in use and left alone."""
+    result = SweepResult(0, 0)
+    for chunk in in_chunks(sorted(seen)):
+        part = {hold_id: seen[hold_id] for hold_id in chunk}
+        done = _close_holds(engine, lambda conn: hl.release_orphans(conn, part), lambda conn: hl.orphan_captures(conn, part))
+        result = SweepResult(result.released + done.released, result.settled + done.settled)
+    return result
+
+
+def _close_holds(engine: Engine, release_untouched, due_captures) -> SweepResult:
+    """Release the untouched holds `release_untouched` closes and append the
+    settlements `due_captures` returns. A settlement that finds its hold closed
     meanwhile (the request settled itself) is no error; any other failure
     releases the hold rather than retry it forever."""
     with engine.begin() as conn:
-        released = hl.expire_holds(conn)
+        released = release_untouched(conn)
     with engine.begin() as conn:  # durable: these move money
-        due = hl.expired_captures(conn)
+        due = due_captures(conn)
         results = append_batch(conn, due) if due else []
     settled, unsettleable = 0, []
     for command, result in zip(due, results):
         if isinstance(result, AppendResult):
             settled += result.status == CREATED
         elif not isinstance(result, HoldNotActive):
-            log.error("expired hold %s could not settle at its recorded usage (%s); released", command.hold_id, result)
+            log.error("hold %s could not settle at its recorded usage (%s); released", command.hold_id, result)
             unsettleable.append(command.hold_id)
     for hold_id in unsettleable:
         with engine.begin() as conn:

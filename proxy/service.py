@@ -48,12 +48,14 @@ class _Retry(Exception):
 
 
 class InferenceProxy:
-    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT) -> None:
+    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
+                 replica_id: str | None = None) -> None:
         self.ledger = ledger
         self.directory = directory
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
-        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
+        self.replica_id = replica_id  # written on every hold this process places
+        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id)
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
 
     # Before the first token
@@ -123,7 +125,7 @@ class InferenceProxy:
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         plan = metering.plan_hold(price, prompt_bound, max_tokens)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
-                                 plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id)
+                                 plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)
         generation = Generation(
             kind=kind, request_id=request_id, model=model, price=price, grant=grant, prompt_bound=prompt_bound,
             max_tokens=max_tokens, wants_usage=wants_usage,

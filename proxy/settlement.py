@@ -40,11 +40,13 @@ def hold_key(request_id: str) -> str:
 
 
 class Settler:
-    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int) -> None:
+    def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int,
+                 replica_id: str | None = None) -> None:
         self.ledger = ledger
         self.directory = directory  # its loads: what this process has in flight per worker
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
+        self.replica_id = replica_id
         self._background: set[asyncio.Task] = set()
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
 
@@ -143,7 +145,7 @@ class Settler:
         try:
             hold = await self.ledger.place_hold_async(PlaceHold(
                 grant.account_id, rest, rest_key(hold_key(rid)), self.hold_ttl_s, minimum_nano_usd=1,
-                spend_limit_id=grant.spend_limit_id))
+                spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id))
         except (InsufficientFunds, SpendLimitReached):
             log.warning("request %s: %s nano-USD delivered after its hold closed are not covered any more", rid, rest)
             return

@@ -4,8 +4,10 @@ proxy replica (worker directory, health probes, hold renewal and sweeping)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 
 import httpx
 from litestar import Litestar
@@ -26,6 +28,7 @@ from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.limits import (
     HOLD_SWEEP_INTERVAL_S,
+    ORPHANED_HOLDS_WAIT_S,
     UPSTREAM_CONNECTIONS_MAX,
     UPSTREAM_POOL_TIMEOUT_S,
     UPSTREAM_READ_TIMEOUT_S,
@@ -43,6 +46,8 @@ from proxy.revocations import follow_revocations
 from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
+log = logging.getLogger(__name__)
+
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=UPSTREAM_READ_TIMEOUT_S,
                                  write=UPSTREAM_WRITE_TIMEOUT_S, pool=UPSTREAM_POOL_TIMEOUT_S)
 
@@ -52,8 +57,10 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
-               worker_ca_bundle_path: str | None = None) -> Litestar:
-    """Settings left out are read from the environment (app/wiring.py)."""
+               worker_ca_bundle_path: str | None = None, replica_id: str | None = None) -> Litestar:
+    """Settings left out are read from the environment (app/wiring.py). The
+    holds this replica places carry `replica_id`; as it starts, it settles those
+    its crashed run left under it (none when None)."""
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
     @asynccontextmanager
@@ -62,12 +69,14 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         client = httpx.AsyncClient(verify=upstream.tls_context, timeout=UPSTREAM_TIMEOUT,
                                    limits=httpx.Limits(max_connections=UPSTREAM_CONNECTIONS_MAX,
                                                        max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
+        orphans = await asyncio.to_thread(ledger.holds_of_replica, replica_id) if replica_id else {}
         await directory.refresh_async()
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory = directory
-        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s)
-        background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds())
+        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id)
+        background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds(),
+                      _settle_orphans(ledger, replica_id, orphans))
         tasks = [asyncio.create_task(work) for work in background]
         if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
             tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
@@ -106,6 +115,27 @@ def _openapi() -> OpenAPIConfig:
                                             standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js",
                                             path="/", favicon="")],
     )
+
+
+async def _settle_orphans(ledger: Ledger, replica_id: str | None, seen: dict[int, datetime]) -> None:
+    """Settle the holds this replica's crashed run left (`seen` as it started,
+    before it placed any) at once, rather than after they expire: released, or
+    settled at the usage recorded against them. Those renewed meanwhile are
+    another live process's under the same id, and are left to it."""
+    if not seen:
+        return
+    await asyncio.sleep(ORPHANED_HOLDS_WAIT_S)
+    try:
+        done = await asyncio.to_thread(ledger.settle_orphaned_holds, seen)
+    except Exception:  # the database is away: the sweeper closes them once they expire
+        log.warning("could not settle the holds replica %s left before it restarted", replica_id, exc_info=True)
+        return
+    log.info("replica %s: of the holds it left before it restarted, %d settled, %d released",
+             replica_id, done.settled, done.released)
+    in_use = set(seen) & set(await asyncio.to_thread(ledger.holds_of_replica, replica_id))
+    if in_use:
+        log.error("replica id %s: %d of its holds are renewed by another running process; give each replica "
+                  "its own PARALON_REPLICA_ID", replica_id, len(in_use))
 
 
 async def _sweep_holds(ledger: Ledger, interval_s: float) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import socket
 
 import uvicorn
 
@@ -20,6 +21,12 @@ def event_loop_name() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
+def replica_id(settings: Settings, port: int) -> str:
+    """PARALON_REPLICA_ID, else hostname:port: the same for every restart of one
+    instance, distinct between replicas on one host or on several."""
+    return settings.proxy.replica_id or f"{socket.gethostname()}:{port}"
+
+
 def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False) -> None:
     ledger = wiring.open_ledger(settings)
     proxy = settings.proxy
@@ -27,7 +34,8 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      health_interval_s=proxy.health_interval_ms / MS_PER_S, hold_ttl_s=proxy.hold_ttl_s,
                      hold_sweep_interval_s=proxy.hold_sweep_interval_ms / MS_PER_S, worker_ca_bundle_path=proxy.worker_ca_bundle,
                      stripe_settings=wiring.stripe_settings(settings), crypto_settings=wiring.crypto_settings(settings),
-                     invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat)
+                     invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat,
+                     replica_id=replica_id(settings, port))
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -27,10 +27,10 @@ from ledger.schema import account_balances, holds, ledger_events
 
 EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
 POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
-NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id")
+NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id", "replica_id")
 # A whole hold row, as closing it returns it and reopening it takes it back.
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
-            "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta")
+            "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta", "replica_id")
 HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
 
 KnownKeys = dict[str, tuple[bytes, int, str]]  # idempotency key -> (content digest, seq, event type)

@@ -32,7 +32,7 @@ from ledger.storage.pg_arrays import bytea_array, ints, nullable_ints, nullable_
 # column orders of ledger.storage.base.
 _EVENT_ARRAYS = dict(zip(EVENT_COLUMNS, (ints, words, texts, texts, bytea_array, nullable_ints, bytea_array, bytea_array)))
 _POSTING_ARRAYS = dict(zip(POSTING_COLUMNS, (ints, ints, ints, ints)))
-_NEW_HOLD_ARRAYS = dict(zip(NEW_HOLD_COLUMNS, (ints, ints, texts, ints, nullable_ints)))
+_NEW_HOLD_ARRAYS = dict(zip(NEW_HOLD_COLUMNS, (ints, ints, texts, ints, nullable_ints, nullable_texts)))
 
 # Serialisation failure, deadlock, unique violation.
 _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
@@ -70,18 +70,19 @@ _WRITE_APPENDED_WITH_LIMITS = _WRITE_APPENDED_TEMPLATE.format(limits=""", limits
     WHERE l.limit_id = u.limit_id
 )""")
 
-# The hold rules, run by the server (migrations 0003 and 0010): one round trip
+# The hold rules, run by the server (migrations 0003, 0010 and 0016): one round trip
 # on the path to every first token. It takes each key once.
 _PLACE_HOLDS = (
     "SELECT idx, status, hold_id, amount_nano_usd, expires_at, error_code FROM paralon_place_holds("
     "%(account)s::bigint[], %(amount)s::bigint[], %(minimum)s::bigint[], %(key)s::text[], %(ttl_s)s::int[], "
-    "%(spend_limit)s::bigint[], %(now)s)"
+    "%(spend_limit)s::bigint[], %(replica)s::text[], %(now)s)"
 )
 _INSERT_HOLDS = """
-INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id)
-SELECT u.account_id, u.amount, u.key, %(now)s, %(now)s + make_interval(secs => u.ttl_s), u.spend_limit_id
+INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id, replica_id)
+SELECT u.account_id, u.amount, u.key, %(now)s, %(now)s + make_interval(secs => u.ttl_s), u.spend_limit_id, u.replica_id
 FROM unnest(%(account_id)s::bigint[], %(amount_nano_usd)s::bigint[], %(idempotency_key)s::text[],
-    %(ttl_s)s::int[], %(spend_limit_id)s::bigint[]) AS u(account_id, amount, key, ttl_s, spend_limit_id)
+    %(ttl_s)s::int[], %(spend_limit_id)s::bigint[], %(replica_id)s::text[])
+    AS u(account_id, amount, key, ttl_s, spend_limit_id, replica_id)
 RETURNING id, idempotency_key
 """
 _RENEW_HOLDS = """
@@ -175,7 +176,7 @@ class PostgresStorage(Storage):
         })
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
-        """The server runs the rules (migration 0010's function): `rules` is not needed."""
+        """The server runs the rules (migration 0016's function): `rules` is not needed."""
         return place_each_key_once(requests, lambda distinct: _call_place_holds(conn, distinct))
 
     def insert_holds(self, conn: Connection, rows: list[tuple], now: datetime) -> dict[str, int]:
@@ -231,6 +232,7 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
         "key": texts([r.idempotency_key for r in requests]),
         "ttl_s": ints([r.ttl_s for r in requests]),
         "spend_limit": nullable_ints([r.spend_limit_id for r in requests]),
+        "replica": nullable_texts([r.replica_id for r in requests]),
         "now": utc_now(),
     }
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)

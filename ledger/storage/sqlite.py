@@ -121,8 +121,9 @@ class SqliteStorage(Storage):
             return {}
         values = [
             {"account_id": a, "amount_nano_usd": m, "idempotency_key": k,
-             "created_at": now, "expires_at": now + timedelta(seconds=ttl), "spend_limit_id": limit_id}
-            for a, m, k, ttl, limit_id in rows
+             "created_at": now, "expires_at": now + timedelta(seconds=ttl), "spend_limit_id": limit_id,
+             "replica_id": replica_id}
+            for a, m, k, ttl, limit_id, replica_id in rows
         ]
         inserted = conn.execute(holds.insert().returning(holds.c.id, holds.c.idempotency_key, sort_by_parameter_order=True), values)
         return {key: hold_id for hold_id, key in inserted}

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 
 from app import wiring
 from app.cli import main
+from app.http.server import replica_id
 from app.settings import DATABASE_URL_DEFAULT, SECRET_VARIABLES, Settings, SettingsError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -131,3 +133,13 @@ def test_urls_that_may_hold_a_password_are_not_printed(env):
     env.setenv("PARALON_CHAIN_RPC_URL", "https://rpc.example/v2/rpc-key-1234")
     text = repr(Settings.from_env())
     assert not any(secret in text for secret in ("db-pass-1234", "broker-pass-1234", "rpc-key-1234")), text
+
+
+def test_a_replica_is_named_by_its_host_and_port_unless_given_a_name(env):
+    assert replica_id(Settings.from_env(), 8000) == f"{socket.gethostname()}:8000"
+    env.setenv("PARALON_REPLICA_ID", " proxy-a ")
+    assert replica_id(Settings.from_env(), 8000) == "proxy-a"
+    for wrong in ("   ", "proxy\tb", "x" * 201):
+        env.setenv("PARALON_REPLICA_ID", wrong)
+        with pytest.raises(SettingsError, match="PARALON_REPLICA_ID"):
+            Settings.from_env()

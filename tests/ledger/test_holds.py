@@ -13,7 +13,7 @@ from ledger import spend_limits
 from ledger.errors import IdempotencyConflict, InsufficientFunds, SpendLimitReached
 from ledger.holds import HoldRenewal, PlaceHold, expire_holds, expired_captures, place_holds, renew_holds, settlement_key
 from ledger.schema import holds, utc_now
-from ledger.service import Ledger, sweep_expired_holds
+from ledger.service import Ledger, settle_orphaned_holds, sweep_expired_holds
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
 from tests.support.harness import wait_for
@@ -148,3 +148,36 @@ def test_a_renewal_whose_usage_record_is_invalid_still_renews_its_hold(ledger, e
         assert expire_holds(conn, now=utc_now() + timedelta(seconds=30)) == 0
         captures = dict(conn.execute(select(holds.c.id, holds.c.capture_nano_usd)).all())
     assert captures == {hold.hold_id: 0, good.hold_id: USD}
+
+
+def test_a_restarted_replica_settles_the_holds_it_left_at_once_and_no_one_elses(ledger, engine):
+    """Given holds a crashed replica left (one that delivered, one untouched, one
+    still renewed by a live process under the same id) and one of another
+    replica, long before any expires: settling the orphans charges the
+    recorded usage, releases the untouched one, and leaves the renewed hold and
+    the other replica's alone."""
+    customer = _limited_customer(ledger, engine, 10 * USD, 8 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+
+    def place(name, replica):
+        return ledger.place_hold(PlaceHold(customer, USD, key(name), ttl_s=600, spend_limit_id=LIMIT_ID, replica_id=replica))
+
+    delivered, untouched, renewed = place("delivered", "host:8000"), place("untouched", "host:8000"), place("renewed", "host:8000")
+    others = place("other", "host:8001")
+    capture = 123_456_789
+    with engine.begin() as conn:
+        renew_holds(conn, [HoldRenewal(delivered.hold_id, 600, capture, owner, "req-crashed", {"completion_tokens": 3})])
+    seen = ledger.holds_of_replica("host:8000")
+    assert set(seen) == {delivered.hold_id, untouched.hold_id, renewed.hold_id}
+    with engine.begin() as conn:  # the live twin renews its hold after the restart read it
+        renew_holds(conn, [HoldRenewal(renewed.hold_id, 900)])
+    assert settle_orphaned_holds(engine, seen) == (1, 1)
+    assert settle_orphaned_holds(engine, seen) == (0, 0), "once"
+    with engine.connect() as conn:
+        assert set(conn.execute(select(holds.c.id)).scalars()) == {renewed.hold_id, others.hold_id}
+    customer_view = ledger.balance(customer)
+    assert (customer_view.balance_nano_usd, customer_view.held_nano_usd) == (10 * USD - capture, 2 * USD)
+    assert ledger.balance(owner).balance_nano_usd == capture * 80 // 100
+    assert _limit(engine)["spent_nano_usd"] == capture and _limit(engine)["held_nano_usd"] == 2 * USD
+    with engine.connect() as conn:
+        assert verify(conn).ok

@@ -23,13 +23,13 @@ LONG_PROMPT_BYTES = 100_000  # about 20 s of prefill on the slowed worker: its h
 
 
 @pytest.fixture
-def replicas(database_url):
+def replicas(postgres_url):
     """`paralon serve` processes with the default hold settings, each in its own
     process group; whatever a test left running is killed at the end."""
     started: list[ServeProcess] = []
 
     def start(port: int | None = None) -> ServeProcess:
-        started.append(ServeProcess(database_url, port=port).start())
+        started.append(ServeProcess(postgres_url, port=port).start())
         return started[-1]
 
     yield start
@@ -115,7 +115,7 @@ def _assert_settled_at_recorded_usage(fleet, before_nano_usd: int, orphans: dict
     fleet.assert_books_close()
 
 
-def test_a_replica_killed_and_restarted_frees_its_customers_credits_within_60_s(database_url, replicas):
+def test_a_replica_killed_and_restarted_frees_its_customers_credits_within_60_s(postgres_url, replicas):
     """Given replica A streaming for a customer (three streams with tokens
     delivered, one still in prefill) and replica B streaming for the same
     customer, when A is killed with SIGKILL and restarted with the same
@@ -123,7 +123,7 @@ def test_a_replica_killed_and_restarted_frees_its_customers_credits_within_60_s(
     its holds settled at what was recorded delivered, the untouched one released;
     and B's stream, which A's restart must not touch, runs to its end."""
     worker = sim_worker("h200", time_scale=0.25)  # about 40 tokens a second per stream
-    fleet = make_fleet(database_url, [worker.url])
+    fleet = make_fleet(postgres_url, [worker.url])
     before = fleet.balance(fleet.customer_id).balance_nano_usd
     doomed, survivor = replicas(), replicas()
     running_on_b = Stream(survivor.url, fleet.key, "a story told by the replica that stays up", max_tokens=2000)
@@ -143,13 +143,13 @@ def test_a_replica_killed_and_restarted_frees_its_customers_credits_within_60_s(
     assert b_settlement["meta"]["completion_tokens"] == 2000
 
 
-def test_a_replica_killed_for_good_has_its_customers_credits_freed_by_another_within_60_s(database_url, replicas):
+def test_a_replica_killed_for_good_has_its_customers_credits_freed_by_another_within_60_s(postgres_url, replicas):
     """Given replica A streaming (three streams with tokens delivered, one in
     prefill) and replica B up beside it, when A is killed with SIGKILL and never
     comes back, then B's sweeper frees the customer's credits within 60 s of the
     kill, at the usage recorded against each hold."""
     worker = sim_worker("h200", time_scale=0.25)
-    fleet = make_fleet(database_url, [worker.url])
+    fleet = make_fleet(postgres_url, [worker.url])
     before = fleet.balance(fleet.customer_id).balance_nano_usd
     doomed, _ = replicas(), replicas()
     streams = _start_doomed_streams(fleet, doomed.url)

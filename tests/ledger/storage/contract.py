@@ -124,20 +124,33 @@ class StorageContract:
     def test_placement_answers_alike_on_every_storage(self, engine, customer):
         assert _placement(engine, customer, hl.place_holds) == PLACEMENT_ANSWERS
 
+    def test_placement_records_the_replica_that_placed_each_hold(self, engine, customer):
+        append_now(engine, cmd.GrantCredits(customer, 10 * HOLD, "credits", key("grant")))
+        with engine.begin() as conn:
+            placed = hl.place_holds(conn, [PlaceHold(customer, HOLD, "hold-a", replica_id="host-a:8000"),
+                                           PlaceHold(customer, HOLD, "hold-b", replica_id="host-b:8000"),
+                                           PlaceHold(customer, HOLD, "hold-c")])
+        with engine.connect() as conn:
+            assert set(hl.holds_of_replica(conn, "host-a:8000")) == {placed[0].hold_id}
+            assert dict(conn.execute(select(holds.c.idempotency_key, holds.c.replica_id)).all()) == {
+                "hold-a": "host-a:8000", "hold-b": "host-b:8000", "hold-c": None}
+
     def test_holds_inserted_get_their_ids_and_expiry(self, engine, storage, customer):
         now = utc_now()
         with engine.begin() as conn:
-            ids = storage.insert_holds(conn, [(customer, 5, "h-1", 60, None), (customer, 6, "h-2", 1, LIMIT_ID)], now)
+            ids = storage.insert_holds(conn, [(customer, 5, "h-1", 60, None, None), (customer, 6, "h-2", 1, LIMIT_ID, "host:8000")],
+                                       now)
             rows = {r.idempotency_key: r for r in conn.execute(select(holds))}
         assert set(ids) == {"h-1", "h-2"} and {rows[k].id for k in ids} == set(ids.values())
         assert rows["h-1"].expires_at == now + timedelta(seconds=60) and rows["h-2"].spend_limit_id == LIMIT_ID
+        assert (rows["h-1"].replica_id, rows["h-2"].replica_id) == (None, "host:8000")
         with engine.begin() as conn:
             assert storage.insert_holds(conn, [], now) == {}
 
     def test_a_renewal_pushes_the_expiry_and_records_a_capture_never_lowered_nor_above_the_hold(self, engine, storage, customer):
         now = utc_now()
         with engine.begin() as conn:
-            ids = storage.insert_holds(conn, [(customer, 10, "h-1", 1, None)], now)
+            ids = storage.insert_holds(conn, [(customer, 10, "h-1", 1, None, None)], now)
             hold_id = ids["h-1"]
             renewed = storage.renew_holds(conn, [HoldRenewal(hold_id, 60, 4, 7, "r-1", {}), HoldRenewal(hold_id + 99, 60)],
                                           ['{"a":1}', None], now)
@@ -155,7 +168,8 @@ class StorageContract:
 
     def test_closed_holds_come_back_whole_when_reopened(self, engine, storage, customer):
         with engine.begin() as conn:
-            ids = storage.insert_holds(conn, [(customer, 5, "h-1", 60, LIMIT_ID), (customer, 6, "h-2", 60, None)], utc_now())
+            ids = storage.insert_holds(conn, [(customer, 5, "h-1", 60, LIMIT_ID, "host:8000"), (customer, 6, "h-2", 60, None, None)],
+                                       utc_now())
             before = {tuple(r) for r in conn.execute(select(*(holds.c[name] for name in HOLD_ROW)))}
             closed = storage.close_holds(conn, sorted(ids.values()) + [max(ids.values()) + 99])
             assert {tuple(r) for r in closed} == before

@@ -1,0 +1,147 @@
+"""Holds name the proxy replica that placed them.
+
+A replica restarted after a crash settles the holds it left behind at once
+(at the usage recorded against each, or released when untouched) instead of
+waiting for them to expire; holds other replicas placed are not its to close.
+The function that places holds takes each hold's replica.
+
+Revision ID: 0016
+Revises: 0011
+Create Date: 2026-11-30
+"""
+import importlib.util
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0016"
+down_revision = "0011"
+branch_labels = None
+depends_on = None
+
+REPLICA_ID_CHARS = 200
+
+PLACE_HOLDS = """
+CREATE FUNCTION paralon_place_holds(
+    p_account bigint[], p_amount bigint[], p_minimum bigint[], p_key text[], p_ttl_s int[], p_limit bigint[],
+    p_replica text[], p_now timestamptz
+) RETURNS TABLE (idx int, status text, hold_id bigint, amount_nano_usd bigint, expires_at timestamptz, error_code text)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    n int := coalesce(cardinality(p_key), 0);
+    -- Active holds already stored under these keys (the caller sends each key once).
+    ex_keys text[]; ex_accounts bigint[]; ex_amounts bigint[]; ex_ids bigint[]; ex_expires timestamptz[]; ex_limits bigint[];
+    -- Per customer, by position in acc_ids: kind, what is available, what this batch placed.
+    acc_ids bigint[]; acc_kinds text[]; acc_available bigint[]; acc_placed bigint[];
+    -- Per spend limit, by position in lim_ids: what is available, what this batch placed.
+    lim_ids bigint[]; lim_available bigint[]; lim_placed bigint[];
+    -- The decision for each request.
+    r_status text[] := array_fill(NULL::text, ARRAY[n]);
+    r_hold bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_amount bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_expires timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
+    r_error text[] := array_fill(NULL::text, ARRAY[n]);
+    e int; j int; k int; want bigint; lowest bigint; granted bigint;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT array_agg(h.idempotency_key), array_agg(h.account_id), array_agg(h.amount_nano_usd), array_agg(h.id),
+           array_agg(h.expires_at), array_agg(h.spend_limit_id)
+      INTO ex_keys, ex_accounts, ex_amounts, ex_ids, ex_expires, ex_limits
+      FROM holds h WHERE h.idempotency_key = ANY(p_key);
+    PERFORM 1 FROM customer_holds c WHERE c.account_id = ANY(p_account) ORDER BY c.account_id FOR UPDATE;
+    SELECT array_agg(a.id ORDER BY a.id), array_agg(a.kind ORDER BY a.id),
+           array_agg(b.balance_nano_usd - (coalesce(c.holds_placed_nano_usd, 0) - b.holds_closed_nano_usd) ORDER BY a.id)
+      INTO acc_ids, acc_kinds, acc_available
+      FROM accounts a JOIN account_balances b ON b.account_id = a.id LEFT JOIN customer_holds c ON c.account_id = a.id
+     WHERE a.id = ANY(p_account);
+    acc_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(acc_ids), 0)]);
+    IF cardinality(array_remove(p_limit, NULL)) > 0 THEN  -- some request names a limit
+        PERFORM 1 FROM spend_limit_holds l WHERE l.limit_id = ANY(p_limit) ORDER BY l.limit_id FOR UPDATE;
+        SELECT array_agg(l.limit_id ORDER BY l.limit_id),
+               array_agg(l.limit_nano_usd - u.spent_nano_usd - (l.holds_placed_nano_usd - u.holds_closed_nano_usd) ORDER BY l.limit_id)
+          INTO lim_ids, lim_available
+          FROM spend_limit_holds l JOIN spend_limit_usage u ON u.limit_id = l.limit_id
+         WHERE l.limit_id = ANY(p_limit);
+    END IF;
+    lim_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(lim_ids), 0)]);
+    FOR i IN 1 .. n LOOP
+        want := p_amount[i];
+        lowest := coalesce(p_minimum[i], want);
+        e := array_position(ex_keys, p_key[i]);
+        j := array_position(acc_ids, p_account[i]);
+        k := CASE WHEN p_limit[i] IS NULL THEN NULL ELSE coalesce(array_position(lim_ids, p_limit[i]), 0) END;
+        IF e IS NOT NULL THEN
+            IF ex_accounts[e] = p_account[i] AND ex_amounts[e] BETWEEN lowest AND want
+               AND ex_limits[e] IS NOT DISTINCT FROM p_limit[i] THEN
+                r_status[i] := 'exists'; r_hold[i] := ex_ids[e]; r_amount[i] := ex_amounts[e]; r_expires[i] := ex_expires[e];
+            ELSE
+                r_error[i] := 'exists_with_different_content';
+            END IF;
+        ELSIF j IS NULL THEN
+            r_error[i] := 'unknown_account';
+        ELSIF acc_kinds[j] <> 'customer' THEN
+            r_error[i] := 'wrong_account_kind';
+        ELSIF k IS NOT NULL AND (k = 0 OR lim_available[k] < lowest) THEN
+            r_error[i] := 'spend_limit_reached'; r_amount[i] := CASE WHEN k = 0 THEN 0 ELSE lim_available[k] END;
+        ELSE
+            granted := least(want, acc_available[j], CASE WHEN k IS NULL THEN want ELSE lim_available[k] END);
+            IF granted < lowest THEN
+                r_error[i] := 'overdraft'; r_amount[i] := acc_available[j];
+            ELSE
+                acc_available[j] := acc_available[j] - granted;
+                acc_placed[j] := acc_placed[j] + granted;
+                IF k IS NOT NULL THEN
+                    lim_available[k] := lim_available[k] - granted;
+                    lim_placed[k] := lim_placed[k] + granted;
+                END IF;
+                r_status[i] := 'created'; r_amount[i] := granted; r_expires[i] := p_now + make_interval(secs => p_ttl_s[i]);
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN QUERY
+    WITH inserted AS (
+        INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id, replica_id)
+        SELECT p_account[i], r_amount[i], p_key[i], p_now, r_expires[i], p_limit[i], p_replica[i]
+          FROM generate_subscripts(p_key, 1) AS i WHERE r_status[i] = 'created'
+        RETURNING holds.id, holds.idempotency_key
+    )
+    SELECT (i - 1)::int, r_status[i], coalesce(r_hold[i], inserted.id), r_amount[i], r_expires[i], r_error[i]
+      FROM generate_subscripts(p_key, 1) AS i LEFT JOIN inserted ON inserted.idempotency_key = p_key[i];
+    UPDATE customer_holds c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.placed
+      FROM unnest(acc_ids, acc_placed) AS u(account_id, placed)
+     WHERE c.account_id = u.account_id AND u.placed <> 0;
+    UPDATE spend_limit_holds l SET holds_placed_nano_usd = l.holds_placed_nano_usd + u.placed
+      FROM unnest(lim_ids, lim_placed) AS u(limit_id, placed)
+     WHERE l.limit_id = u.limit_id AND u.placed <> 0;
+END $$
+"""
+OLD_SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], timestamptz)"
+NEW_SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], text[], timestamptz)"
+
+
+def upgrade() -> None:
+    # No index: the holds table keeps only open holds, and a replica reads it by replica once, when it starts.
+    with op.batch_alter_table("holds") as batch:
+        batch.add_column(sa.Column("replica_id", sa.String(REPLICA_ID_CHARS)))
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"DROP FUNCTION {OLD_SIGNATURE}")
+        op.execute(PLACE_HOLDS)
+
+
+def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"DROP FUNCTION {NEW_SIGNATURE}")
+        op.execute(_previous_place_holds())
+    with op.batch_alter_table("holds") as batch:
+        batch.drop_column("replica_id")
+
+
+def _previous_place_holds() -> str:
+    """The function as revision 0010 created it."""
+    path = Path(__file__).with_name("0010_spend_limits_and_captures.py")
+    spec = importlib.util.spec_from_file_location("revision_0010", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PLACE_HOLDS
