@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from ledger.schema import holds
+from ledger.schema import holds, utc_now
 from tests.support.faults import kill_hard
 from tests.support.harness import MODEL, ServeProcess, make_fleet, sim_worker, wait_for
 
@@ -65,6 +65,11 @@ def _open_holds(fleet) -> dict[int, int]:
     with fleet.engine.connect() as conn:
         return dict(conn.execute(select(holds.c.id, holds.c.capture_nano_usd)
                                  .where(holds.c.account_id == fleet.customer_id)).all())
+
+
+def _first_expiry(fleet, hold_ids) -> object:
+    with fleet.engine.connect() as conn:
+        return min(conn.execute(select(holds.c.expires_at).where(holds.c.id.in_(hold_ids))).scalars())
 
 
 def _start_doomed_streams(fleet, url: str) -> list[Stream]:
@@ -132,8 +137,10 @@ def test_a_replica_killed_and_restarted_frees_its_customers_credits_within_60_s(
     b_hold_ids = set(_open_holds(fleet))
     streams = _start_doomed_streams(fleet, doomed.url)
     killed_at, orphans = _crash(fleet, doomed, streams, b_hold_ids)
+    first_expiry = _first_expiry(fleet, orphans)
     replicas(port=doomed.port)
     _free_within_bound(fleet, killed_at, b_hold_ids, "restarted")
+    assert utc_now() < first_expiry, "closed by the restart, before any expired for a sweeper to find"
     assert set(_open_holds(fleet)) == b_hold_ids and not running_on_b.finished  # B's request is still running
     running_on_b.join(120)
     assert running_on_b.finished
