@@ -14,14 +14,18 @@ from eth_account import Account
 from web3 import Web3
 from web3.exceptions import TransactionNotFound
 
-from app.limits import ANCHOR_RECEIPT_TIMEOUT_S, ANCHOR_SCAN_BLOCKS_MAX, CHAIN_RPC_TIMEOUT_S
+from app.limits import (
+    ANCHOR_RECEIPT_TIMEOUT_S,
+    ANCHOR_SCAN_BLOCKS_MAX,
+    ANCHOR_SEQ_BYTES,
+    CHAIN_RPC_TIMEOUT_S,
+    EVM_RECEIPT_STATUS_SUCCESS,
+)
 from ledger.anchors import Anchor
 from ledger.limits import SHA256_BYTES
 
 PREFIX = b"paralon-anchor"
-SEQ_BYTES = 8
-DATA_BYTES = len(PREFIX) + SEQ_BYTES + SHA256_BYTES
-TX_MINED = 1  # a receipt's status
+DATA_BYTES = len(PREFIX) + ANCHOR_SEQ_BYTES + SHA256_BYTES
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ def connect(settings: ChainAnchorSettings) -> Web3:
 
 
 def encode(seq: int, event_hash: bytes) -> bytes:
-    return PREFIX + seq.to_bytes(SEQ_BYTES, "big") + event_hash
+    return PREFIX + seq.to_bytes(ANCHOR_SEQ_BYTES, "big") + event_hash
 
 
 def decode(data: bytes) -> tuple[int, bytes] | None:
@@ -47,7 +51,7 @@ def decode(data: bytes) -> tuple[int, bytes] | None:
     if len(data) != DATA_BYTES or not data.startswith(PREFIX):
         return None
     body = data[len(PREFIX):]
-    return int.from_bytes(body[:SEQ_BYTES], "big"), body[SEQ_BYTES:]
+    return int.from_bytes(body[:ANCHOR_SEQ_BYTES], "big"), body[ANCHOR_SEQ_BYTES:]
 
 
 def send(w3: Web3, settings: ChainAnchorSettings, seq: int, event_hash: bytes) -> tuple[int, str]:
@@ -60,7 +64,7 @@ def send(w3: Web3, settings: ChainAnchorSettings, seq: int, event_hash: bytes) -
     signed = account.sign_transaction(tx)
     tx_hash = w3.eth.send_raw_transaction(signed.raw_transaction)
     receipt = w3.eth.wait_for_transaction_receipt(tx_hash, timeout=ANCHOR_RECEIPT_TIMEOUT_S)
-    if receipt["status"] != TX_MINED:
+    if receipt["status"] != EVM_RECEIPT_STATUS_SUCCESS:
         raise RuntimeError(f"anchor transaction {_hex(tx_hash)} failed on chain {chain_id}")
     return chain_id, _hex(tx_hash)
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from app.limits import ANCHOR_FILE_LINE_BYTES_MAX
+from app.limits import ANCHOR_FILE_LINE_BYTES_MAX, ANCHOR_FILE_MODE
 from ledger.anchors import Anchor
 from ledger.limits import SHA256_HEX_CHARS
 
 TX_HASH = re.compile(r"0x[0-9a-f]{64}")
 HASH = re.compile(rf"[0-9a-f]{{{SHA256_HEX_CHARS}}}")
-FILE_MODE = 0o644
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ def append(path: Path, record: dict) -> None:
         raise ValueError(f"an anchor line of {len(line)} bytes is longer than {ANCHOR_FILE_LINE_BYTES_MAX}")
     path.parent.mkdir(parents=True, exist_ok=True)
     is_new = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, ANCHOR_FILE_MODE)
     try:
         os.write(fd, line)  # one write: the line is whole or absent
         os.fsync(fd)
