@@ -63,7 +63,7 @@ UINT256_DIGITS = 78  # decimal digits of the largest uint256: a raw amount as on
 # --- Anchors of the chain's head (app/anchoring/) ------------------------------------
 ANCHOR_INTERVAL_S_DEFAULT = 600.0  # how often beat writes the head outside the database
 ANCHOR_INTERVAL_S_MIN = 1.0
-ANCHOR_RECEIPT_TIMEOUT_S = 300  # how long writing an anchor waits for its transaction to be mined
+ANCHOR_RECEIPT_TIMEOUT_S = 120  # how long writing an anchor waits for its transaction to be mined (beat waits too)
 ANCHOR_SCAN_BLOCKS_MAX = 10_000  # blocks `ledger verify --chain-from-block` reads for anchors
 ANCHOR_FILE_LINE_BYTES_MAX = 1024  # one anchor line; far below what one O_APPEND write keeps whole
 ANCHOR_FILE_MODE = 0o644  # readable by whoever ships the file off the host
