@@ -69,32 +69,33 @@ def send(w3: Web3, settings: ChainAnchorSettings, seq: int, event_hash: bytes) -
     return chain_id, _hex(tx_hash)
 
 
-def read_tx(w3: Web3, settings: ChainAnchorSettings, tx_hash: str) -> Anchor:
+def read_tx(w3: Web3, settings: ChainAnchorSettings, chain_id: int, tx_hash: str) -> Anchor:
     """The anchor a mined transaction of the anchor wallet carries; ValueError otherwise."""
     try:
         tx = w3.eth.get_transaction(tx_hash)
     except TransactionNotFound:
-        raise ValueError(f"transaction {tx_hash} is not on chain {w3.eth.chain_id}") from None
-    anchor = _anchor_of(w3, tx, settings.address)
+        raise ValueError(f"transaction {tx_hash} is not on chain {chain_id}") from None
+    anchor = _anchor_of(chain_id, tx, settings.address, None)  # its time is the file's; one call per anchor, not two
     if anchor is None:
         raise ValueError(f"transaction {tx_hash} is no anchor of {settings.address}")
     return anchor
 
 
-def scan(w3: Web3, settings: ChainAnchorSettings, from_block: int) -> tuple[list[Anchor], int]:
+def scan(w3: Web3, settings: ChainAnchorSettings, chain_id: int, from_block: int) -> tuple[list[Anchor], int]:
     """The anchor wallet's anchors in at most ANCHOR_SCAN_BLOCKS_MAX blocks from
     `from_block`; (anchors, the last block read)."""
     to_block = min(w3.eth.block_number, from_block + ANCHOR_SCAN_BLOCKS_MAX - 1)
     anchors = []
     for number in range(from_block, to_block + 1):
-        for tx in w3.eth.get_block(number, full_transactions=True)["transactions"]:
-            anchor = _anchor_of(w3, tx, settings.address)
+        block = w3.eth.get_block(number, full_transactions=True)
+        for tx in block["transactions"]:
+            anchor = _anchor_of(chain_id, tx, settings.address, datetime.fromtimestamp(block["timestamp"], UTC))
             if anchor is not None:
                 anchors.append(anchor)
     return anchors, to_block
 
 
-def _anchor_of(w3: Web3, tx, address: str) -> Anchor | None:
+def _anchor_of(chain_id: int, tx, address: str, mined_at: datetime | None) -> Anchor | None:
     """Only a mined transaction from the wallet to itself counts: anyone may send
     the same data to the wallet, nobody else can send it from there."""
     if tx.get("blockNumber") is None or tx["from"] != address or tx.get("to") != address:
@@ -103,8 +104,7 @@ def _anchor_of(w3: Web3, tx, address: str) -> Anchor | None:
     if decoded is None:
         return None
     seq, event_hash = decoded
-    mined_at = datetime.fromtimestamp(w3.eth.get_block(tx["blockNumber"])["timestamp"], UTC)
-    return Anchor(seq, event_hash, mined_at, f"chain {w3.eth.chain_id} tx {_hex(tx['hash'])}")
+    return Anchor(seq, event_hash, mined_at, f"chain {chain_id} tx {_hex(tx['hash'])}")
 
 
 def _hex(value) -> str:

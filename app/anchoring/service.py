@@ -92,7 +92,7 @@ def read_anchors(settings: AnchorSettings, chain_from_block: int | None = None) 
             result.notes.append(f"{entry.anchor.where}: its transaction is on chain {entry.chain_id}, the node is chain {chain_id}")
             continue
         try:
-            on_chain = chain.read_tx(w3, settings.chain, entry.tx_hash)
+            on_chain = chain.read_tx(w3, settings.chain, chain_id, entry.tx_hash)
         except ValueError as exc:
             result.findings.append(f"{entry.anchor.where}: {exc}")
             continue
@@ -102,7 +102,7 @@ def read_anchors(settings: AnchorSettings, chain_from_block: int | None = None) 
         result.anchors.append(on_chain)
     if chain_from_block is not None:
         known = {a.where for a in result.anchors}
-        scanned, last_block = chain.scan(w3, settings.chain, chain_from_block)
+        scanned, last_block = chain.scan(w3, settings.chain, chain_id, chain_from_block)
         result.anchors.extend(a for a in scanned if a.where not in known)
         result.notes.append(f"chain {chain_id}: blocks {chain_from_block} to {last_block} scanned for anchors")
     return result
