@@ -126,10 +126,10 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
             "anchors_checked": len(read.anchors), "anchor_notes": read.notes}
     if since_anchor:
         data["since_seq"] = since_seq
-    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts" if report.ok else "\n".join(
+    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts, {len(read.anchors)} anchors" if report.ok else "\n".join(
         [f"FAILED: {report.problems_total} problem(s)"] + report.problems
     )
-    emit(as_json, data, text)
+    emit(as_json, data, "\n".join([text, *read.notes]))
     sys.exit(0 if report.ok else 1)
 
 
