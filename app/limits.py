@@ -68,6 +68,16 @@ EVM_ADDRESS_CHARS = 42  # 0x and 40 hex digits
 EVM_HASH_CHARS = 66  # 0x and 64 hex digits
 UINT256_DIGITS = 78  # decimal digits of the largest uint256: a raw amount as on chain
 
+# --- Anchors of the chain's head (app/anchoring/) ------------------------------------
+ANCHOR_INTERVAL_S_DEFAULT = 600.0  # how often beat writes the head outside the database
+ANCHOR_INTERVAL_S_MIN = 1.0
+ANCHOR_RECEIPT_TIMEOUT_S = 120  # how long writing an anchor waits for its transaction to be mined (beat waits too)
+ANCHOR_SCAN_BLOCKS_MAX = 10_000  # blocks `ledger verify --chain-from-block` reads for anchors
+ANCHOR_FILE_LINE_BYTES_MAX = 1024  # one anchor line; far below what one O_APPEND write keeps whole
+ANCHOR_FILE_MODE = 0o644  # readable by whoever ships the file off the host
+ANCHOR_SEQ_BYTES = 8  # the seq in an anchor transaction's data, big endian
+EVM_RECEIPT_STATUS_SUCCESS = 1  # a mined transaction that did not revert
+
 # --- Jobs (app/outbox.py, app/jobs/) --------------------------------------------------
 OUTBOX_DISPATCH_TASKS_MAX = 500  # tasks one dispatch sends
 OUTBOX_TASK_NAME_CHARS_MAX = 100

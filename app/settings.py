@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.limits import (
+    ANCHOR_INTERVAL_S_DEFAULT,
+    ANCHOR_INTERVAL_S_MIN,
     CHECKOUT_MAX_USD_DEFAULT,
     CHECKOUT_MIN_USD_DEFAULT,
     CHECKOUT_USD_MAX,
@@ -47,6 +49,7 @@ DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
 PUBLIC_URL_DEFAULT = f"http://127.0.0.1:{SERVE_PORT_DEFAULT}"
 INVOICE_DIR_DEFAULT = "./var/invoices"
 MAIL_FROM_DEFAULT = "billing@paralon.example"
+ANCHOR_FILE_DEFAULT = "./var/anchors.jsonl"
 
 
 def in_ms(seconds: float) -> int:
@@ -141,6 +144,15 @@ class CeleryConfig(_Group):
     result_url: str | None = _env("PARALON_CELERY_RESULT_URL", repr=False)
 
 
+class AnchorConfig(_Group):
+    """Where the chain's head is written outside the database (app/anchoring/)."""
+
+    file: str = _env("PARALON_ANCHOR_FILE", ANCHOR_FILE_DEFAULT)  # append-only JSON lines; ship it off-host
+    interval_s: float = _env("PARALON_ANCHOR_INTERVAL_S", ANCHOR_INTERVAL_S_DEFAULT, ge=ANCHOR_INTERVAL_S_MIN)
+    # A hex private key that sends the anchor transactions (to itself) on PARALON_CHAIN_RPC_URL.
+    wallet_key: SecretStr | None = _env("PARALON_ANCHOR_WALLET_KEY")
+
+
 class Settings(BaseModel):
     """Every group; `Settings.from_env()` reads them all at once."""
 
@@ -153,6 +165,7 @@ class Settings(BaseModel):
     mail: MailConfig = Field(default_factory=MailConfig)
     invoices: InvoiceConfig = Field(default_factory=InvoiceConfig)
     celery: CeleryConfig = Field(default_factory=CeleryConfig)
+    anchors: AnchorConfig = Field(default_factory=AnchorConfig)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -183,7 +196,8 @@ def _is_secret(variable: str) -> bool:
 
 SECRET_VARIABLES = frozenset(
     field.validation_alias
-    for group in (DatabaseConfig, ProxyConfig, StripeConfig, CryptoConfig, MailConfig, InvoiceConfig, CeleryConfig)
+    for group in (DatabaseConfig, ProxyConfig, StripeConfig, CryptoConfig, MailConfig, InvoiceConfig, CeleryConfig,
+                  AnchorConfig)
     for field in group.model_fields.values()
     if SecretStr in getattr(field.annotation, "__args__", (field.annotation,))
 )

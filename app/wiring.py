@@ -19,6 +19,7 @@ from ledger.money import CENTS_PER_USD
 from ledger.service import Ledger
 
 if TYPE_CHECKING:
+    from app.anchoring.service import AnchorSettings
     from app.payments.crypto import CryptoSettings
     from app.payments.stripe import StripeSettings
     from invoices.mail import MailSettings
@@ -79,6 +80,25 @@ def mail_settings(settings: Settings) -> MailSettings:
     mail = settings.mail
     return MailSettings(host=mail.smtp_host, port=mail.smtp_port, user=mail.smtp_user,
                         password=_reveal(mail.smtp_password), sender=mail.sender)
+
+
+def anchor_settings(settings: Settings) -> AnchorSettings:
+    """The anchor file, and the chain when a wallet key is set (on the deposits' node)."""
+    from app.anchoring.service import AnchorSettings  # see the module's docstring
+
+    key = _reveal(settings.anchors.wallet_key)
+    if key is None:
+        return AnchorSettings(Path(settings.anchors.file))
+    from app.anchoring.chain import ChainAnchorSettings
+
+    if not settings.crypto.rpc_url:
+        raise SettingsError("PARALON_ANCHOR_WALLET_KEY needs PARALON_CHAIN_RPC_URL, the node anchors are sent to")
+    chain = ChainAnchorSettings(settings.crypto.rpc_url, key)
+    try:
+        chain.address  # noqa: B018 (a key that is no private key fails here, in words of our own)
+    except (ValueError, TypeError):
+        raise SettingsError("PARALON_ANCHOR_WALLET_KEY is not a hex private key (its value is not shown)") from None
+    return AnchorSettings(Path(settings.anchors.file), chain)
 
 
 def _reveal(secret) -> str | None:

@@ -13,8 +13,8 @@ from ledger import events as ev
 from ledger import spend_limits
 from ledger.accounts import read_books
 from ledger.limits import VERIFY_PROBLEMS_LISTED_MAX
-from ledger.log import iter_events
-from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, spend_limit_holds
+from ledger.log import iter_events, read_events
+from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, ledger_postings, spend_limit_holds
 
 Progress = Callable[[int], None]  # called with the number of events just processed
 
@@ -93,6 +93,15 @@ def _check_event(event, expected_seq: int, prev_hash: str, report: VerifyReport)
 def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
     report = VerifyReport()
     replayed = replay_balances(conn, report, progress)
+    _check_balances(conn, {account_id: balance for account_id, (balance, _) in replayed.items()}, report)
+    _check_hold_counters(conn, report)
+    _check_spend_limits(conn, report)
+    return report
+
+
+def _check_balances(conn: Connection, replayed: dict[int, int], report: VerifyReport) -> None:
+    """Each balance equals its replay, no non-negative account is below zero, and
+    postings name only accounts that exist."""
     rows = conn.execute(
         select(accounts.c.id, accounts.c.kind, account_balances.c.balance_nano_usd).outerjoin(account_balances, account_balances.c.account_id == accounts.c.id)
     ).all()
@@ -100,7 +109,7 @@ def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
     for account_id, kind, stored in rows:
         known.add(account_id)
         report.accounts_checked += 1
-        expected = replayed.get(account_id, (0, 0))[0]
+        expected = replayed.get(account_id, 0)
         if stored is None:
             report.add(f"account {account_id}: has no balance row")
         elif stored != expected:
@@ -110,9 +119,6 @@ def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
             report.add(f"account {account_id} ({kind}): replayed balance {expected} is below zero")
     for account_id in sorted(set(replayed) - known):
         report.add(f"postings name account {account_id}, which does not exist")
-    _check_hold_counters(conn, report)
-    _check_spend_limits(conn, report)
-    return report
 
 
 def _check_hold_counters(conn: Connection, report: VerifyReport) -> None:
@@ -154,3 +160,54 @@ def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:
             update(account_balances).where(account_balances.c.account_id == account_id).values(balance_nano_usd=balance, last_event_seq=seq)
         )
     return len(account_ids)
+
+
+# --- From an anchor on (`ledger verify --since-anchor`) ---------------------------
+REFUND_EVENT_TYPES = ("CreditsRefunded", "CreditsFrozen")  # a customer's first leg is what it took back
+
+
+def verify_since(conn: Connection, after_seq: int, after_hash: bytes, progress: Progress | None = None) -> VerifyReport:
+    """What a restored backup needs checked when an anchor outside vouches for the
+    chain up to `after_seq`: the chain from that hash on to the head, each later
+    event's zero sum, and every balance against the sum of its postings (summed by
+    the database, nothing rehashed). Events up to the anchor are not rehashed: an
+    edit there that kept its stored hash needs the full `verify`."""
+    report = VerifyReport()
+    prev_hash, expected_seq = after_hash, after_seq + 1
+    position = after_seq
+    while page := read_events(conn, position):
+        for event in page:
+            _check_event(event, expected_seq, prev_hash, report)
+            report.events_checked += 1
+            prev_hash, expected_seq = event.hash, event.seq + 1
+            if progress is not None:
+                progress(1)
+        position = page[-1].seq
+    head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
+    if (head.last_seq, bytes(head.last_hash)) != (expected_seq - 1, prev_hash):
+        report.add(f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, "
+                   f"the log from seq {after_seq} ends at seq {expected_seq - 1} hash {prev_hash.hex()}")
+    report.refunded_by_account = _refunded_by_account(conn)
+    totals = conn.execute(select(ledger_postings.c.account_id, func.sum(ledger_postings.c.amount_nano_usd))
+                          .group_by(ledger_postings.c.account_id)).all()
+    _check_balances(conn, {account_id: int(total) for account_id, total in totals}, report)
+    _check_hold_counters(conn, report)
+    _check_spend_limits(conn, report)
+    return report
+
+
+def _refunded_by_account(conn: Connection) -> dict[int, int]:
+    """What each customer took back by refunds and disputes (its debt allowance)."""
+    rows = conn.execute(
+        select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
+        .join(ledger_events, ledger_events.c.seq == ledger_postings.c.event_seq)
+        .where(ledger_events.c.event_type.in_(REFUND_EVENT_TYPES))
+        .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+    ).all()
+    refunded: dict[int, int] = {}
+    seen: set[int] = set()
+    for seq, account_id, amount in rows:
+        if seq not in seen:
+            seen.add(seq)
+            refunded[account_id] = refunded.get(account_id, 0) - amount
+    return refunded

@@ -103,6 +103,13 @@ def _migrated(url: str) -> None:
         engine.dispose()  # a template must have no connection left when it is cloned
 
 
+@pytest.fixture(autouse=True)
+def anchor_file_of_its_own(tmp_path, monkeypatch) -> None:
+    """Each test's anchors (beat's, `ledger anchor`'s, and what `ledger verify` reads)
+    in a file of its own: never ./var/anchors.jsonl of `make run`, never another test's."""
+    monkeypatch.setenv("PARALON_ANCHOR_FILE", str(tmp_path / "anchors.jsonl"))
+
+
 @pytest.fixture(scope="session")
 def postgres_template() -> str:
     """The name of a database migrated once for this test process, the template of every test's database."""

@@ -1,5 +1,5 @@
 """The money core from the command line: `paralon migrate`, `credits`,
-`balance`, `ledger` (verify, replay, export, reverse) and `holds`."""
+`balance`, `ledger` (verify, anchor, replay, export, reverse) and `holds`."""
 from __future__ import annotations
 
 import sys
@@ -8,16 +8,21 @@ import uuid
 import click
 
 from app.cli.output import emit, engine, handles_errors, json_option, progress
+from app.anchoring.service import read_anchors, write_anchor
 from app.migrate import migrate
+from app.settings import Settings
+from app.wiring import anchor_settings
 from invoices import exports
 from ledger import accounts as acc
 from ledger import commands as cmd
+from ledger.anchors import check_anchors, latest_matching
 from ledger.db import snapshot_connection
 from ledger.errors import InvalidInput
+from ledger.events import GENESIS_HASH
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now, sweep_expired_holds
-from ledger.verify import count_events, rebuild_balances, verify
+from ledger.verify import count_events, rebuild_balances, verify, verify_since
 
 
 @click.command("migrate")
@@ -97,21 +102,48 @@ def ledger_group() -> None:
 
 
 @ledger_group.command("verify")
+@click.option("--since-anchor", is_flag=True,
+              help="Check the chain only from the newest anchor that matches (cheap after a restore); balances in full.")
+@click.option("--chain-from-block", type=click.IntRange(min=0), default=None,
+              help="Also scan the chain from this block (bounded) for the anchor wallet's anchors.")
 @json_option
 @handles_errors
-def ledger_verify(as_json: bool) -> None:
-    """Exit 0 when the chain, every zero sum and every balance hold; 1 with a report otherwise."""
+def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: bool) -> None:
+    """Exit 0 when the chain, every zero sum, every balance and every anchor hold; 1 with a report otherwise."""
+    # Anchors first: one written after the snapshot began could name a seq the snapshot cannot see.
+    read = read_anchors(anchor_settings(Settings.from_env()), chain_from_block)
     with snapshot_connection(engine()) as conn:  # appends may go on meanwhile
-        total = count_events(conn)
+        since_seq, since_hash = 0, GENESIS_HASH
+        if since_anchor and (start := latest_matching(conn, read.anchors)) is not None:
+            since_seq, since_hash = start.seq, start.hash
+        total = count_events(conn) - since_seq
         with progress(total, "verifying") as bar:
-            report = verify(conn, progress=bar.update)
+            report = verify_since(conn, since_seq, since_hash, bar.update) if since_anchor else verify(conn, progress=bar.update)
+        for finding in read.findings + check_anchors(conn, read.anchors):
+            report.add(finding)
     data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
-            "problems_total": report.problems_total, "problems": report.problems}
-    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts" if report.ok else "\n".join(
+            "problems_total": report.problems_total, "problems": report.problems,
+            "anchors_checked": len(read.anchors), "anchor_notes": read.notes}
+    if since_anchor:
+        data["since_seq"] = since_seq
+    text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts, {len(read.anchors)} anchors" if report.ok else "\n".join(
         [f"FAILED: {report.problems_total} problem(s)"] + report.problems
     )
-    emit(as_json, data, text)
+    emit(as_json, data, "\n".join([text, *read.notes]))
     sys.exit(0 if report.ok else 1)
+
+
+@ledger_group.command("anchor")
+@json_option
+@handles_errors
+def ledger_anchor(as_json: bool) -> None:
+    """Write the chain's head outside the database now: a line in PARALON_ANCHOR_FILE, and a
+    transaction on PARALON_CHAIN_RPC_URL when PARALON_ANCHOR_WALLET_KEY is set (exit 1 if that failed)."""
+    written = write_anchor(engine(), anchor_settings(Settings.from_env()))
+    where = f"{written['file']}" + (f" and chain {written['chain_id']} tx {written['tx_hash']}" if written["tx_hash"] else "")
+    text = f"anchored seq {written['seq']} hash {written['hash']} in {where}"
+    emit(as_json, written, text if not written["chain_error"] else f"{text}; NOT on the chain: {written['chain_error']}")
+    sys.exit(1 if written["chain_error"] else 0)
 
 
 @ledger_group.command("replay")

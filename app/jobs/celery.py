@@ -42,6 +42,7 @@ celery.conf.update(
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
+        "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
         # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
         "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
@@ -96,3 +97,15 @@ def crypto_scan() -> dict:
 def dispatch_outbox() -> int:
     with _database() as (engine, _):
         return outbox.dispatch(engine, send_task)
+
+
+@celery.task(name="paralon.anchor_ledger")
+def anchor_ledger() -> dict:
+    """Write the chain's head outside the database, when it moved since the newest anchor."""
+    from app.anchoring.service import NothingToAnchor, write_anchor
+
+    with _database() as (engine, settings):
+        try:
+            return write_anchor(engine, wiring.anchor_settings(settings), only_if_moved=True)
+        except NothingToAnchor as exc:
+            return {"skipped": str(exc)}

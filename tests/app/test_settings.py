@@ -26,6 +26,7 @@ SECRETS = {
     "PARALON_STRIPE_WEBHOOK_SECRET": "whsec_5ecretF0rT3sts0nly",
     "PARALON_CRYPTO_SEED": SEED,
     "PARALON_SMTP_PASSWORD": "correct-horse-battery-staple",
+    "PARALON_ANCHOR_WALLET_KEY": "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d",
 }
 NOT_SETTINGS = {"PARALON_SIM_TIME_SCALE"}  # read by the simulated worker, a separate program
 
