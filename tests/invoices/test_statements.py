@@ -184,7 +184,7 @@ def test_statements_refuse_what_they_cannot_state_and_store_nothing(history):
         st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels)
     with fleet.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(statements)).scalar_one() == 0
-    assert not (settings.storage_dir / "statements").exists() or not any((settings.storage_dir / "statements").rglob("*.pdf"))
+    assert not settings.storage_dir.exists() or not any(settings.storage_dir.rglob("*.pdf"))
 
 
 def test_the_cli_issues_shows_and_lists_statements(history):
