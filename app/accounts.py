@@ -8,7 +8,6 @@ Which roles may call which function is the HTTP guards' business
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy import Connection, func, select
 
@@ -102,12 +101,13 @@ def list_invoices(conn: Connection, account_id: int, kind: str | None, start: da
              "pdf_sha256": r.pdf_sha256.hex() if r.pdf_sha256 else None} for r in conn.execute(query)]
 
 
-def invoice_pdf_path(conn: Connection, who: Principal, number: str) -> Path:
-    row = conn.execute(select(invoices_table.c.account_id, invoices_table.c.pdf_path)
+def visible_invoice(conn: Connection, who: Principal, number: str) -> str:
+    """The number of an issued invoice the caller may see; else `NotVisible`."""
+    row = conn.execute(select(invoices_table.c.account_id, invoices_table.c.issued_event_seq)
                        .where(invoices_table.c.number == number)).first()
-    if row is None or row.pdf_path is None or (row.account_id != who.account_id and not who.is_admin):
+    if row is None or row.issued_event_seq is None or (row.account_id != who.account_id and not who.is_admin):
         raise NotVisible(f"no invoice {number}")
-    return Path(row.pdf_path)
+    return number
 
 
 def usage(conn: Connection, account_id: int, group_by: str) -> list[dict]:

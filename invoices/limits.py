@@ -18,6 +18,10 @@ PDF_PATH_CHARS_MAX = 1000
 # Tries to number a document while other transactions take the year's first number, or this top-up's.
 NUMBER_ASSIGN_ATTEMPTS_MAX = 5
 STATEMENT_FILE_DIGEST_CHARS = 12  # of the PDF's SHA-256, in hex, in the statement's file name
+INVOICE_FILE_DIGEST_CHARS = 16  # of the PDF's SHA-256, in hex, in the invoice's file name
+DEPLOYMENT_ID_CHARS = 36  # a UUID in text
+# The modification time (Unix seconds) written into the fonts a PDF embeds: fixed, so renders repeat byte for byte.
+PDF_FONT_TIMESTAMP_S = 0
 
 # --- Dates as the read models and statements keep them (UTC) ---
 DAY_CHARS = len("YYYY-MM-DD")

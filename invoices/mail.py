@@ -4,20 +4,23 @@ A sender first claims the invoice (so two workers never send it together),
 sends, then records `emailed_at`; a failed send releases nothing and raises,
 and the task is retried while the mail server is down. The Message-ID is
 derived from the invoice number, so even a send repeated after a crash
-between sending and recording is one message to a mail client."""
+between sending and recording is one message to a mail client. The PDF
+attached is only ever the one whose SHA-256 the ledger recorded: a stored file
+that is not it is rendered again or, failing that, nothing is sent
+(`DocumentUnavailable`), never another document."""
 from __future__ import annotations
 
 import smtplib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from email.message import EmailMessage
-from pathlib import Path
 
 from sqlalchemy import Engine, or_, select, update
 
 from invoices.limits import MAIL_CLAIM_TIMEOUT_S, SMTP_PORT_DEFAULT, SMTP_TIMEOUT_S
 from invoices.render import cents_text
 from invoices.schema import invoices
+from invoices.service import InvoiceSettings, invoice_pdf
 from ledger.schema import accounts, utc_now
 
 
@@ -30,8 +33,9 @@ class MailSettings:
     sender: str = "billing@paralon.example"
 
 
-def send_invoice(engine: Engine, settings: MailSettings, number: str) -> str:
-    """'sent', 'already sent', 'no address', 'busy' (another sender holds it), or 'not configured'."""
+def send_invoice(engine: Engine, settings: MailSettings, number: str, documents: InvoiceSettings) -> str:
+    """'sent', 'already sent', 'no address', 'busy' (another sender holds it), or 'not configured';
+    raises `DocumentUnavailable` (nothing sent, claim released) when the recorded PDF cannot be had."""
     if not settings.host:
         return "not configured"
     now = utc_now()
@@ -51,7 +55,7 @@ def send_invoice(engine: Engine, settings: MailSettings, number: str) -> str:
     if not to:
         return "no address"
     try:
-        _send(settings, _message(settings, invoice, to))
+        _send(settings, _message(settings, invoice, to, invoice_pdf(engine, documents, number)))
     except BaseException:
         with engine.begin() as conn:  # let the retry claim it again at once
             conn.execute(update(invoices).where(invoices.c.number == number).values(email_claimed_at=None))
@@ -61,14 +65,14 @@ def send_invoice(engine: Engine, settings: MailSettings, number: str) -> str:
     return "sent"
 
 
-def _message(settings: MailSettings, invoice, to: str) -> EmailMessage:
+def _message(settings: MailSettings, invoice, to: str, pdf: bytes) -> EmailMessage:
     title = "Credit note" if invoice.kind == "credit_note" else "Invoice"
     message = EmailMessage()
     message["From"], message["To"] = settings.sender, to
     message["Subject"] = f"Paralon {title.lower()} {invoice.number}: {cents_text(invoice.amount_nano_usd)} USD"
     message["Message-ID"] = f"<{invoice.number}@{settings.sender.split('@')[-1]}>"
     message.set_content(f"{title} {invoice.number} for {cents_text(invoice.amount_nano_usd)} USD is attached.\n\nThank you.\n")
-    message.add_attachment(Path(invoice.pdf_path).read_bytes(), maintype="application", subtype="pdf",
+    message.add_attachment(pdf, maintype="application", subtype="pdf",
                            filename=f"{invoice.number}.pdf")
     return message
 

@@ -3,16 +3,23 @@ WeasyPrint, with the fonts shipped beside it (the output must not depend on
 what fonts a machine has)."""
 from __future__ import annotations
 
+import os
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from invoices.limits import PDF_FONT_TIMESTAMP_S
 from ledger.money import NANO_USD_PER_USD, nano_usd_to_usd_text
 
 HERE = Path(__file__).resolve().parent
 _templates = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
 PDF_VARIANT = "pdf/a-3b"
+# Where HarfBuzz-subset is missing, WeasyPrint subsets fonts with fontTools, which
+# stamps each embedded font with the time of rendering unless SOURCE_DATE_EPOCH
+# is set. Pinned, one document always renders to the same bytes: a stored PDF
+# that was lost or altered can be rendered again to the SHA-256 recorded for it.
+os.environ.setdefault("SOURCE_DATE_EPOCH", str(PDF_FONT_TIMESTAMP_S))
 
 
 def cents_text(amount_nano_usd: int) -> str:

@@ -5,6 +5,7 @@ from sqlalchemy import BigInteger, Column, ForeignKey, Index, Integer, String, T
 
 from invoices.limits import (
     DAY_CHARS,
+    DEPLOYMENT_ID_CHARS,
     DOCUMENT_KIND_CHARS_MAX,
     DOCUMENT_NUMBER_CHARS_MAX,
     MONTH_CHARS,
@@ -15,6 +16,16 @@ from invoices.limits import (
 )
 from ledger.limits import ACCOUNT_KIND_CHARS_MAX, EVENT_TYPE_CHARS_MAX, NAME_CHARS_MAX, REASON_CHARS_MAX
 from ledger.schema import Sha256, UTCDateTime, metadata
+
+# One row: this database's random id, made by its migration. Documents are
+# stored under it, so deployments sharing a directory never share a file name.
+deployment = Table(
+    "deployment",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # always 1
+    Column("deployment_id", String(DEPLOYMENT_ID_CHARS), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
 
 invoice_counters = Table(
     "invoice_counters",

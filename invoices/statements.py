@@ -11,18 +11,18 @@ of other replicas); before that it is rendered on demand, marked provisional,
 and not kept."""
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from invoices import read_models
-from invoices.files import write_whole
+from invoices.files import deployment_id, recorded_document, sha256, write_whole
 from invoices.limits import (
     CATCH_UP_ROUNDS_MAX,
     CLOSE_GRACE_S,
@@ -284,9 +284,9 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
         figures = build(conn, account_id, month, labels_for(conn, account_id), now)
     _require_chained(engine, account_id, month, figures["opening_balance_nano_usd"])
     pdf = render_statement_pdf(figures)
-    digest = hashlib.sha256(pdf).digest()
-    # A name per rendering: two workers issuing at once each write their own file, and the row names the winner's.
-    path = settings.storage_dir / "statements" / month.text / f"statement-{account_id}-{month.text}-{digest.hex()[:STATEMENT_FILE_DIGEST_CHARS]}.pdf"
+    digest = sha256(pdf)
+    with engine.connect() as conn:
+        path = statement_path(settings, deployment_id(conn), account_id, month, digest)
     write_whole(path, pdf)
     row = {"account_id": account_id, "month": month.text, "kind": figures["account"]["kind"],
            "opening_balance_nano_usd": figures["opening_balance_nano_usd"], "closing_balance_nano_usd": figures["closing_balance_nano_usd"],
@@ -294,10 +294,18 @@ def issue(engine: Engine, settings: InvoiceSettings, account_id: int, month: Mon
     try:
         with engine.begin() as conn:
             conn.execute(statements.insert().values(**row))
-    except IntegrityError:  # issued meanwhile by another worker: theirs stands, this file goes
-        path.unlink(missing_ok=True)
-        return _stored(engine, account_id, month)
+    except IntegrityError:  # issued meanwhile by another worker: theirs stands, this file goes (unless it is theirs too)
+        stored = _stored(engine, account_id, month)
+        if stored["pdf_path"] != str(path):
+            path.unlink(missing_ok=True)
+        return stored
     return _view(row)
+
+
+def statement_path(settings: InvoiceSettings, deployment: str, account_id: int, month: Month, digest: bytes) -> Path:
+    """A name per deployment and rendering: two workers issuing at once each write their own file, and the row names the winner's."""
+    return (settings.storage_dir / deployment / "statements" / month.text
+            / f"statement-{account_id}-{month.text}-{digest.hex()[:STATEMENT_FILE_DIGEST_CHARS]}.pdf")
 
 
 def _require_chained(engine: Engine, account_id: int, month: Month, opening_nano_usd: int) -> None:
@@ -325,10 +333,30 @@ def document(engine: Engine, settings: InvoiceSettings, account_id: int, month: 
     """(PDF, provisional): the stored statement of a closed month, or one rendered now for the open month."""
     now = now or utc_now()
     if is_closed(month, now):
-        stored = issue(engine, settings, account_id, month, labels_for, now, rounds_max=rounds_max)
-        with open(stored["pdf_path"], "rb") as pdf:
-            return pdf.read(), False
+        issue(engine, settings, account_id, month, labels_for, now, rounds_max=rounds_max)
+        return stored_pdf(engine, settings, account_id, month, labels_for), False
     return render_statement_pdf(figures(engine, settings, account_id, month, labels_for, now, rounds_max)), True
+
+
+def stored_pdf(engine: Engine, settings: InvoiceSettings, account_id: int, month: Month, labels_for: LabelLookup) -> bytes:
+    """A stored statement's PDF, only with the SHA-256 recorded when it was issued:
+    read, or rendered again as of its issue time, else `DocumentUnavailable`."""
+    with engine.connect() as conn:
+        row = conn.execute(select(statements).where(statements.c.account_id == account_id, statements.c.month == month.text)).one()
+        deployment = deployment_id(conn)
+
+    def render() -> bytes:
+        with _snapshot(engine) as conn:
+            return render_statement_pdf(build(conn, account_id, month, labels_for(conn, account_id), row.issued_at))
+
+    content, stored_at = recorded_document(Path(row.pdf_path), row.pdf_sha256, render,
+                                           statement_path(settings, deployment, account_id, month, row.pdf_sha256),
+                                           f"statement {month.text} of account {account_id}")
+    if str(stored_at) != row.pdf_path:
+        with engine.begin() as conn:
+            conn.execute(update(statements).where(statements.c.account_id == account_id, statements.c.month == month.text)
+                         .values(pdf_path=str(stored_at)))
+    return content
 
 
 def figures(engine: Engine, settings: InvoiceSettings, account_id: int, month: Month, labels_for: LabelLookup,

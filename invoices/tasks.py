@@ -10,6 +10,7 @@ idempotency key or a unique number.
 """
 from __future__ import annotations
 
+import logging
 import smtplib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -21,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 
 from invoices import read_models, service, statements
 from invoices.limits import MAIL_RETRIES_MAX, MAIL_RETRY_WAIT_S, STATEMENT_RETRIES_MAX, STATEMENT_RETRY_WAIT_S
+from invoices.files import DocumentUnavailable
 from invoices.mail import MailSettings, send_invoice
 from invoices.service import InvoiceSettings
 from ledger.schema import utc_now
@@ -31,6 +33,7 @@ EMAIL_INVOICE = "paralon.email_invoice"
 PROJECT_READ_MODELS = "paralon.project_read_models"
 ISSUE_STATEMENTS = "paralon.issue_statements"
 ISSUE_STATEMENT = "paralon.issue_statement"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,12 @@ def issue_credit_note(self: Task, source_seq: int, corrected_seq: int) -> str:
 def email_invoice(self: Task, number: str) -> str:
     with _resources() as r:
         try:
-            outcome = send_invoice(r.engine, r.mail_settings, number)
+            outcome = send_invoice(r.engine, r.mail_settings, number, r.invoice_settings)
+        except DocumentUnavailable as exc:  # retrying cannot help: an operator must restore the file
+            log.error("invoice %s was not emailed: %s", number, exc)
+            if _in_process(self):
+                return f"failed: {exc}"
+            raise
         except (OSError, smtplib.SMTPException) as exc:  # the mail server is down: again, later
             if _in_process(self):  # in-process there is no later: `paralon invoices email-pending`
                 return f"failed: {exc}"

@@ -11,6 +11,7 @@ from app.settings import Settings
 from app.statement_labels import statement_labels
 from invoices import read_models
 from invoices import statements as st
+from invoices.files import DocumentUnavailable
 from invoices.mail import send_invoice
 from invoices.schema import invoices as invoices_table
 from invoices.service import InvoiceSettings, issue_for_top_up, list_invoices
@@ -47,8 +48,16 @@ def invoices_email_pending(as_json: bool) -> None:
     with db.connect() as conn:
         numbers = conn.execute(select(invoices_table.c.number).where(invoices_table.c.emailed_at.is_(None),
                                                                      invoices_table.c.pdf_path.is_not(None))).scalars().all()
-    outcomes = {number: send_invoice(db, wiring.mail_settings(Settings.from_env()), number) for number in numbers}
+    mail, documents = wiring.mail_settings(Settings.from_env()), _invoice_settings()
+    outcomes = {number: _email_one(db, mail, number, documents) for number in numbers}
     emit(as_json, {"outcomes": outcomes}, "\n".join(f"{n}: {o}" for n, o in outcomes.items()) or "nothing to send")
+
+
+def _email_one(db, mail, number: str, documents: InvoiceSettings) -> str:
+    try:
+        return send_invoice(db, mail, number, documents)
+    except DocumentUnavailable as exc:  # one bad file does not hold up the others' mail
+        return f"failed: {exc}"
 
 
 @invoices_group.command("list")

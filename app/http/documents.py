@@ -17,7 +17,7 @@ from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reade
 from app.http.plumbing import QueryId, json_response, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
-from invoices import exports, statements
+from invoices import exports, service, statements
 from proxy.errors import InvalidRequest
 
 STATEMENT_FORMATS = ("pdf", "json")
@@ -42,9 +42,9 @@ class DocumentController(Controller):
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
     async def invoice_pdf(self, request: Request, who: Caller, name: FromPath[str]) -> Response:
-        number = name.removesuffix(".pdf")
-        path = await read(request, accounts.invoice_pdf_path, who, number)
-        content = await asyncio.to_thread(path.read_bytes)
+        number = await read(request, accounts.visible_invoice, who, name.removesuffix(".pdf"))
+        # Only the bytes the ledger recorded, else 503 document_unavailable (invoices/files.py).
+        content = await asyncio.to_thread(service.invoice_pdf, request.app.state.ledger.engine, request.app.state.invoices, number)
         return Response(content, media_type="application/pdf",
                         headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
 

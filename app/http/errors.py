@@ -16,6 +16,7 @@ from litestar.exceptions import HTTPException
 
 from app.accounts import NotVisible
 from app.http.plumbing import json_response
+from invoices.files import DocumentUnavailable
 from invoices.statements import NoStatement, StatementNotReady
 from ledger.errors import InvariantBroken, LedgerError
 from proxy import workers as registry
@@ -48,6 +49,12 @@ class WorkerNotSuspended(ProxyError):
     status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
 
 
+class DocumentMismatch(ProxyError):
+    """A recorded document whose stored bytes are not the recorded ones: refused, never another's."""
+
+    status, error_type, code = 503, "service_unavailable", "document_unavailable"
+
+
 # Most specific first; any other LedgerError is the caller's mistake (400).
 HTTP_ERROR_OF_SERVICE_ERROR: tuple[tuple[type[LedgerError], type[ProxyError]], ...] = (
     (NotVisible, NotFound),
@@ -55,6 +62,7 @@ HTTP_ERROR_OF_SERVICE_ERROR: tuple[tuple[type[LedgerError], type[ProxyError]], .
     (registry.UnknownWorker, NotFound),
     (registry.WorkerNotSuspended, WorkerNotSuspended),
     (StatementNotReady, NotReady),
+    (DocumentUnavailable, DocumentMismatch),
     (InvariantBroken, ProxyError),  # the books disagree: not the caller's doing
 )
 

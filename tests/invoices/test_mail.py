@@ -50,8 +50,8 @@ def test_the_invoice_arrives_by_smtp_with_its_pdf_once(fleet, tmp_path):
     try:
         invoice = issue_for_top_up(fleet.engine, InvoiceSettings(tmp_path), _top_up(fleet, "t1"))
         settings = MailSettings("127.0.0.1", port)
-        assert send_invoice(fleet.engine, settings, invoice["number"]) == "sent"
-        assert send_invoice(fleet.engine, settings, invoice["number"]) == "already sent"
+        assert send_invoice(fleet.engine, settings, invoice["number"], InvoiceSettings(tmp_path)) == "sent"
+        assert send_invoice(fleet.engine, settings, invoice["number"], InvoiceSettings(tmp_path)) == "already sent"
     finally:
         server.stop()
     assert len(inbox.messages) == 1

@@ -184,7 +184,7 @@ def test_statements_refuse_what_they_cannot_state_and_store_nothing(history):
         st.issue(fleet.engine, settings, fleet.customer_id, october, statement_labels)
     with fleet.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(statements)).scalar_one() == 0
-    assert not (settings.storage_dir / "statements").exists() or not any((settings.storage_dir / "statements").rglob("*.pdf"))
+    assert not settings.storage_dir.exists() or not any(settings.storage_dir.rglob("*.pdf"))
 
 
 def test_the_cli_issues_shows_and_lists_statements(history):
@@ -319,7 +319,7 @@ def test_a_celery_worker_issues_the_month_once_per_account(history, celery_worke
     with fleet.engine.connect() as conn:
         stored = conn.execute(select(statements.c.pdf_path, statements.c.pdf_sha256)).all()
     assert all(hashlib.sha256(Path(path).read_bytes()).digest() == digest for path, digest in stored), "each file is the one recorded"
-    assert sorted(settings.storage_dir.glob("statements/2026-10/*.pdf")) == sorted(Path(path) for path, _ in stored), \
+    assert sorted(settings.storage_dir.glob("*/statements/2026-10/*.pdf")) == sorted(Path(path) for path, _ in stored), \
         "a duplicate rendering leaves no file behind"
 
 
