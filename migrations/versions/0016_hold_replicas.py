@@ -6,7 +6,7 @@ waiting for them to expire; holds other replicas placed are not its to close.
 The function that places holds takes each hold's replica.
 
 Revision ID: 0016
-Revises: 0011
+Revises: 0015
 Create Date: 2026-11-30
 """
 import importlib.util
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0016"
-down_revision = "0011"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
