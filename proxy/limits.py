@@ -22,6 +22,11 @@ SOLVENT_FOR_S = 30.0
 # --- Settlement --------------------------------------------------------------
 SETTLE_ATTEMPTS_MAX = 5  # tries of a settlement the group-commit writer refused as overloaded
 SETTLE_RETRY_WAIT_S = 0.05  # times the attempt number
+# A delivered stream whose settlement met the database away is settled again
+# this often until it succeeds, for at most this long (then the sweeper settles
+# its hold at the usage it recorded).
+SETTLE_OUTAGE_RETRY_INTERVAL_S = 0.5
+SETTLE_OUTAGE_RETRY_S_MAX = 600.0
 
 # --- Requests ----------------------------------------------------------------
 UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token

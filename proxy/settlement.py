@@ -15,7 +15,8 @@ import time
 import orjson
 
 from ledger import commands as cmd
-from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
+from ledger.db import is_connection_failure
+from ledger.errors import DatabaseUnavailable, HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
 from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.service import Ledger
 from proxy import generations, metering
@@ -27,6 +28,8 @@ from proxy.limits import (
     HOLD_RENEW_INTERVAL_S_MAX,
     HOLD_RENEWALS_PER_TTL_MIN,
     SETTLE_ATTEMPTS_MAX,
+    SETTLE_OUTAGE_RETRY_INTERVAL_S,
+    SETTLE_OUTAGE_RETRY_S_MAX,
     SETTLE_RETRY_WAIT_S,
     USAGE_PROBE_TIMEOUT_S,
 )
@@ -76,8 +79,8 @@ class Settler:
             return
         try:
             await self._settle_delivered(generation, billed)
-        except Exception:  # a refusal, or the database away: the charge is not lost either way
-            await self._settle_later(generation, billed)
+        except Exception as exc:  # a refusal, or the database away: the charge is not lost either way
+            await self._settle_later(generation, billed, database_away=_database_away(exc))
         finally:
             self._live.pop(generation.hold_id, None)
         if billed.discrepant:  # evidence is recorded off the path to [DONE]
@@ -100,23 +103,49 @@ class Settler:
         if not hold_task.cancelled() and hold_task.exception() is None:
             self.in_background(asyncio.to_thread(self.ledger.release_hold, hold_task.result().hold_id))
 
-    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage) -> None:
+    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage, *, database_away: bool) -> None:
         """The settlement could not be written (the database or the writer is
         away). Delivered tokens are never given away: a streaming caller has
-        them, so the hold keeps the full charge as its recorded usage and the
-        sweeper settles it once it expires. A non-streaming caller has received
-        nothing: the hold is released and the answer withheld."""
+        them, so the hold keeps the full charge as its recorded usage, the
+        settlement is tried again once the database is back, and should this
+        process stop first the sweeper settles the hold once it expires. A
+        non-streaming caller has received nothing: the hold is released (or
+        expires, if the database is away) and the answer withheld."""
         if not generation.streaming:
-            log.exception("request %s could not be settled; nothing was delivered, its hold is released", generation.request_id)
+            log.warning("request %s could not be settled; nothing was delivered, its hold is released",
+                        generation.request_id, exc_info=not database_away)
             generation.withhold()
-            await self.release(generation)
+            try:
+                await self.release(generation)
+            except Exception:  # the sweeper releases it once it expires
+                log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
             return
-        log.exception("request %s could not be settled now; the sweeper settles its hold", generation.request_id)
+        log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         final = self.renewal(generation, billed)
         try:
             await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
         except Exception:  # the hold keeps the usage recorded at the last renewal
-            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=True)
+            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
+        if database_away:
+            self.in_background(self._settle_when_back(generation, billed))
+
+    async def _settle_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """Settle a delivered stream once the database answers again. The same
+        idempotency key makes every try safe; a hold the sweeper settled
+        meanwhile is found, and only the rest is charged."""
+        deadline_s = time.monotonic() + SETTLE_OUTAGE_RETRY_S_MAX
+        while time.monotonic() < deadline_s:
+            await asyncio.sleep(SETTLE_OUTAGE_RETRY_INTERVAL_S)
+            try:
+                await self._settle_delivered(generation, billed)
+            except Exception as exc:
+                if _database_away(exc):
+                    continue
+                log.exception("request %s could not be settled; its hold keeps the usage recorded", generation.request_id)
+                return
+            log.info("request %s settled once the database was back", generation.request_id)
+            return
+        log.error("request %s: the database stayed away; its hold keeps the usage recorded", generation.request_id)
 
     async def _settle_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
         """Charge the hold. A settlement never depends on its hold still being
@@ -252,6 +281,10 @@ class Settler:
     async def drain_background(self) -> None:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _database_away(exc: BaseException) -> bool:
+    return isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc)
 
 
 def _settlement_meta(generation: Generation, billed: metering.BilledUsage) -> dict:

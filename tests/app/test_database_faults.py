@@ -30,6 +30,7 @@ CALLERS = 6  # concurrent non-streaming callers
 STREAMERS = 2  # concurrent streaming callers, each stream about 1.5 s long on the h200 profile
 STREAM_MAX_TOKENS = 250
 REQUEST_TIMEOUT_S = 60.0
+OUTAGE_S = 3.0  # long enough for streams to end while the database is away
 RECOVERY_WAIT_S = 10.0  # generous: the target is 2 s, measured and printed, not asserted
 HOLD_TTL_S = 5  # holds a failed release left behind are swept soon after
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -225,6 +226,7 @@ def test_the_database_away_is_503_and_back_within_seconds(site):
     cut_at = time.monotonic()
     site.proxy.outage()
     wait_for(lambda: len(_answered_after(load, cut_at, 503)) >= 20, timeout_s=RECOVERY_WAIT_S)
+    time.sleep(max(0.0, cut_at + OUTAGE_S - time.monotonic()))
     assert httpx.get(site.serve.url + "/health").status_code == 200, "alive, though not ready"
     ready = httpx.get(site.serve.url + "/ready")
     assert ready.status_code == 503 and ready.json()["checks"]["database"]["ok"] is False
@@ -236,8 +238,11 @@ def test_the_database_away_is_503_and_back_within_seconds(site):
     ready_again = wait_for(lambda: httpx.get(site.serve.url + "/ready").status_code == 200, timeout_s=RECOVERY_WAIT_S)
     answers = load.finish()
     during = [a for a in answers if cut_at < a.sent_at < restored_at]
+    streams = [a for a in answers if a.streamed and a.status == 200]
     print(f"\noutage of {restored_at - cut_at:.1f} s under load: answers during it {_counts(during)}, "
-          f"in all {_counts(answers)}; first 200 {recovery_s * 1000:.0f} ms after the database came back")
+          f"in all {_counts(answers)}; first 200 {recovery_s * 1000:.0f} ms after the database came back; "
+          f"streams completed {sum(a.completed for a in streams)} of {len(streams)}, "
+          f"{sum(a.completed and cut_at < a.done_at < restored_at for a in streams)} of them during the outage")
     assert ready_again
     _assert_failures_are_503_with_retry_after(answers)
     _assert_money_exact(site, answers)
