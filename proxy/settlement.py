@@ -23,7 +23,7 @@ from proxy import generations, metering
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.generation import Generation
-from proxy.generations import rest_key
+from proxy.generations import rest_key, withheld_key
 from proxy.limits import (
     HOLD_RENEW_INTERVAL_S_MAX,
     HOLD_RENEWALS_PER_TTL_MIN,
@@ -119,6 +119,8 @@ class Settler:
                 await self.release(generation)
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
+            if database_away:
+                self.in_background(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         final = self.renewal(generation, billed)
@@ -126,26 +128,37 @@ class Settler:
             await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
-        if database_away:
-            self.in_background(self._settle_when_back(generation, billed))
+        if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
+            self.in_background(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
 
-    async def _settle_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
-        """Settle a delivered stream once the database answers again. The same
-        idempotency key makes every try safe; a hold the sweeper settled
-        meanwhile is found, and only the rest is charged."""
+    async def _when_back(self, request_id: str, work, *args) -> None:
+        """`await work(*args)` once the database answers again (tried every
+        interval, for a bounded time); work that fails otherwise is logged."""
         deadline_s = time.monotonic() + SETTLE_OUTAGE_RETRY_S_MAX
         while time.monotonic() < deadline_s:
             await asyncio.sleep(SETTLE_OUTAGE_RETRY_INTERVAL_S)
             try:
-                await self._settle_delivered(generation, billed)
+                await work(*args)
             except Exception as exc:
                 if _database_away(exc):
                     continue
-                log.exception("request %s could not be settled; its hold keeps the usage recorded", generation.request_id)
+                log.exception("request %s: %s failed", request_id, work.__name__)
                 return
-            log.info("request %s settled once the database was back", generation.request_id)
+            log.info("request %s: %s done once the database was back", request_id, work.__name__)
             return
-        log.error("request %s: the database stayed away; its hold keeps the usage recorded", generation.request_id)
+        log.error("request %s: the database stayed away; %s was not done", request_id, work.__name__)
+
+    async def _reverse_withheld(self, request_id: str) -> None:
+        """A withheld answer costs nothing. The database may have gone away
+        while the settlement's commit was on its way, and committed it all the
+        same: such a settlement is reversed (once: the key is the request's)."""
+        for seq in await asyncio.to_thread(self._settlement_seqs, request_id):
+            await self._append(cmd.ReverseEvent(seq, "the answer was withheld: its settlement's outcome was not known in time",
+                                                withheld_key(request_id, seq)))
+
+    def _settlement_seqs(self, request_id: str) -> list[int]:
+        with self.ledger.engine.connect() as conn:
+            return generations.settlement_seqs(conn, request_id)
 
     async def _settle_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
         """Charge the hold. A settlement never depends on its hold still being
