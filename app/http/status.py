@@ -17,6 +17,7 @@ from sqlalchemy import Engine, select, text
 from app.http.plumbing import json_response
 from app.limits import DATABASE_RETRY_AFTER_S, READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
 from invoices import read_models
+from ledger.limits import MS_PER_S
 from ledger.log import consumer_position
 from ledger.schema import ledger_events, utc_now
 
@@ -82,7 +83,7 @@ async def _check(probe: Callable[[object], dict], target: object) -> dict:
         return {"ok": False, "error": str(exc)}
     except Exception as exc:  # what failed is the answer; the details are in the server's log only
         return {"ok": False, "error": type(exc).__name__}
-    return {"ok": True, "ms": round((time.perf_counter() - started) * 1000, 1), **found}
+    return {"ok": True, "ms": round((time.perf_counter() - started) * MS_PER_S, 1), **found}
 
 
 def _database_answers(engine: Engine) -> dict:
@@ -100,13 +101,15 @@ def _redis_answers(url: str) -> dict:
     return {}
 
 
-def _read_models_keep_up(engine: Engine) -> dict:
+def _read_models_keep_up(engine: Engine, lag_s_max: float = READY_READ_MODEL_LAG_S_MAX) -> dict:
     """Behind by the age of the oldest event the read models have not applied."""
     with engine.connect() as conn:
         oldest = conn.execute(select(ledger_events.c.recorded_at)
                               .where(ledger_events.c.seq == consumer_position(conn, read_models.CONSUMER) + 1)).scalar()
-    lag_s = (utc_now() - oldest).total_seconds() if oldest is not None else 0.0
-    if lag_s > READY_READ_MODEL_LAG_S_MAX:
+    if oldest is None:  # every event is applied
+        return {"lag_s": 0.0}
+    lag_s = (utc_now() - oldest).total_seconds()
+    if lag_s > lag_s_max:
         raise ReadModelsBehind(f"{lag_s:.0f} s behind")
     return {"lag_s": round(lag_s, 1)}
 
