@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 
+from app.tokens import CUSTOMER, create_token
 from ledger.schema import ledger_events
 from tests.conftest import _admin_engine
 from tests.support.faults import FaultProxy
@@ -123,6 +124,10 @@ class Site:
     serve: object
     proxy: FaultProxy
     database: str
+    token: str  # the customer's management token
+
+    def get(self, path: str, token: str) -> httpx.Response:
+        return httpx.get(self.serve.url + path, headers={"authorization": f"Bearer {token}"}, timeout=REQUEST_TIMEOUT_S)
 
     def load(self) -> Load:
         return Load(self.serve.url, self.fleet.key).start()
@@ -139,12 +144,14 @@ class Site:
 def site(postgres_url):
     worker = sim_worker("h200")
     fleet = make_fleet(postgres_url, [worker.url], credits_usd=CREDITS_USD)
+    with fleet.engine.begin() as conn:
+        _, token = create_token(conn, fleet.customer_id, CUSTOMER)
     url = make_url(postgres_url)
     proxy = FaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
     serve_url = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     try:
         with serving(serve_url, PARALON_HOLD_TTL_S=str(HOLD_TTL_S), PARALON_HOLD_SWEEP_INTERVAL_MS="500") as serve:
-            yield Site(fleet, serve, proxy, url.database)
+            yield Site(fleet, serve, proxy, url.database, token)
     finally:
         proxy.stop()
         worker.stop()
@@ -244,6 +251,10 @@ def test_the_database_away_is_503_and_back_within_seconds(site):
     wait_for(lambda: len(_answered_after(load, cut_at, 503)) >= 20, timeout_s=RECOVERY_WAIT_S)
     time.sleep(max(0.0, cut_at + OUTAGE_S - time.monotonic()))
     assert httpx.get(site.serve.url + "/health").status_code == 200, "alive, though not ready"
+    for path, token in (("/v1/account", site.token), ("/v1/keys", site.token), ("/v1/generations/chatcmpl-x", site.fleet.key)):
+        read = site.get(path, token)  # a token lookup, then a read: each a 503 while the database is away
+        assert read.status_code == 503 and read.headers["retry-after"], path
+        assert read.json()["error"]["code"] == "database_unavailable"
     ready = httpx.get(site.serve.url + "/ready")
     assert ready.status_code == 503 and ready.json()["checks"]["database"]["ok"] is False
     assert ready.headers["retry-after"]
@@ -251,6 +262,7 @@ def test_the_database_away_is_503_and_back_within_seconds(site):
     site.proxy.restore()
     recovery_s = _first_ok_after(load, restored_at)
     wait_for(lambda: len(_answered_after(load, restored_at)) >= 20, timeout_s=RECOVERY_WAIT_S)
+    assert site.get("/v1/account", site.token).status_code == 200
     ready_again = wait_for(lambda: httpx.get(site.serve.url + "/ready").status_code == 200, timeout_s=RECOVERY_WAIT_S)
     answers = load.finish()
     during = [a for a in answers if cut_at < a.sent_at < restored_at]

@@ -69,3 +69,9 @@ def test_read_models_too_far_behind_are_not_ready(site):
     read_models.catch_up(site.engine)
     assert _read_models_keep_up(site.engine, lag_s_max=0) == {"lag_s": 0.0}, "all applied: no lag at all"
     assert site.money() == before
+
+
+def test_health_and_ready_are_documented(site):
+    paths = site.call("GET", "/docs/openapi.json").json()["paths"]
+    assert {"/health", "/ready"} <= set(paths)
+    assert "503" in str(paths["/ready"]["get"]["description"])
