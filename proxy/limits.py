@@ -27,6 +27,7 @@ SETTLE_RETRY_WAIT_S = 0.05  # times the attempt number
 # its hold at the usage it recorded).
 SETTLE_OUTAGE_RETRY_INTERVAL_S = 0.5
 SETTLE_OUTAGE_RETRY_S_MAX = 600.0
+SHUTDOWN_DATABASE_WAIT_S = 5.0  # at shutdown, how long those retries may still wait for the database
 
 # --- Requests ----------------------------------------------------------------
 UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token

@@ -30,6 +30,7 @@ from proxy.limits import (
     SETTLE_ATTEMPTS_MAX,
     SETTLE_OUTAGE_RETRY_INTERVAL_S,
     SETTLE_OUTAGE_RETRY_S_MAX,
+    SHUTDOWN_DATABASE_WAIT_S,
     SETTLE_RETRY_WAIT_S,
     USAGE_PROBE_TIMEOUT_S,
 )
@@ -49,6 +50,7 @@ class Settler:
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self._background: set[asyncio.Task] = set()
+        self._until_back: set[asyncio.Task] = set()  # of those, the ones waiting for the database to come back
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
 
     def settle(self, generation: Generation, charge: bool) -> asyncio.Task:
@@ -120,7 +122,7 @@ class Settler:
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
             if database_away:
-                self.in_background(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
+                self._when_back_task(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         final = self.renewal(generation, billed)
@@ -129,7 +131,12 @@ class Settler:
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
-            self.in_background(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+            self._when_back_task(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+
+    def _when_back_task(self, work) -> None:
+        task = self.in_background(work)
+        self._until_back.add(task)
+        task.add_done_callback(self._until_back.discard)
 
     async def _when_back(self, request_id: str, work, *args) -> None:
         """`await work(*args)` once the database answers again (tried every
@@ -292,6 +299,13 @@ class Settler:
         return task
 
     async def drain_background(self) -> None:
+        """Wait for the background work. What still waits for the database is
+        given a little while, then stopped: its holds carry what was delivered,
+        and the sweeper of any replica settles them."""
+        if self._until_back:
+            _, waiting = await asyncio.wait(list(self._until_back), timeout=SHUTDOWN_DATABASE_WAIT_S)
+            for task in waiting:
+                task.cancel()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
