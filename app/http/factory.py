@@ -52,7 +52,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
-               worker_ca_bundle_path: str | None = None, redis_url: str | None = None) -> Litestar:
+               worker_ca_bundle_path: str | None = None) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py)."""
     directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
 
@@ -95,7 +95,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
     app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
     app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
     app.state.metrics = metrics_registry(ledger.engine)
-    app.state.redis_url = redis_url  # /ready pings it when set
+    app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured
     app.state.background = set()  # webhook processing in flight: kept so the tasks are not collected mid-way
     return app
 

@@ -27,8 +27,7 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      health_interval_s=proxy.health_interval_ms / MS_PER_S, hold_ttl_s=proxy.hold_ttl_s,
                      hold_sweep_interval_s=proxy.hold_sweep_interval_ms / MS_PER_S, worker_ca_bundle_path=proxy.worker_ca_bundle,
                      stripe_settings=wiring.stripe_settings(settings), crypto_settings=wiring.crypto_settings(settings),
-                     invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat,
-                     redis_url=wiring.redis_url(settings))
+                     invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat)
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,19 +1,41 @@
-"""A TCP proxy that a test puts between `paralon serve` and PostgreSQL, to
-break the network the way production breaks it: cut every connection at
-once, refuse new ones (the database is away), delay every byte, and restore.
-
-It runs its own asyncio loop in a thread of the test process, so a test
-drives it with plain calls; `stop()` closes everything it opened."""
+"""Faults that tests inject into real processes and connections."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 import threading
 from concurrent.futures import Future
 
 from tests.support.harness import free_port
 
+REAP_TIMEOUT_S = 10.0
+
+
+# --- Crashes -------------------------------------------------------------------
+def kill_hard(process: subprocess.Popen) -> None:
+    """SIGKILL a process (its whole process group when it leads one: nothing
+    it started survives) and reap it. No handler runs: no finally, no
+    settlement, no release, as when a machine loses power."""
+    if process.poll() is None:
+        try:
+            if os.getpgid(process.pid) == process.pid:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+        except ProcessLookupError:  # it exited meanwhile
+            pass
+    process.wait(REAP_TIMEOUT_S)
+
+
+# --- Connections ------------------------------------------------------------------
+# A TCP proxy that a test puts between `paralon serve` and PostgreSQL, to break
+# the network the way production breaks it: cut every connection at once,
+# refuse new ones (the database is away), delay every byte, and restore. It
+# runs its own asyncio loop in a thread of the test process, so a test drives
+# it with plain calls; `stop()` closes everything it opened.
 CHUNK_BYTES = 65_536
-START_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = 10.0
 
 
