@@ -63,6 +63,9 @@ DATABASE_CONNECT_TIMEOUT_S = 2
 DATABASE_KEEPALIVE_IDLE_S = 10
 DATABASE_KEEPALIVE_INTERVAL_S = 5
 DATABASE_KEEPALIVE_PROBES = 3
+# Data sent that the server's side has not acknowledged for this long closes the
+# connection (a path that drops packets silently), instead of TCP's ~15 minutes of retransmissions.
+DATABASE_TCP_USER_TIMEOUT_MS = 15_000
 # A group-commit batch whose connection failed is retried on a new one after
 # each of these waits (the first at once: a terminated backend is replaced in
 # milliseconds); then its callers get DatabaseUnavailable. While the database

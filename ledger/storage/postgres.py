@@ -20,6 +20,7 @@ from ledger.limits import (
     DATABASE_KEEPALIVE_IDLE_S,
     DATABASE_KEEPALIVE_INTERVAL_S,
     DATABASE_KEEPALIVE_PROBES,
+    DATABASE_TCP_USER_TIMEOUT_MS,
 )
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
@@ -161,7 +162,8 @@ class PostgresStorage(Storage):
                              connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
                                            "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
                                            "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
-                                           "keepalives_count": DATABASE_KEEPALIVE_PROBES})
+                                           "keepalives_count": DATABASE_KEEPALIVE_PROBES,
+                                           "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
 
     def skip_flush_wait(self, conn: Connection) -> None:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")

@@ -5,12 +5,14 @@ errors SQLAlchemy never sees: a terminated backend used to stay in the writer
 for good, failing every later command with "the connection is closed"."""
 from __future__ import annotations
 
+import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.engine import make_url
 
 from ledger import commands as cmd
-from ledger.db import make_engine
+from ledger.db import is_connection_failure, make_engine
 from ledger.errors import DatabaseUnavailable
 from ledger.holds import PlaceHold
 from ledger.service import Ledger
@@ -94,3 +96,18 @@ def _placed_or_none(ledger: Ledger, customer: int):
         return ledger.place_hold(_hold(customer))
     except DatabaseUnavailable:
         return None
+
+
+@pytest.mark.parametrize("error, failed", [
+    (psycopg.OperationalError("the connection is closed"), True),  # the client found it gone: no SQLSTATE
+    (psycopg.errors.AdminShutdown("terminating connection due to administrator command"), True),
+    (psycopg.errors.ConnectionFailure("connection failure"), True),
+    (psycopg.errors.SerializationFailure("could not serialize access"), False),  # an answer, retried as such
+    (psycopg.errors.QueryCanceled("canceling statement due to statement timeout"), False),
+    (psycopg.errors.UniqueViolation("duplicate key"), False),
+    (ValueError("not the database's"), False),
+])
+def test_what_counts_as_the_database_away(error, failed):
+    assert is_connection_failure(error) is failed  # raised by the raw connection
+    if isinstance(error, psycopg.Error):  # the same, as SQLAlchemy wraps it
+        assert is_connection_failure(DBAPIError.instance("SELECT 1", {}, error, psycopg.Error)) is failed
