@@ -40,8 +40,6 @@ UPSTREAM_WRITE_TIMEOUT_S = 30.0
 UPSTREAM_POOL_TIMEOUT_S = 30.0
 # A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
 HTTP_CATCH_UP_ROUNDS_MAX = 1
-# While the database is away every answer is a 503 that says to retry after this long.
-DATABASE_RETRY_AFTER_S = 1
 # GET /ready: each check (a SELECT 1, a Redis PING) gets this long before it counts as failed,
 # and the read models may be this far behind the log (the age of the oldest event they
 # have not applied) before the replica reports itself not ready.

@@ -36,6 +36,7 @@ MAX_TOKENS_WITHOUT_CONTEXT = 4096
 MAX_TOKENS_LIMIT = 1_000_000  # the largest max_tokens a caller may ask for
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
 NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
+DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that says to ask again after this long
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0
 

@@ -17,12 +17,11 @@ from litestar.exceptions import HTTPException
 
 from app.accounts import NotVisible
 from app.http.plumbing import json_response
-from app.limits import DATABASE_RETRY_AFTER_S
 from invoices.statements import NoStatement, StatementNotReady
 from ledger.db import DATABASE_ERRORS, is_connection_failure
 from ledger.errors import DatabaseUnavailable, InvariantBroken, LedgerError
 from proxy import workers as registry
-from proxy.errors import InvalidRequest, NotReady, ProxyError
+from proxy.errors import DatabaseAway, InvalidRequest, NotReady, ProxyError
 
 
 class AuthenticationFailed(ProxyError):
@@ -49,16 +48,6 @@ class UnknownGeneration(ProxyError):
 
 class WorkerNotSuspended(ProxyError):
     status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
-
-
-class DatabaseAway(ProxyError):
-    """The database cannot be reached just now: ask again shortly (Retry-After)."""
-
-    status, error_type, code = 503, "service_unavailable", "database_unavailable"
-    retry_after_s = DATABASE_RETRY_AFTER_S
-
-
-log = logging.getLogger(__name__)
 
 
 # Most specific first; any other LedgerError is the caller's mistake (400).
@@ -110,6 +99,9 @@ def http_exception_response(_: Request, exc: HTTPException) -> Response:
     error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
     return json_response({"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}},
                          exc.status_code)
+
+
+log = logging.getLogger(__name__)
 
 
 def database_error_response(request: Request, exc: Exception) -> Response:

@@ -15,11 +15,12 @@ import redis
 from sqlalchemy import Engine, select, text
 
 from app.http.plumbing import json_response
-from app.limits import DATABASE_RETRY_AFTER_S, READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
+from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
 from invoices import read_models
 from ledger.limits import MS_PER_S
 from ledger.log import consumer_position
 from ledger.schema import ledger_events, utc_now
+from proxy.limits import DATABASE_RETRY_AFTER_S
 
 LAG_METRIC = "paralon_projection_lag_events"
 LAG_HELP = "Events the read models have not applied yet."
