@@ -48,6 +48,11 @@ UPSTREAM_WRITE_TIMEOUT_S = 30.0
 UPSTREAM_POOL_TIMEOUT_S = 30.0
 # A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
 HTTP_CATCH_UP_ROUNDS_MAX = 1
+# GET /ready: each check (a SELECT 1, a Redis PING) gets this long before it counts as failed,
+# and the read models may be this far behind the log (the age of the oldest event they
+# have not applied) before the replica reports itself not ready.
+READY_CHECK_TIMEOUT_S = 2.0
+READY_READ_MODEL_LAG_S_MAX = 300
 # Without an Idempotency-Key header, the same top-up asked for twice within this window is one session.
 CHECKOUT_RETRY_WINDOW_S = 60
 

@@ -33,6 +33,12 @@ def open_ledger(settings: Settings, engine: Engine | None = None) -> Ledger:
                   batch_wait_ms=database.group_commit_wait_ms)
 
 
+def redis_url(settings: Settings) -> str | None:
+    """The Redis this process depends on (the Celery broker), if one is configured."""
+    broker = settings.celery.broker_url
+    return broker if broker and broker.startswith(("redis://", "rediss://")) else None
+
+
 def stripe_settings(settings: Settings) -> StripeSettings:
     from app.payments.stripe import StripeSettings  # see the module's docstring
 

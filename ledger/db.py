@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ledger.errors import BadDatabaseUrl
 from ledger.limits import POOL_CONNECTIONS_DEFAULT
@@ -16,11 +17,29 @@ from ledger.storage.base import Storage
 from ledger.storage.postgres import PostgresStorage
 from ledger.storage.sqlite import SqliteStorage
 
-__all__ = ["BadDatabaseUrl", "STORAGES", "normalise_url", "make_engine", "storage_of", "is_postgres", "snapshot_connection"]
+__all__ = ["BadDatabaseUrl", "STORAGES", "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres",
+           "snapshot_connection", "is_connection_failure"]
 
 STORAGES: tuple[Storage, ...] = (PostgresStorage(), SqliteStorage())
 _BY_DIALECT = {storage.dialect: storage for storage in STORAGES}
 _BY_BACKEND = {backend: storage for storage in STORAGES for backend in storage.url_backends}
+_DRIVER_CONNECTION_ERRORS = tuple(error for storage in STORAGES for error in storage.driver_connection_errors)
+# Every error a database call can raise for the database's sake: SQLAlchemy's,
+# its pool's, and the drivers' own from statements run on the raw connection.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (DBAPIError, PoolTimeout, *_DRIVER_CONNECTION_ERRORS)
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """The database could not be reached or the connection broke: worth a new
+    connection and another try, and an answer of "unavailable, try again" to
+    a caller, never "internal error"."""
+    if isinstance(exc, PoolTimeout):  # every connection is busy reconnecting, or the pool is exhausted
+        return True
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig
+    return any(storage.is_connection_error(exc) for storage in STORAGES)
 
 
 def storage_of(conn_or_engine: Connection | Engine) -> Storage:

@@ -74,6 +74,15 @@ class WriterClosed(LedgerError):
     code = "writer_closed"
 
 
+class DatabaseUnavailable(LedgerError):
+    """The database could not be reached (refused, dropped, timed out) after
+    the retries allowed. Try again shortly: every command carries its
+    idempotency key, so a command whose commit was cut off is found, not
+    repeated, when it is sent again."""
+
+    code = "database_unavailable"
+
+
 class InvariantBroken(LedgerError):
     """Something that must never happen did; raised instead of `assert`."""
 

@@ -6,6 +6,13 @@ transaction and hands each caller its own result. On PostgreSQL that turns one
 fsync per command into one per batch; a command's own failure (an overdraft)
 is its result alone and does not fail the batch.
 
+A batch whose connection fails (the database restarted, a backend was
+terminated, the network dropped) is run again on a new connection: every
+command carries its idempotency key, so one that had committed before the
+failure is found, not repeated. While the database stays away its callers
+get `DatabaseUnavailable` at once, and the first batch after it comes back
+connects again by itself.
+
 Async callers are woken with one `call_soon_threadsafe` per batch, not one per
 command: at tens of thousands of commands a second, that is the difference.
 """
@@ -22,11 +29,12 @@ from typing import Callable, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ledger.db import storage_of
-from ledger.errors import LedgerError, WriterClosed, WriterOverloaded
+from ledger.db import is_connection_failure, storage_of
+from ledger.errors import DatabaseUnavailable, LedgerError, WriterClosed, WriterOverloaded
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_SIZE_MAX_DEFAULT,
     BATCH_WAIT_MS_DEFAULT,
+    DATABASE_RETRY_WAITS_S,
     MS_PER_S,
     QUEUE_DEPTH_MAX_DEFAULT,
     TRANSIENT_ATTEMPTS_MAX,
@@ -71,6 +79,7 @@ class GroupCommitWriter(Generic[C, R]):
         self._queue: deque = deque()
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
+        self._database_away = False  # the last batch could not reach it: the next one tries once only
         self.batches_committed = 0
         self.commands_committed = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -158,23 +167,47 @@ class GroupCommitWriter(Generic[C, R]):
         with conn.begin():
             return self._apply_batch(conn, commands)
 
+    def _drop_connection(self) -> None:
+        """The connection failed: the pool must never hand it out again."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.invalidate()
+            conn.close()
+        except Exception:  # it is gone either way
+            log.debug("closing a failed connection", exc_info=True)
+
     def _apply_with_retries(self, commands: list) -> list:
         attempt = 1
+        reconnect_waits_s = iter(() if self._database_away else DATABASE_RETRY_WAITS_S)
         while True:
             try:
                 results = self._apply_once(commands)
-            except DBAPIError as exc:
-                if attempt < TRANSIENT_ATTEMPTS_MAX and self._storage.is_transient(exc):
+            except Exception as exc:
+                if is_connection_failure(exc):
+                    self._drop_connection()
+                    wait_s = next(reconnect_waits_s, None)
+                    if wait_s is not None:  # idempotency keys make the retry safe
+                        time.sleep(wait_s)
+                        continue
+                    self._database_away = True
+                    log.warning("batch of %d: the database is unavailable (%s)", len(commands), _first_line(exc))
+                    return [DatabaseUnavailable(f"the database is unavailable: {_first_line(exc)}") for _ in commands]
+                if isinstance(exc, DBAPIError) and attempt < TRANSIENT_ATTEMPTS_MAX and self._storage.is_transient(exc):
                     attempt += 1
                     continue  # idempotency keys make the retry safe
+                # A bug, or the database refused the batch: fail every caller loudly, keep serving.
                 log.exception("batch of %d failed", len(commands))
                 return [exc] * len(commands)
-            except Exception as exc:  # a bug: fail every caller loudly, keep serving
-                log.exception("batch of %d failed", len(commands))
-                return [exc] * len(commands)
+            self._database_away = False
             self.batches_committed += 1
             self.commands_committed += len(commands)
             return results
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).partition("\n")[0]
 
 
 def _deliver(batch: list, results: list) -> None:

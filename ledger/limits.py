@@ -59,6 +59,22 @@ ACCOUNT_KINDS_CACHED_MAX = 100_000  # account kinds remembered per engine
 VERIFY_PROBLEMS_LISTED_MAX = 100  # the rest are counted
 
 # Databases
+# A connection attempt gives up after this long (libpq counts whole seconds, at least 2):
+# a caller learns the database is away in seconds, not in the kernel's minutes.
+DATABASE_CONNECT_TIMEOUT_S = 2
+# TCP keepalives on every connection: a path that died silently is noticed within
+# idle + interval * probes seconds instead of the kernel's two hours.
+DATABASE_KEEPALIVE_IDLE_S = 10
+DATABASE_KEEPALIVE_INTERVAL_S = 5
+DATABASE_KEEPALIVE_PROBES = 3
+# Data sent that the server's side has not acknowledged for this long closes the
+# connection (a path that drops packets silently), instead of TCP's ~15 minutes of retransmissions.
+DATABASE_TCP_USER_TIMEOUT_MS = 15_000
+# A group-commit batch whose connection failed is retried on a new one after
+# each of these waits (the first at once: a terminated backend is replaced in
+# milliseconds); then its callers get DatabaseUnavailable. While the database
+# stays away, a batch gets one attempt only, so callers fail fast.
+DATABASE_RETRY_WAITS_S = (0.0, 0.1, 0.3)
 POOL_CONNECTIONS_DEFAULT = 10  # PostgreSQL, per engine, plus as many overflow connections
 SQLITE_BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for SQLite's one write lock
 MS_PER_S = 1000

@@ -3,7 +3,7 @@ status and OpenAI error type. The HTTP edge (app/http/errors.py) turns them
 into OpenAI's error JSON and adds its own (authentication, permissions)."""
 from __future__ import annotations
 
-from proxy.limits import NOT_READY_RETRY_AFTER_S
+from proxy.limits import DATABASE_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
 
 
 class ProxyError(Exception):
@@ -52,3 +52,10 @@ class NotReady(ProxyError):
 
     status, error_type, code = 503, "service_unavailable", "not_ready"
     retry_after_s = NOT_READY_RETRY_AFTER_S
+
+
+class DatabaseAway(ProxyError):
+    """The database cannot be reached just now: ask again shortly (Retry-After)."""
+
+    status, error_type, code = 503, "service_unavailable", "database_unavailable"
+    retry_after_s = DATABASE_RETRY_AFTER_S

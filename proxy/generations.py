@@ -23,6 +23,16 @@ class Settled(NamedTuple):
     completion_tokens: int
 
 
+def withheld_key(request_id: str, seq: int) -> str:
+    """The key of the reversal of settlement `seq`, whose answer was withheld (proxy/settlement.py)."""
+    return f"withheld:{request_id}:{seq}"
+
+
+def settlement_seqs(conn: Connection, request_id: str) -> list[int]:
+    """The events that charged this request, oldest first."""
+    return [row.seq for row in _settlements(conn, request_id)]
+
+
 def _settlements(conn: Connection, request_id: str) -> list:
     key = settlement_key(request_id)
     return conn.execute(

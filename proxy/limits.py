@@ -22,6 +22,12 @@ SOLVENT_FOR_S = 30.0
 # --- Settlement --------------------------------------------------------------
 SETTLE_ATTEMPTS_MAX = 5  # tries of a settlement the group-commit writer refused as overloaded
 SETTLE_RETRY_WAIT_S = 0.05  # times the attempt number
+# A delivered stream whose settlement met the database away is settled again
+# this often until it succeeds, for at most this long (then the sweeper settles
+# its hold at the usage it recorded).
+SETTLE_OUTAGE_RETRY_INTERVAL_S = 0.5
+SETTLE_OUTAGE_RETRY_S_MAX = 600.0
+SHUTDOWN_DATABASE_WAIT_S = 5.0  # at shutdown, how long those retries may still wait for the database
 
 # --- Requests ----------------------------------------------------------------
 UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token
@@ -30,6 +36,7 @@ MAX_TOKENS_WITHOUT_CONTEXT = 4096
 MAX_TOKENS_LIMIT = 1_000_000  # the largest max_tokens a caller may ask for
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
 NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
+DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that says to ask again after this long
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0
 

@@ -15,18 +15,22 @@ import time
 import orjson
 
 from ledger import commands as cmd
-from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
+from ledger.db import is_connection_failure
+from ledger.errors import DatabaseUnavailable, HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
 from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.service import Ledger
 from proxy import generations, metering
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.generation import Generation
-from proxy.generations import rest_key
+from proxy.generations import rest_key, withheld_key
 from proxy.limits import (
     HOLD_RENEW_INTERVAL_S_MAX,
     HOLD_RENEWALS_PER_TTL_MIN,
     SETTLE_ATTEMPTS_MAX,
+    SETTLE_OUTAGE_RETRY_INTERVAL_S,
+    SETTLE_OUTAGE_RETRY_S_MAX,
+    SHUTDOWN_DATABASE_WAIT_S,
     SETTLE_RETRY_WAIT_S,
     USAGE_PROBE_TIMEOUT_S,
 )
@@ -48,6 +52,7 @@ class Settler:
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id
         self._background: set[asyncio.Task] = set()
+        self._until_back: set[asyncio.Task] = set()  # of those, the ones waiting for the database to come back
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
 
     def settle(self, generation: Generation, charge: bool) -> asyncio.Task:
@@ -78,8 +83,8 @@ class Settler:
             return
         try:
             await self._settle_delivered(generation, billed)
-        except Exception:  # a refusal, or the database away: the charge is not lost either way
-            await self._settle_later(generation, billed)
+        except Exception as exc:  # a refusal, or the database away: the charge is not lost either way
+            await self._settle_later(generation, billed, database_away=_database_away(exc))
         finally:
             self._live.pop(generation.hold_id, None)
         if billed.discrepant:  # evidence is recorded off the path to [DONE]
@@ -102,23 +107,67 @@ class Settler:
         if not hold_task.cancelled() and hold_task.exception() is None:
             self.in_background(asyncio.to_thread(self.ledger.release_hold, hold_task.result().hold_id))
 
-    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage) -> None:
+    async def _settle_later(self, generation: Generation, billed: metering.BilledUsage, *, database_away: bool) -> None:
         """The settlement could not be written (the database or the writer is
         away). Delivered tokens are never given away: a streaming caller has
-        them, so the hold keeps the full charge as its recorded usage and the
-        sweeper settles it once it expires. A non-streaming caller has received
-        nothing: the hold is released and the answer withheld."""
+        them, so the hold keeps the full charge as its recorded usage, the
+        settlement is tried again once the database is back, and should this
+        process stop first the sweeper settles the hold once it expires. A
+        non-streaming caller has received nothing: the hold is released (or
+        expires, if the database is away) and the answer withheld."""
         if not generation.streaming:
-            log.exception("request %s could not be settled; nothing was delivered, its hold is released", generation.request_id)
+            log.warning("request %s could not be settled; nothing was delivered, its hold is released",
+                        generation.request_id, exc_info=not database_away)
             generation.withhold()
-            await self.release(generation)
+            try:
+                await self.release(generation)
+            except Exception:  # the sweeper releases it once it expires
+                log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
+            if database_away:
+                self._when_back_task(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
-        log.exception("request %s could not be settled now; the sweeper settles its hold", generation.request_id)
+        log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         final = self.renewal(generation, billed)
         try:
             await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
         except Exception:  # the hold keeps the usage recorded at the last renewal
-            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=True)
+            log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
+        if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
+            self._when_back_task(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+
+    def _when_back_task(self, work) -> None:
+        task = self.in_background(work)
+        self._until_back.add(task)
+        task.add_done_callback(self._until_back.discard)
+
+    async def _when_back(self, request_id: str, work, *args) -> None:
+        """`await work(*args)` once the database answers again (tried every
+        interval, for a bounded time); work that fails otherwise is logged."""
+        deadline_s = time.monotonic() + SETTLE_OUTAGE_RETRY_S_MAX
+        while time.monotonic() < deadline_s:
+            await asyncio.sleep(SETTLE_OUTAGE_RETRY_INTERVAL_S)
+            try:
+                await work(*args)
+            except Exception as exc:
+                if _database_away(exc):
+                    continue
+                log.exception("request %s: %s failed", request_id, work.__name__)
+                return
+            log.info("request %s: %s done once the database was back", request_id, work.__name__)
+            return
+        log.error("request %s: the database stayed away; %s was not done", request_id, work.__name__)
+
+    async def _reverse_withheld(self, request_id: str) -> None:
+        """A withheld answer costs nothing. The database may have gone away
+        while the settlement's commit was on its way, and committed it all the
+        same: such a settlement is reversed (once: the key is the request's)."""
+        for seq in await asyncio.to_thread(self._settlement_seqs, request_id):
+            await self._append(cmd.ReverseEvent(seq, "the answer was withheld: its settlement's outcome was not known in time",
+                                                withheld_key(request_id, seq)))
+
+    def _settlement_seqs(self, request_id: str) -> list[int]:
+        with self.ledger.engine.connect() as conn:
+            return generations.settlement_seqs(conn, request_id)
 
     async def _settle_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
         """Charge the hold. A settlement never depends on its hold still being
@@ -252,8 +301,19 @@ class Settler:
         return task
 
     async def drain_background(self) -> None:
+        """Wait for the background work. What still waits for the database is
+        given a little while, then stopped: its holds carry what was delivered,
+        and the sweeper of any replica settles them."""
+        if self._until_back:
+            _, waiting = await asyncio.wait(list(self._until_back), timeout=SHUTDOWN_DATABASE_WAIT_S)
+            for task in waiting:
+                task.cancel()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _database_away(exc: BaseException) -> bool:
+    return isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc)
 
 
 def _settlement_meta(generation: Generation, billed: metering.BilledUsage) -> dict:

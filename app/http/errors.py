@@ -8,6 +8,7 @@ app/, invoices/ and ledger/ raise typed `LedgerError`s; `http_error_for` maps
 each to its status, so a controller only calls the service."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,9 +19,10 @@ from app.accounts import NotVisible
 from app.http.plumbing import json_response
 from invoices.files import DocumentUnavailable
 from invoices.statements import NoStatement, StatementNotReady
-from ledger.errors import InvariantBroken, LedgerError
+from ledger.db import DATABASE_ERRORS, is_connection_failure
+from ledger.errors import DatabaseUnavailable, InvariantBroken, LedgerError
 from proxy import workers as registry
-from proxy.errors import InvalidRequest, NotReady, ProxyError
+from proxy.errors import DatabaseAway, InvalidRequest, NotReady, ProxyError
 
 
 class AuthenticationFailed(ProxyError):
@@ -57,6 +59,7 @@ class DocumentMismatch(ProxyError):
 
 # Most specific first; any other LedgerError is the caller's mistake (400).
 HTTP_ERROR_OF_SERVICE_ERROR: tuple[tuple[type[LedgerError], type[ProxyError]], ...] = (
+    (DatabaseUnavailable, DatabaseAway),
     (NotVisible, NotFound),
     (NoStatement, NotFound),
     (registry.UnknownWorker, NotFound),
@@ -106,6 +109,20 @@ def http_exception_response(_: Request, exc: HTTPException) -> Response:
                          exc.status_code)
 
 
-EXCEPTION_HANDLERS = {ProxyError: proxy_error_response, HTTPException: http_exception_response}
+log = logging.getLogger(__name__)
+
+
+def database_error_response(request: Request, exc: Exception) -> Response:
+    """The database away (a refused or dropped connection, wherever it surfaced:
+    a key lookup, a read, a hold) is a 503 with Retry-After, never a 500."""
+    if isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc):
+        log.warning("%s %s: the database is unavailable (%s)", request.method, request.url.path, type(exc).__name__)
+        return proxy_error_response(request, DatabaseAway("the database is unavailable just now: try again shortly"))
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return proxy_error_response(request, ProxyError("internal error"))
+
+
+DATABASE_EXCEPTION_HANDLERS = {DatabaseUnavailable: database_error_response, **dict.fromkeys(DATABASE_ERRORS, database_error_response)}
+EXCEPTION_HANDLERS = {ProxyError: proxy_error_response, HTTPException: http_exception_response, **DATABASE_EXCEPTION_HANDLERS}
 # Routes that call the services of app/, invoices/ and ledger/ also translate their typed errors.
 SERVICE_EXCEPTION_HANDLERS = {LedgerError: service_error_response}

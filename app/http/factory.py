@@ -21,7 +21,7 @@ from app.http.documents import DocumentController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
-from app.http.status import health, metrics, metrics_registry
+from app.http.status import health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
 from app.payments.crypto import CryptoSettings
@@ -92,7 +92,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, metrics,
+        route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
@@ -104,6 +104,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
     app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
     app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
     app.state.metrics = metrics_registry(ledger.engine)
+    app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured
     app.state.background = set()  # webhook processing in flight: kept so the tasks are not collected mid-way
     return app
 

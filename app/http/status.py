@@ -1,18 +1,26 @@
-"""For operators: liveness, and Prometheus metrics (read-model lag) from a
-registry of this app's own, so two apps in one process never share series."""
+"""For operators: liveness, readiness, and Prometheus metrics (read-model
+lag) from a registry of this app's own, so two apps in one process never
+share series."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine
+import redis
+from sqlalchemy import Engine, select, text
 
 from app.http.plumbing import json_response
+from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
 from invoices import read_models
+from ledger.limits import MS_PER_S
+from ledger.log import consumer_position
+from ledger.schema import ledger_events, utc_now
+from proxy.limits import DATABASE_RETRY_AFTER_S
 
 LAG_METRIC = "paralon_projection_lag_events"
 LAG_HELP = "Events the read models have not applied yet."
@@ -48,3 +56,64 @@ async def metrics(request: Request) -> Response:
 @get("/health", summary="Liveness")
 async def health() -> Response:
     return json_response({"status": "ok"})
+
+
+@get("/ready", summary="Readiness: the database answers, Redis too when configured, the read models keep up",
+     description="200 when this replica can serve; 503 with Retry-After and the failed checks named otherwise. "
+                 "A load balancer sends traffic only to ready replicas; /health says only that the process is alive.")
+async def ready(request: Request) -> Response:
+    checks = {"database": await _check(_database_answers, request.app.state.ledger.engine)}
+    redis_url = request.app.state.redis_url
+    if redis_url:
+        checks["redis"] = await _check(_redis_answers, redis_url)
+    if checks["database"]["ok"]:
+        checks["read_models"] = await _check(_read_models_keep_up, request.app.state.ledger.engine)
+    if all(check["ok"] for check in checks.values()):
+        return json_response({"status": "ready", "checks": checks})
+    return json_response({"status": "not_ready", "checks": checks}, 503, {"retry-after": str(DATABASE_RETRY_AFTER_S)})
+
+
+async def _check(probe: Callable[[object], dict], target: object) -> dict:
+    """`probe(target)` in a thread, bounded: a database that does not answer is a failed check, not a hung request."""
+    started = time.perf_counter()
+    try:
+        found = await asyncio.wait_for(asyncio.to_thread(probe, target), READY_CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return {"ok": False, "error": f"no answer within {READY_CHECK_TIMEOUT_S} s"}
+    except ReadModelsBehind as exc:
+        return {"ok": False, "error": str(exc)}
+    except Exception as exc:  # what failed is the answer; the details are in the server's log only
+        return {"ok": False, "error": type(exc).__name__}
+    return {"ok": True, "ms": round((time.perf_counter() - started) * MS_PER_S, 1), **found}
+
+
+def _database_answers(engine: Engine) -> dict:
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    return {}
+
+
+def _redis_answers(url: str) -> dict:
+    client = redis.Redis.from_url(url, socket_timeout=READY_CHECK_TIMEOUT_S, socket_connect_timeout=READY_CHECK_TIMEOUT_S)
+    try:
+        client.ping()
+    finally:
+        client.close()
+    return {}
+
+
+def _read_models_keep_up(engine: Engine, lag_s_max: float = READY_READ_MODEL_LAG_S_MAX) -> dict:
+    """Behind by the age of the oldest event the read models have not applied."""
+    with engine.connect() as conn:
+        oldest = conn.execute(select(ledger_events.c.recorded_at)
+                              .where(ledger_events.c.seq == consumer_position(conn, read_models.CONSUMER) + 1)).scalar()
+    if oldest is None:  # every event is applied
+        return {"lag_s": 0.0}
+    lag_s = (utc_now() - oldest).total_seconds()
+    if lag_s > lag_s_max:
+        raise ReadModelsBehind(f"{lag_s:.0f} s behind")
+    return {"lag_s": round(lag_s, 1)}
+
+
+class ReadModelsBehind(Exception):
+    """The read models are further behind the log than READY_READ_MODEL_LAG_S_MAX."""

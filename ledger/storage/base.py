@@ -94,6 +94,16 @@ class Storage(ABC):
         """This transaction's commit need not wait for its flush: used for
         holds only, which a crash may lose without costing anyone anything."""
 
+    # The driver's own error classes among which a failed connection is
+    # reported, as its raw connection raises them (statements that bypass
+    # SQLAlchemy): SQLAlchemy never sees those.
+    driver_connection_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def is_connection_error(self, error: BaseException | None) -> bool:
+        """The driver's error says the connection failed (refused, dropped,
+        closed), not that the database refused a statement."""
+        return False
+
     def is_transient(self, exc: DBAPIError) -> bool:
         """Worth one more try: a dropped connection, or what `is_retryable_error` says."""
         return exc.connection_invalidated or self.is_retryable_error(exc.orig)

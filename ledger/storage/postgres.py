@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from datetime import datetime
 
+import psycopg
 from sqlalchemy import Connection, Engine, String, any_, bindparam, cast, create_engine
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 
 from ledger.errors import BadDatabaseUrl, LedgerError
+from ledger.limits import (
+    DATABASE_CONNECT_TIMEOUT_S,
+    DATABASE_KEEPALIVE_IDLE_S,
+    DATABASE_KEEPALIVE_INTERVAL_S,
+    DATABASE_KEEPALIVE_PROBES,
+    DATABASE_TCP_USER_TIMEOUT_MS,
+)
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
 from ledger.storage.base import (
@@ -33,6 +41,11 @@ from ledger.storage.pg_arrays import bytea_array, ints, nullable_ints, nullable_
 _EVENT_ARRAYS = dict(zip(EVENT_COLUMNS, (ints, words, texts, texts, bytea_array, nullable_ints, bytea_array, bytea_array)))
 _POSTING_ARRAYS = dict(zip(POSTING_COLUMNS, (ints, ints, ints, ints)))
 _NEW_HOLD_ARRAYS = dict(zip(NEW_HOLD_COLUMNS, (ints, ints, texts, ints, nullable_ints, nullable_texts)))
+
+# Connection exceptions (class 08), and the server shutting a session down
+# (an administrator's pg_terminate_backend, a crash, a server still starting).
+_CONNECTION_SQLSTATE_CLASS = "08"
+_SESSION_ENDED_SQLSTATES = ("57P01", "57P02", "57P03")
 
 # Serialisation failure, deadlock, unique violation.
 _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
@@ -127,6 +140,9 @@ class PostgresStorage(Storage):
     dialect = "postgresql"
     url_backends = ("postgresql", "postgres")
     holds_in_one_statement = True
+    # OperationalError: refused, dropped, terminated by an administrator, timed out;
+    # InterfaceError: used after it closed.
+    driver_connection_errors = (psycopg.OperationalError, psycopg.InterfaceError)
 
     def engine_url(self, url: URL) -> URL:
         if not url.database:
@@ -141,14 +157,26 @@ class PostgresStorage(Storage):
         # length varies, and a generic plan (estimated for ten elements, on whatever
         # statistics were current) can turn a thousand-row join quadratic. Planning
         # each batch statement afresh costs microseconds per batch.
+        # A pooled connection is pinged before it is handed out (one that died is
+        # replaced); a connection attempt and a dead path are noticed in seconds.
         return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                             connect_args={"prepare_threshold": None})
+                             connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
+                                           "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
+                                           "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
+                                           "keepalives_count": DATABASE_KEEPALIVE_PROBES,
+                                           "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
 
     def skip_flush_wait(self, conn: Connection) -> None:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
 
     def is_retryable_error(self, error: BaseException | None) -> bool:
         return getattr(error, "sqlstate", None) in _RETRYABLE_SQLSTATES
+
+    def is_connection_error(self, error: BaseException | None) -> bool:
+        if not isinstance(error, self.driver_connection_errors):
+            return False
+        sqlstate = getattr(error, "sqlstate", None)  # none: the client found the connection gone
+        return sqlstate is None or sqlstate.startswith(_CONNECTION_SQLSTATE_CLASS) or sqlstate in _SESSION_ENDED_SQLSTATES
 
     def one_of(self, column, values: list):
         """One array parameter (`= ANY`), so the statement text, and every cache

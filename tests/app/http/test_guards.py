@@ -41,7 +41,7 @@ INFERENCE_ROUTES = [
     ("GET", "/v1/models", None),
     ("GET", "/v1/generations/req-settled", None),
 ]
-OPEN_PATHS = {"/health", "/metrics", "/webhooks/stripe"}  # the webhook is verified by its signature instead
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/webhooks/stripe"}  # the webhook is verified by its signature instead
 
 
 def _nothing_changed(site, before: dict, key_count: int) -> None:
