@@ -7,8 +7,10 @@ import uuid
 
 import click
 
-from app.cli.output import emit, engine, handles_errors, json_option, progress
+from app.cli.output import emit, engine, handles_errors, json_option, owner_engine, progress
+from app.db_roles import grant_app_role, service_role
 from app.migrate import migrate
+from app.settings import Settings
 from invoices import exports
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -24,9 +26,16 @@ from ledger.verify import count_events, rebuild_balances, verify
 @json_option
 @handles_errors
 def migrate_command(as_json: bool) -> None:
-    """Create or upgrade the schema (PARALON_DATABASE_URL)."""
-    revision = migrate(engine())
-    emit(as_json, {"revision": revision}, f"database is at revision {revision}")
+    """Create or upgrade the schema as the owner role (PARALON_MIGRATION_DATABASE_URL, else
+    PARALON_DATABASE_URL); when the service's URL names another role, grant it the service's rights."""
+    database = Settings.from_env().database
+    db = owner_engine()
+    revision = migrate(db)
+    role = service_role(database.url, database.owner_url)
+    if role:
+        grant_app_role(db, role)
+    emit(as_json, {"revision": revision, "service_role": role},
+         f"database is at revision {revision}" + (f"; role {role} granted the service's rights" if role else ""))
 
 
 def _append(command: cmd.Command, as_json: bool, what: str) -> None:
@@ -118,8 +127,8 @@ def ledger_verify(as_json: bool) -> None:
 @json_option
 @handles_errors
 def ledger_replay(as_json: bool) -> None:
-    """Rebuild the read models (balances) from the first event."""
-    db = engine()
+    """Rebuild the read models (balances) from the first event, as the owner role (PARALON_MIGRATION_DATABASE_URL)."""
+    db = owner_engine()
     with db.connect() as conn:
         total = count_events(conn)
     with db.begin() as conn, progress(total, "replaying") as bar:
