@@ -27,6 +27,10 @@ _POSTINGS_OF_NO_ACCOUNT = text("""
 SELECT DISTINCT p.account_id FROM ledger_postings p
 WHERE NOT EXISTS (SELECT 1 FROM account_balances b WHERE b.account_id = p.account_id)
 """)
+_POSTINGS_OF_NO_EVENT = text("""
+SELECT DISTINCT p.event_seq FROM ledger_postings p
+WHERE NOT EXISTS (SELECT 1 FROM ledger_events e WHERE e.seq = p.event_seq) ORDER BY 1
+""")
 
 
 @dataclass(frozen=True)
@@ -81,3 +85,5 @@ def _check_balances(conn: Connection, report: VerifyReport) -> None:
                    f"(differs by {stored - int(posted)})")
     for account_id in conn.execute(_POSTINGS_OF_NO_ACCOUNT).scalars():
         report.add(f"postings name account {account_id}, which has no balance row")
+    for seq in conn.execute(_POSTINGS_OF_NO_EVENT).scalars():
+        report.add(f"postings name event {seq}, which is not in the log")

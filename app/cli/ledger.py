@@ -34,7 +34,7 @@ def migrate_command(as_json: bool) -> None:
     role = service_role(database.url, database.owner_url)
     if role:
         grant_app_role(db, role)
-    emit(as_json, {"revision": revision, "service_role": role},
+    emit(as_json, {"revision": revision, **({"service_role": role} if role else {})},
          f"database is at revision {revision}" + (f"; role {role} granted the service's rights" if role else ""))
 
 

@@ -5,7 +5,8 @@ these triggers off; `app.db_roles` grants it what it needs):
 - `account_balances_guard`: after every UPDATE statement on account_balances,
   each changed balance must differ from its old value by exactly the sum of
   the account's postings in (old last_event_seq, new last_event_seq], that
-  range moving only forward and never past the head of the log; closed holds
+  range moving only forward and never past the last event in the log (so a
+  posting written without its event moves nothing); closed holds
   never exceed placed ones (which would make more available than the
   balance). One set-based query per statement over the new index on
   ledger_postings (account_id, event_seq). It fires at the end of the
@@ -47,7 +48,7 @@ BEGIN
             AND n.holds_closed_nano_usd > coalesce(c.holds_placed_nano_usd, 0))
         OR ((n.balance_nano_usd <> o.balance_nano_usd OR n.last_event_seq <> o.last_event_seq) AND (
                n.last_event_seq < o.last_event_seq
-            OR n.last_event_seq > (SELECT h.last_seq FROM ledger_head h WHERE h.id = 1)
+            OR n.last_event_seq > (SELECT max(e.seq) FROM ledger_events e)
             OR n.balance_nano_usd - o.balance_nano_usd <> coalesce((
                    SELECT sum(p.amount_nano_usd) FROM ledger_postings p
                     WHERE p.account_id = n.account_id

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import httpx
+
 import openai
 import pytest
 from click.testing import CliRunner
@@ -26,6 +28,7 @@ from ledger.service import Ledger, append_now
 from ledger.verify import verify
 from prometheus_client import generate_latest
 from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
 from tests.support.db_roles import APP_ROLE, app_role_url
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
@@ -79,6 +82,24 @@ def test_the_service_role_cannot_move_money_without_an_event_nor_switch_the_guar
                             {"c": customer}).scalar_one() == 10 * USD
     with snapshot_connection(owner) as conn:
         assert verify(conn).ok
+
+
+def test_a_posting_without_its_event_moves_no_balance_and_the_verification_names_it(books):
+    """The service may insert postings (appends do), but a balance counts only postings up to the log's last event."""
+    owner, service, customer = books
+    with service.begin() as conn:
+        conn.execute(text(f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
+                          f"VALUES (1000000, 0, :c, {THOUSAND_USD})"), {"c": customer})
+    with pytest.raises(DBAPIError, match="without the events that cause it"):
+        with service.begin() as conn:
+            conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
+                              "last_event_seq = 1000000 WHERE account_id = :c"), {"c": customer})
+    assert money_snapshot(owner)["balances"][customer] == 10 * USD
+    result = run_verification(service)
+    assert not result["ok"]
+    with owner.connect() as conn:
+        first = conn.execute(text("SELECT first_problem FROM ledger_verifications")).scalar_one()
+    assert f"differs by -{THOUSAND_USD}" in first and result["problems_total"] == 2  # and the posting of no event
 
 
 def test_the_owner_too_cannot_move_a_balance_without_its_event(books):
@@ -201,4 +222,34 @@ def test_scheduled_verification_reports_a_tampered_ledger_by_metric_and_error_lo
     finally:
         ledger.close()
         service.dispose()
+        owner.dispose()
+
+
+def test_beat_reports_a_tampered_ledger_on_metrics_and_at_error_level(postgres_url, celery_worker, tmp_path):
+    """A real worker with its beat (`paralon worker -B`) verifies every second, as the service's role;
+    the owner edits a balance behind the guard; serve's /metrics turns to 0 and the worker logs an ERROR."""
+    owner = make_engine(postgres_url)
+    ledger = Ledger(owner)
+    customer = customer_with(ledger, 10 * USD)
+    ledger.close()
+    service_url = app_role_url(postgres_url)
+    worker = celery_worker({"PARALON_DATABASE_URL": service_url, "PARALON_LEDGER_VERIFY_INTERVAL_S": "1"}, pool="solo",
+                           concurrency=1, extra_args=("-B", "--schedule", str(tmp_path / "beat-schedule")))
+    try:
+        with serving(postgres_url) as proxy:
+            def verify_ok() -> bytes | None:
+                found = [line for line in httpx.get(proxy.url + "/metrics").content.splitlines()
+                         if line.startswith(b"paralon_ledger_verify_ok ")]
+                return found[0] if found else None
+
+            assert wait_for(verify_ok, timeout_s=60) == b"paralon_ledger_verify_ok 1.0", worker.log_tail()
+            with owner.begin() as conn:
+                conn.execute(text("ALTER TABLE account_balances DISABLE TRIGGER account_balances_guard"))
+                conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} "
+                                  "WHERE account_id = :c"), {"c": customer})
+                conn.execute(text("ALTER TABLE account_balances ENABLE TRIGGER account_balances_guard"))
+            wait_for(lambda: verify_ok() == b"paralon_ledger_verify_ok 0.0", timeout_s=60)
+        wait_for(lambda: "ERROR" in worker.log_tail() and "ledger verification FAILED" in worker.log_tail(), timeout_s=30)
+        assert f"differs by {THOUSAND_USD}" in worker.log_tail()
+    finally:
         owner.dispose()
