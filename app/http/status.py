@@ -66,7 +66,7 @@ def metrics_registry(engine: Engine) -> CollectorRegistry:
     return registry
 
 
-@get("/metrics", summary="Prometheus metrics: read-model lag")
+@get("/metrics", summary="Prometheus metrics: read-model lag, the scheduled ledger verification")
 async def metrics(request: Request) -> Response:
     text = await asyncio.to_thread(generate_latest, request.app.state.metrics)  # the collectors query the database
     return Response(text, media_type=CONTENT_TYPE_LATEST)

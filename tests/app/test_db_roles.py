@@ -253,3 +253,22 @@ def test_beat_reports_a_tampered_ledger_on_metrics_and_at_error_level(postgres_u
         assert f"differs by {THOUSAND_USD}" in worker.log_tail()
     finally:
         owner.dispose()
+
+
+def test_the_scheduled_verification_proves_only_new_events_and_finds_an_edit_on_each_storage(engine, ledger):
+    customer = customer_with(ledger, 10 * USD)
+    gpu_owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    ledger.append(cmd.SettleRequest(hold.hold_id, gpu_owner, 1_000_000, "r1", key(), {}))
+    first = run_verification(engine)
+    assert first["ok"] and first["events_checked"] == first["verified_seq"] == 2
+    ledger.append(cmd.GrantCredits(customer, USD, "more", key()))
+    second = run_verification(engine)
+    assert second["ok"] and second["events_checked"] == 1 and second["verified_seq"] == 3
+    with engine.begin() as conn:  # a superuser's edit, past the guard on PostgreSQL; SQLite has none
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
+        conn.execute(text("UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 7 WHERE account_id = :c"),
+                     {"c": customer})
+    failed = run_verification(engine)
+    assert not failed["ok"] and failed["verified_seq"] == 3 and failed["problems_total"] == 1
