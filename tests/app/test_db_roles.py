@@ -19,10 +19,12 @@ from app.jobs.celery import celery
 from app.db_roles import NARROW_PRIVILEGES, service_role
 from app.http.status import metrics_registry
 from app.jobs.ledger_check import run_verification
+from app.settings import Settings, SettingsError
 from invoices.service import list_invoices
 from invoices.tasks import ISSUE_INVOICE, PROJECT_READ_MODELS
 from ledger import commands as cmd
 from ledger.db import make_engine, snapshot_connection
+from ledger.errors import BadDatabaseUrl
 from ledger.holds import PlaceHold
 from ledger.service import Ledger, append_now
 from ledger.verify import verify
@@ -272,3 +274,19 @@ def test_the_scheduled_verification_proves_only_new_events_and_finds_an_edit_on_
                      {"c": customer})
     failed = run_verification(engine)
     assert not failed["ok"] and failed["verified_seq"] == 3 and failed["problems_total"] == 1
+
+
+def test_the_owner_url_defaults_to_the_service_url_and_both_are_checked(monkeypatch):
+    monkeypatch.setenv("PARALON_DATABASE_URL", "postgresql://paralon_app@db/paralon")
+    monkeypatch.delenv("PARALON_MIGRATION_DATABASE_URL", raising=False)
+    assert Settings.from_env().database.owner_url == "postgresql://paralon_app@db/paralon"
+    monkeypatch.setenv("PARALON_MIGRATION_DATABASE_URL", "postgresql://paralon_owner@db/paralon")
+    assert Settings.from_env().database.owner_url == "postgresql://paralon_owner@db/paralon"
+    assert service_role(Settings.from_env().database.url, Settings.from_env().database.owner_url) == "paralon_app"
+    monkeypatch.setenv("PARALON_MIGRATION_DATABASE_URL", "mysql://x@db/paralon")
+    with pytest.raises(BadDatabaseUrl, match="mysql"):  # as PARALON_DATABASE_URL is checked
+        Settings.from_env()
+    monkeypatch.delenv("PARALON_MIGRATION_DATABASE_URL")
+    monkeypatch.setenv("PARALON_LEDGER_VERIFY_INTERVAL_S", "0")
+    with pytest.raises(SettingsError, match="PARALON_LEDGER_VERIFY_INTERVAL_S"):
+        Settings.from_env()
