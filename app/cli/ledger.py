@@ -6,8 +6,9 @@ import sys
 import uuid
 
 import click
+from sqlalchemy.exc import ProgrammingError
 
-from app.cli.output import emit, engine, handles_errors, json_option, owner_engine, progress
+from app.cli.output import emit, engine, fail, handles_errors, json_option, owner_engine, progress
 from app.db_roles import grant_app_role, service_role
 from app.migrate import migrate
 from app.settings import Settings
@@ -123,6 +124,9 @@ def ledger_verify(as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+INSUFFICIENT_PRIVILEGE = "42501"  # PostgreSQL's SQLSTATE: e.g. not the owner of the table
+
+
 @ledger_group.command("replay")
 @json_option
 @handles_errors
@@ -131,8 +135,14 @@ def ledger_replay(as_json: bool) -> None:
     db = owner_engine()
     with db.connect() as conn:
         total = count_events(conn)
-    with db.begin() as conn, progress(total, "replaying") as bar:
-        accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    try:
+        with db.begin() as conn, progress(total, "replaying") as bar:
+            accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    except ProgrammingError as exc:
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        fail(as_json, "not_the_owner", "replay rewrites balances past their guard: run it as the owner role "
+                                       "(PARALON_MIGRATION_DATABASE_URL)")
     emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
          f"replayed {total} events into {accounts_rebuilt} account balances")
 

@@ -290,3 +290,11 @@ def test_the_owner_url_defaults_to_the_service_url_and_both_are_checked(monkeypa
     monkeypatch.setenv("PARALON_LEDGER_VERIFY_INTERVAL_S", "0")
     with pytest.raises(SettingsError, match="PARALON_LEDGER_VERIFY_INTERVAL_S"):
         Settings.from_env()
+
+
+def test_replay_as_the_service_role_is_refused_with_one_line_and_moves_nothing(books, postgres_url):
+    owner, _, customer = books
+    before = money_snapshot(owner)
+    result = CliRunner().invoke(main, ["ledger", "replay"], env={"PARALON_DATABASE_URL": app_role_url(postgres_url)})
+    assert result.exit_code == 2 and "PARALON_MIGRATION_DATABASE_URL" in result.stderr
+    assert money_snapshot(owner) == before
