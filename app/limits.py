@@ -91,6 +91,11 @@ READ_MODELS_INTERVAL_S = 5.0
 # Each day at 00:30 UTC, after a month's close grace (invoices.limits.CLOSE_GRACE_S).
 STATEMENTS_DAILY_AT_HOUR = 0
 STATEMENTS_DAILY_AT_MINUTE = 30
+# How often beat proves the ledger (PARALON_LEDGER_VERIFY_INTERVAL_S): the chain from the last proven
+# event on, and every balance against the sum of its postings (app/jobs/verify.py).
+LEDGER_VERIFY_INTERVAL_S_DEFAULT = 300.0
+LEDGER_VERIFY_INTERVAL_S_MIN = 1.0
+LEDGER_VERIFY_INTERVAL_S_MAX = 86_400.0
 EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
 
 # --- Management tokens (app/tokens.py) ---------------------------------------------

@@ -30,6 +30,9 @@ from app.limits import (
     HOLD_TTL_S_MIN,
     INTERVAL_MS_MIN,
     KEY_CACHE_TTL_MS_MAX,
+    LEDGER_VERIFY_INTERVAL_S_DEFAULT,
+    LEDGER_VERIFY_INTERVAL_S_MAX,
+    LEDGER_VERIFY_INTERVAL_S_MIN,
     SERVE_PORT_DEFAULT,
     TCP_PORT_MAX,
 )
@@ -72,16 +75,27 @@ class _Group(BaseSettings):
 
 class DatabaseConfig(_Group):
     url: str = _env("PARALON_DATABASE_URL", DATABASE_URL_DEFAULT, repr=False)  # may hold a password
+    # The owner role's, for `paralon migrate` and repairs (README, "Database roles"); unset: `url`.
+    migration_url: str | None = _env("PARALON_MIGRATION_DATABASE_URL", repr=False)
     group_commit_batch_size_max: int = _env("PARALON_GROUP_COMMIT_BATCH_SIZE_MAX", BATCH_SIZE_MAX_DEFAULT,
                                             ge=1, le=GROUP_COMMIT_BATCH_COMMANDS_MAX)
     group_commit_wait_ms: int = _env("PARALON_GROUP_COMMIT_WAIT_MS", int(BATCH_WAIT_MS_DEFAULT),
                                      ge=0, le=GROUP_COMMIT_WAIT_MS_MAX)
 
-    @field_validator("url")
+    ledger_verify_interval_s: float = _env("PARALON_LEDGER_VERIFY_INTERVAL_S", LEDGER_VERIFY_INTERVAL_S_DEFAULT,
+                                           ge=LEDGER_VERIFY_INTERVAL_S_MIN, le=LEDGER_VERIFY_INTERVAL_S_MAX)
+
+    @field_validator("url", "migration_url")
     @classmethod
-    def _parses(cls, url: str) -> str:
+    def _parses(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
         normalise_url(url.strip())  # a malformed URL fails here (BadDatabaseUrl), before anything runs
         return url.strip()
+
+    @property
+    def owner_url(self) -> str:
+        return self.migration_url or self.url
 
 
 class ProxyConfig(_Group):

@@ -5,6 +5,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     ForeignKey,
     Index,
@@ -170,4 +171,18 @@ consumer_positions = Table(
     Column("consumer", String(CONSUMER_NAME_CHARS_MAX), primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
+)
+
+# What the scheduled verification last proved (one row, migration 0013): the
+# chain up to verified_seq/verified_hash, and whether its last run passed.
+ledger_verifications = Table(
+    "ledger_verifications",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("verified_seq", BigInteger, nullable=False),
+    Column("verified_hash", Sha256, nullable=False),
+    Column("checked_at", UTCDateTime),
+    Column("ok", Boolean),
+    Column("problems_total", BigInteger, nullable=False, server_default=text("0")),
+    Column("first_problem", Text),
 )

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine, make_url
 from app.migrate import migrate
 from ledger.db import make_engine
 from ledger.service import Ledger
+from tests.support.db_roles import drop_app_role
 from tests.support.services import REQUIRE_SERVICES, XDIST_WORKER, redis_url  # noqa: F401 (a fixture)
 
 # Invoices issued by tests (in-process or by a `serve` they start) go to a scratch directory.
@@ -93,6 +94,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     _dropper.shutdown(wait=True)
     for drop in _drops:
         drop.result()  # a drop that failed fails loudly here
+    drop_app_role()  # after the databases it was granted on are gone
 
 
 def _migrated(url: str) -> None:

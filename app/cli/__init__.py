@@ -14,6 +14,7 @@ import click
 COMMAND_MODULES = {
     "app.cli.accounts": ("accounts", "tokens"),
     "app.cli.billing": ("invoices", "statements", "projections"),
+    "app.cli.database": ("db",),
     "app.cli.dev": ("up", "demo"),
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
     "app.cli.payments": ("stripe", "crypto"),

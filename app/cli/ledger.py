@@ -6,9 +6,11 @@ import sys
 import uuid
 
 import click
+from sqlalchemy.exc import ProgrammingError
 
-from app.cli.output import emit, engine, handles_errors, json_option, progress
 from app.anchoring.service import read_anchors, write_anchor
+from app.cli.output import emit, engine, fail, handles_errors, json_option, owner_engine, progress
+from app.db_roles import grant_app_role, service_role
 from app.migrate import migrate
 from app.settings import Settings
 from app.wiring import anchor_settings
@@ -29,9 +31,16 @@ from ledger.verify import count_events, rebuild_balances, verify, verify_since
 @json_option
 @handles_errors
 def migrate_command(as_json: bool) -> None:
-    """Create or upgrade the schema (PARALON_DATABASE_URL)."""
-    revision = migrate(engine())
-    emit(as_json, {"revision": revision}, f"database is at revision {revision}")
+    """Create or upgrade the schema as the owner role (PARALON_MIGRATION_DATABASE_URL, else
+    PARALON_DATABASE_URL); when the service's URL names another role, grant it the service's rights."""
+    database = Settings.from_env().database
+    db = owner_engine()
+    revision = migrate(db)
+    role = service_role(database.url, database.owner_url)
+    if role:
+        grant_app_role(db, role)
+    emit(as_json, {"revision": revision, **({"service_role": role} if role else {})},
+         f"database is at revision {revision}" + (f"; role {role} granted the service's rights" if role else ""))
 
 
 def _append(command: cmd.Command, as_json: bool, what: str) -> None:
@@ -146,16 +155,25 @@ def ledger_anchor(as_json: bool) -> None:
     sys.exit(1 if written["chain_error"] else 0)
 
 
+INSUFFICIENT_PRIVILEGE = "42501"  # PostgreSQL's SQLSTATE: e.g. not the owner of the table
+
+
 @ledger_group.command("replay")
 @json_option
 @handles_errors
 def ledger_replay(as_json: bool) -> None:
-    """Rebuild the read models (balances) from the first event."""
-    db = engine()
+    """Rebuild the read models (balances) from the first event, as the owner role (PARALON_MIGRATION_DATABASE_URL)."""
+    db = owner_engine()
     with db.connect() as conn:
         total = count_events(conn)
-    with db.begin() as conn, progress(total, "replaying") as bar:
-        accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    try:
+        with db.begin() as conn, progress(total, "replaying") as bar:
+            accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
+    except ProgrammingError as exc:
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        fail(as_json, "not_the_owner", "replay rewrites balances past their guard: run it as the owner role "
+                                       "(PARALON_MIGRATION_DATABASE_URL)")
     emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
          f"replayed {total} events into {accounts_rebuilt} account balances")
 

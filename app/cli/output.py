@@ -53,5 +53,10 @@ def engine() -> Engine:
     return make_engine(Settings.from_env().database.url)
 
 
+def owner_engine() -> Engine:
+    """The owner role's (PARALON_MIGRATION_DATABASE_URL, else PARALON_DATABASE_URL): for migrations and repairs."""
+    return make_engine(Settings.from_env().database.owner_url)
+
+
 def progress(total: int, label: str):
     return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True)

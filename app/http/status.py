@@ -19,7 +19,7 @@ from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
 from invoices import read_models
 from ledger.limits import MS_PER_S
 from ledger.log import consumer_position
-from ledger.schema import ledger_events, utc_now
+from ledger.schema import ledger_events, ledger_verifications, utc_now
 from proxy.limits import DATABASE_RETRY_AFTER_S
 
 LAG_METRIC = "paralon_projection_lag_events"
@@ -41,13 +41,39 @@ class ReadModelLag(Collector):
         yield gauge
 
 
+VERIFY_OK_METRIC = "paralon_ledger_verify_ok"
+VERIFIED_SEQ_METRIC = "paralon_ledger_verified_seq"
+VERIFY_PROBLEMS_METRIC = "paralon_ledger_verify_problems"
+
+
+class LedgerVerification(Collector):
+    """What the scheduled verification last found (app/jobs/ledger_check.py); nothing before its first run."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        v = ledger_verifications.c
+        with self.engine.connect() as conn:
+            row = conn.execute(select(v.ok, v.verified_seq, v.problems_total).where(v.id == 1, v.ok.is_not(None))).one_or_none()
+        if row is None:
+            return
+        yield GaugeMetricFamily(VERIFY_OK_METRIC, "1 when the last scheduled ledger verification passed, else 0.", value=int(row.ok))
+        yield GaugeMetricFamily(VERIFIED_SEQ_METRIC, "The last event whose hash chain is proven.", value=row.verified_seq)
+        yield GaugeMetricFamily(VERIFY_PROBLEMS_METRIC, "Problems the last scheduled verification found.", value=row.problems_total)
+
+
 def metrics_registry(engine: Engine) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ReadModelLag(engine))
+    registry.register(LedgerVerification(engine))
     return registry
 
 
-@get("/metrics", summary="Prometheus metrics: read-model lag")
+@get("/metrics", summary="Prometheus metrics: read-model lag, the scheduled ledger verification")
 async def metrics(request: Request) -> Response:
     text = await asyncio.to_thread(generate_latest, request.app.state.metrics)  # the collectors query the database
     return Response(text, media_type=CONTENT_TYPE_LATEST)

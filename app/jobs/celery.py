@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from app import wiring
 from app import outbox
 from app.limits import OUTBOX_INTERVAL_S, READ_MODELS_INTERVAL_S, STATEMENTS_DAILY_AT_HOUR, STATEMENTS_DAILY_AT_MINUTE
+from app.jobs.ledger_check import run_verification
 from app.payments.crypto import connect, scan_once
 from app.settings import Settings
 from app.statement_labels import statement_labels
@@ -43,6 +44,7 @@ celery.conf.update(
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
         "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
+        "ledger-verify": {"task": "paralon.verify_ledger", "schedule": _settings.database.ledger_verify_interval_s},
         # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
         "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
@@ -109,3 +111,8 @@ def anchor_ledger() -> dict:
             return write_anchor(engine, wiring.anchor_settings(settings), only_if_moved=True)
         except NothingToAnchor as exc:
             return {"skipped": str(exc)}
+@celery.task(name="paralon.verify_ledger")
+def verify_ledger() -> dict:
+    """Prove the ledger from the last proven event; a failure is logged at ERROR and shown by /metrics."""
+    with _database() as (engine, _):
+        return run_verification(engine)

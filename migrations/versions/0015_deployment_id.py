@@ -7,7 +7,7 @@ document file names also carry the PDF's SHA-256, so a number issued again
 after a restore gets a name of its own too.
 
 Revision ID: 0015
-Revises: 0011
+Revises: 0013
 Create Date: 2026-11-30
 """
 import uuid
@@ -18,7 +18,7 @@ from alembic import op
 from ledger.schema import UTCDateTime, utc_now
 
 revision = "0015"
-down_revision = "0011"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 

@@ -99,14 +99,14 @@ class CeleryWorker:
 
 
 def start_worker(env: dict[str, str], log_path: Path, redis_url: str, *, concurrency: int = 2,
-                 pool: str = "prefork") -> CeleryWorker:
+                 pool: str = "prefork", extra_args: tuple[str, ...] = ()) -> CeleryWorker:
     prefix = f"paralon-test-{uuid.uuid4().hex[:12]}:"
     worker_env = {**os.environ, **env, "PARALON_CELERY_BROKER_URL": redis_url, "PARALON_CELERY_RESULT_URL": redis_url,
                   PREFIX_ENV: prefix}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-c", WORKER_PROGRAM, "worker", "--concurrency", str(concurrency), "--pool", pool,
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
+             "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args],
             env=worker_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     options = {"global_keyprefix": prefix}
     client = Celery(broker=redis_url, backend=redis_url, set_as_current=False,
@@ -116,8 +116,8 @@ def start_worker(env: dict[str, str], log_path: Path, redis_url: str, *, concurr
 
 @pytest.fixture
 def celery_worker(tmp_path, redis_url) -> Iterator:
-    """start(env, concurrency=2, pool="prefork") -> CeleryWorker; env holds what the
-    worker needs besides the broker (PARALON_DATABASE_URL, ...)."""
+    """start(env, concurrency=2, pool="prefork", extra_args=()) -> CeleryWorker; env holds what the
+    worker needs besides the broker (PARALON_DATABASE_URL, ...); extra_args go to `paralon worker`."""
     started: list[CeleryWorker] = []
 
     def start(env: dict[str, str], **options) -> CeleryWorker:

@@ -25,6 +25,7 @@ from ledger.service import append_now
 from proxy import keys, prices
 from proxy import workers as registry
 from proxy.sim.worker import build_app
+from tests.support.db_roles import app_role_url
 
 MODEL = "paralon-test"
 START_TIMEOUT_S = 30.0
@@ -69,11 +70,12 @@ def sim_worker(profile: str = "instant", model: str = MODEL, **options) -> Threa
 
 
 class ServeProcess:
-    """`paralon serve` as operators run it, on its own port."""
+    """`paralon serve` as operators run it, on its own port: on PostgreSQL as a
+    role that owns nothing (tests/support/db_roles.py)."""
 
     def __init__(self, database_url: str, port: int | None = None, **env: str) -> None:
         self.port = port or free_port()
-        self.env = {**os.environ, "PARALON_DATABASE_URL": database_url, "PARALON_HEALTH_INTERVAL_MS": "200",
+        self.env = {**os.environ, "PARALON_DATABASE_URL": app_role_url(database_url), "PARALON_HEALTH_INTERVAL_MS": "200",
                     "PARALON_KEY_CACHE_TTL_MS": "0", "PARALON_GROUP_COMMIT_WAIT_MS": "1", **env}
         self.process: subprocess.Popen | None = None
 

@@ -54,9 +54,13 @@ def test_ledger_verify_and_replay(paralon, database_url):
     assert "replaying" in replay.stderr  # the progress bar
     engine = make_engine(database_url)
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":  # a superuser's edit: the balance guard (migration 0013) is off for it
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
         conn.execute(text("UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 5"))
     failed = paralon("ledger", "verify", expect=1)
     assert "differs by 5" in failed.stdout
+    paralon("ledger", "replay", "--json")  # as the owner role, it rewrites the balances from the log
+    paralon("ledger", "verify", "--json")
     engine.dispose()
 
 

@@ -28,6 +28,7 @@ from tests.ledger.helpers import key
 
 HOLD = 1_000_000
 LIMIT_ID = 41
+COUNTER_ACCOUNT_ID = 10**9  # no such account: a posting the storage writes without checking it
 
 
 class StorageContract:
@@ -98,6 +99,8 @@ class StorageContract:
     def test_a_decided_batch_is_written_whole(self, engine, storage, customer):
         with engine.begin() as conn:
             spend_limits.create_limit(conn, LIMIT_ID, 10 * HOLD)
+            storage.add_holds_placed(conn, {customer: 5})  # what closes was placed first (PostgreSQL's guard checks it)
+            storage.add_limit_placed(conn, {LIMIT_ID: 5})
             batch = self._batch(customer, seq=1, key_="k-1", amount=7)
             storage.write_appended(conn, batch._replace(holds_closed={customer: 3}, limit_usage={LIMIT_ID: (2, 3)}))
         with engine.connect() as conn:
@@ -108,16 +111,17 @@ class StorageContract:
             limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
             head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash)).one()
         assert (event.seq, event.idempotency_key, event.payload, event.recorded_at) == (1, "k-1", '{"x":1}', batch.recorded_at)
-        assert sorted(postings) == [(0, customer, 7), (1, customer, -7)]
-        assert (book.balance_nano_usd, book.held_nano_usd, book.last_event_seq) == (7, -3, 1)
-        assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (2, -3)
+        assert sorted(postings) == [(0, customer, 7), (1, COUNTER_ACCOUNT_ID, -7)]
+        assert (book.balance_nano_usd, book.held_nano_usd, book.last_event_seq) == (7, 2, 1)
+        assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (2, 2)
         assert tuple(head) == (1, b"h" * 32)
 
     @staticmethod
     def _batch(account: int, *, seq: int, key_: str, amount: int) -> AppendedBatch:
-        """One event moving `amount` in and out of the same account (the storage checks no rule)."""
+        """One event moving `amount` into `account` from a counter-account whose balance it leaves
+        alone (the storage checks no rule; on PostgreSQL the balance guard sees the posting it wrote)."""
         event = (seq, "CreditsGranted", '{"x":1}', key_, b"d" * 32, None, GENESIS_HASH, b"h" * 32)
-        postings = [(seq, 0, account, amount), (seq, 1, account, -amount)]
+        postings = [(seq, 0, account, amount), (seq, 1, COUNTER_ACCOUNT_ID, -amount)]
         return AppendedBatch([event], postings, {account: amount}, {}, {}, seq, b"h" * 32, utc_now())
 
     # Holds

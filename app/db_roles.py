@@ -1,0 +1,85 @@
+"""The service's database role on PostgreSQL: it owns nothing and holds only
+the rights the service uses.
+
+Migrations run as the owner role (PARALON_MIGRATION_DATABASE_URL); the service
+runs as another (PARALON_DATABASE_URL). Only an owner can disable or drop a
+trigger, so the append-only triggers and the balance guard (migrations 0001,
+0013) hold against the service's own credentials. Grants are re-applied at
+each `paralon migrate`, so tables later migrations add are covered: a table
+not named below is an ordinary table (read and write); the ledger's tables get
+less. SQLite has no roles: the file's permissions are all there is.
+"""
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.engine import make_url
+
+from ledger.errors import InvalidInput
+
+# What the service may do to each table whose rights are narrower than an
+# ordinary table's (SELECT, INSERT, UPDATE, DELETE). Columns in brackets are
+# the only ones it may update.
+NARROW_PRIVILEGES = {
+    "ledger_events": "SELECT, INSERT",
+    "ledger_postings": "SELECT, INSERT",
+    "ledger_head": "SELECT, UPDATE (last_seq, last_hash)",
+    "account_balances": "SELECT, INSERT, UPDATE (balance_nano_usd, last_event_seq, holds_closed_nano_usd)",
+    "customer_holds": "SELECT, INSERT, UPDATE (holds_placed_nano_usd)",
+    "spend_limit_holds": "SELECT, INSERT, UPDATE (holds_placed_nano_usd)",
+    "spend_limit_usage": "SELECT, INSERT, UPDATE (spent_nano_usd, holds_closed_nano_usd)",
+    "accounts": "SELECT, INSERT, UPDATE",
+    "alembic_version": "SELECT",
+}
+ORDINARY_PRIVILEGES = "SELECT, INSERT, UPDATE, DELETE"
+_ROLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def check_role_name(role: str) -> str:
+    if not _ROLE_NAME.fullmatch(role):
+        raise InvalidInput(f"role name {role!r} must be letters, digits and _ (at most 63, not starting with a digit)")
+    return role
+
+
+def service_role(service_url: str, owner_url: str) -> str | None:
+    """The service's role when it differs from the owner's (PostgreSQL only), else None."""
+    service, owner = make_url(service_url), make_url(owner_url)
+    if not service.get_backend_name().startswith("postgres") or not service.username:
+        return None
+    return service.username if service.username != owner.username else None
+
+
+def grant_app_role(engine: Engine, role: str) -> list[str]:
+    """Give `role` exactly the service's rights on every table of the schema
+    (what it had before is revoked first); returns the tables granted."""
+    check_role_name(role)
+    if engine.dialect.name != "postgresql":
+        raise InvalidInput("database roles are PostgreSQL's: a SQLite file is guarded by its file permissions")
+    with engine.begin() as conn:
+        _require_not_owner(conn, role)
+        tables = conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1")).scalars().all()
+        conn.exec_driver_sql(f'GRANT USAGE ON SCHEMA "{_schema(conn)}" TO "{role}"')
+        for table in tables:
+            conn.exec_driver_sql(f'REVOKE ALL ON "{table}" FROM "{role}"')
+            conn.exec_driver_sql(f'GRANT {NARROW_PRIVILEGES.get(table, ORDINARY_PRIVILEGES)} ON "{table}" TO "{role}"')
+        schema = _schema(conn)
+        conn.exec_driver_sql(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
+        conn.exec_driver_sql(f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"')
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        conn.exec_driver_sql(f'GRANT CONNECT ON DATABASE "{database}" TO "{role}"')
+    return list(tables)
+
+
+def _schema(conn: Connection) -> str:
+    return conn.execute(text("SELECT current_schema()")).scalar_one()
+
+
+def _require_not_owner(conn: Connection, role: str) -> None:
+    row = conn.execute(text("SELECT rolsuper, pg_has_role(:r, current_user, 'MEMBER') FROM pg_roles WHERE rolname = :r"),
+                       {"r": role}).one_or_none()
+    if row is None:
+        raise InvalidInput(f"role {role!r} does not exist: create it first (CREATE ROLE {role} LOGIN PASSWORD '...')")
+    superuser, owns = row
+    if superuser or owns:
+        raise InvalidInput(f"role {role!r} is a superuser or the owner role itself: the service must run as a role that owns nothing")

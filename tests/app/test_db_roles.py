@@ -1,0 +1,300 @@
+"""The service's database role (PostgreSQL): it owns nothing, so it cannot
+switch off the ledger's triggers, and no balance moves without its event."""
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+import openai
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from app import outbox
+from app.cli import main
+from app.jobs.celery import celery
+from app.db_roles import NARROW_PRIVILEGES, service_role
+from app.http.status import metrics_registry
+from app.jobs.ledger_check import run_verification
+from app.settings import Settings, SettingsError
+from invoices.service import list_invoices
+from invoices.tasks import ISSUE_INVOICE, PROJECT_READ_MODELS
+from ledger import commands as cmd
+from ledger.db import make_engine, snapshot_connection
+from ledger.errors import BadDatabaseUrl
+from ledger.holds import PlaceHold
+from ledger.service import Ledger, append_now
+from ledger.verify import verify
+from prometheus_client import generate_latest
+from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
+from tests.support.db_roles import APP_ROLE, app_role_url
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+
+USD = 10**9
+THOUSAND_USD = 1000 * USD
+
+# What someone holding the service's credentials might try; each must fail with nothing moved.
+TAMPERING = [
+    "ALTER TABLE ledger_events DISABLE TRIGGER ALL",
+    "ALTER TABLE account_balances DISABLE TRIGGER ALL",
+    "DROP TRIGGER account_balances_guard ON account_balances",
+    f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} WHERE account_id = :customer",
+    f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
+    "last_event_seq = last_event_seq + 1 WHERE account_id = :customer",
+    f"UPDATE account_balances SET holds_closed_nano_usd = holds_closed_nano_usd + {THOUSAND_USD} WHERE account_id = :customer",
+    f"UPDATE customer_holds SET holds_placed_nano_usd = holds_placed_nano_usd - {USD} WHERE account_id = :customer",
+    f"INSERT INTO account_balances (account_id, balance_nano_usd) SELECT id, {THOUSAND_USD} FROM accounts WHERE id = :customer",
+    "UPDATE ledger_events SET payload = payload WHERE seq = 1",
+    "DELETE FROM ledger_events WHERE seq = 1",
+    "DELETE FROM ledger_postings",
+    "TRUNCATE ledger_events CASCADE",
+    "SET session_replication_role = replica",
+    "DELETE FROM account_balances WHERE account_id = :customer",
+]
+
+
+@pytest.fixture
+def books(postgres_url):
+    """A customer with $10 and a hold of $1, the service's engine, and the owner's."""
+    owner = make_engine(postgres_url)
+    ledger = Ledger(owner)
+    customer = customer_with(ledger, 10 * USD)
+    ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    service = make_engine(app_role_url(postgres_url))
+    yield owner, service, customer
+    service.dispose()
+    ledger.close()
+    owner.dispose()
+
+
+@pytest.mark.parametrize("statement", TAMPERING)
+def test_the_service_role_cannot_move_money_without_an_event_nor_switch_the_guards_off(books, statement):
+    owner, service, customer = books
+    before = money_snapshot(owner)
+    with pytest.raises(DBAPIError):
+        with service.begin() as conn:
+            conn.execute(text(statement), {"customer": customer} if ":customer" in statement else {})
+    assert money_snapshot(owner) == before
+    with owner.connect() as conn:
+        assert conn.execute(text("SELECT balance_nano_usd FROM account_balances WHERE account_id = :c"),
+                            {"c": customer}).scalar_one() == 10 * USD
+    with snapshot_connection(owner) as conn:
+        assert verify(conn).ok
+
+
+def test_a_posting_without_its_event_moves_no_balance_and_the_verification_names_it(books):
+    """The service may insert postings (appends do), but a balance counts only postings up to the log's last event."""
+    owner, service, customer = books
+    with service.begin() as conn:
+        conn.execute(text(f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
+                          f"VALUES (1000000, 0, :c, {THOUSAND_USD})"), {"c": customer})
+    with pytest.raises(DBAPIError, match="without the events that cause it"):
+        with service.begin() as conn:
+            conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
+                              "last_event_seq = 1000000 WHERE account_id = :c"), {"c": customer})
+    assert money_snapshot(owner)["balances"][customer] == 10 * USD
+    result = run_verification(service)
+    assert not result["ok"]
+    with owner.connect() as conn:
+        first = conn.execute(text("SELECT first_problem FROM ledger_verifications")).scalar_one()
+    assert f"differs by -{THOUSAND_USD}" in first and result["problems_total"] == 2  # and the posting of no event
+
+
+def test_the_owner_too_cannot_move_a_balance_without_its_event(books):
+    """The guard is the database's, not a missing grant: only switching it off (as the owner) gets past it."""
+    owner, _, customer = books
+    with pytest.raises(DBAPIError, match="without the events that cause it"):
+        with owner.begin() as conn:
+            conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} "
+                              "WHERE account_id = :c"), {"c": customer})
+
+
+def test_the_service_role_moves_money_with_its_events(books):
+    """Grants, settlements, holds and releases through the ledger work as the service's role."""
+    owner, service, customer = books
+    ledger = Ledger(service)
+    try:
+        gpu_owner = ledger.create_account(cmd.OWNER, "gpu owner")
+        ledger.append(cmd.GrantCredits(customer, 2 * USD, "more", key()))
+        hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+        ledger.append(cmd.SettleRequest(hold.hold_id, gpu_owner, 1_000_000, "r1", key(), {}))
+    finally:
+        ledger.close()
+    assert money_snapshot(owner)["balances"][customer] == 12 * USD - 1_000_000
+    with snapshot_connection(owner) as conn:
+        assert verify(conn).ok
+
+
+def test_the_service_role_owns_nothing_and_gets_less_on_the_ledger_tables(books):
+    owner, _, _ = books
+    with owner.connect() as conn:
+        owned = conn.execute(text("SELECT count(*) FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner "
+                                  "WHERE r.rolname = :r"), {"r": APP_ROLE}).scalar_one()
+        rights = dict(conn.execute(text(
+            "SELECT table_name, string_agg(privilege_type, ',' ORDER BY privilege_type) FROM information_schema.table_privileges "
+            "WHERE grantee = :r GROUP BY table_name"), {"r": APP_ROLE}).all())
+    assert owned == 0
+    assert rights["ledger_events"] == rights["ledger_postings"] == "INSERT,SELECT"
+    assert rights["account_balances"] == "INSERT,SELECT", "updates only of the named columns"
+    assert rights["holds"] == "DELETE,INSERT,SELECT,UPDATE"
+    assert set(NARROW_PRIVILEGES) <= set(rights)
+
+
+def test_the_full_flow_runs_as_the_service_role(postgres_url, monkeypatch):
+    """serve (as the role), a streamed request settled, a crashed replica's hold swept; then beat's
+    tasks as the role: the outbox issues an invoice, the read models, the verification."""
+    worker = sim_worker("instant")
+    fleet = make_fleet(postgres_url, [worker.url], credits_usd="10")
+    try:
+        with serving(postgres_url, PARALON_HOLD_SWEEP_INTERVAL_MS="200") as proxy:
+            assert make_url(proxy.env["PARALON_DATABASE_URL"]).username == APP_ROLE
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0, timeout=30)
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=16, stream=True, stream_options={"include_usage": True})
+            usage = [c.usage for c in stream if c.usage][-1]
+            orphan = Ledger(fleet.engine).place_hold(PlaceHold(fleet.customer_id, USD, key("orphan"), ttl_s=1))
+            assert orphan.status == "created"
+            wait_for(lambda: fleet.balance(fleet.customer_id).held_nano_usd == 0, timeout_s=30)
+    finally:
+        worker.stop()
+    [settled] = fleet.settlements()
+    assert settled["meta"]["completion_tokens"] == usage.completion_tokens == 16
+    purchase = append_now(fleet.engine, cmd.PurchaseCredits(fleet.customer_id, 5 * USD, "card", "stripe:s1", "external:stripe", "s1"))
+    with fleet.engine.begin() as conn:
+        outbox.add(conn, ISSUE_INVOICE, purchase.seq)
+    monkeypatch.setitem(celery.conf, "task_always_eager", True)
+    monkeypatch.setenv("PARALON_DATABASE_URL", proxy.env["PARALON_DATABASE_URL"])
+    for task in ("paralon.dispatch_outbox", PROJECT_READ_MODELS, "paralon.verify_ledger"):
+        celery.tasks[task].apply(throw=True)
+    assert [i["source_seq"] for i in list_invoices(fleet.engine, fleet.customer_id)] == [purchase.seq]
+    assert fleet.balance(fleet.customer_id).balance_nano_usd == 15 * USD - settled["charge_nano_usd"]
+    fleet.assert_books_close()
+    fleet.engine.dispose()
+
+
+def test_migrate_as_the_owner_grants_the_service_role_named_in_its_url(postgres_url):
+    app_role_url(postgres_url)  # the role exists
+    service_url = make_url(postgres_url).set(username=APP_ROLE).render_as_string(hide_password=False)
+    runner = CliRunner()
+    env = {"PARALON_DATABASE_URL": service_url, "PARALON_MIGRATION_DATABASE_URL": postgres_url}
+    with make_engine(postgres_url).begin() as conn:
+        conn.execute(text(f'REVOKE ALL ON ALL TABLES IN SCHEMA public FROM "{APP_ROLE}"'))
+    migrated = runner.invoke(main, ["migrate", "--json"], env=env, catch_exceptions=False)
+    assert migrated.exit_code == 0, migrated.output
+    assert f'"service_role": "{APP_ROLE}"' in migrated.stdout
+    created = runner.invoke(main, ["accounts", "create", "--kind", "customer", "--name", "Ada", "--json"], env=env)
+    assert created.exit_code == 0, created.output
+    assert service_role(service_url, postgres_url) == APP_ROLE and service_role(postgres_url, postgres_url) is None
+
+
+@pytest.mark.parametrize("role, message", [
+    ("bad-name; DROP TABLE x", "must be letters"),
+    ("paralon_no_such_role_7f3a", "does not exist"),
+    ("postgres", "owns nothing"),
+])
+def test_grant_app_refuses_a_role_it_cannot_grant_with_one_line(postgres_url, role, message):
+    result = CliRunner().invoke(main, ["db", "grant-app", role], env={"PARALON_DATABASE_URL": postgres_url})
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_scheduled_verification_reports_a_tampered_ledger_by_metric_and_error_log(postgres_url, caplog):
+    owner = make_engine(postgres_url)
+    ledger = Ledger(owner)
+    customer = customer_with(ledger, 10 * USD)
+    service = make_engine(app_role_url(postgres_url))
+    try:
+        assert run_verification(service)["ok"]
+        assert b"paralon_ledger_verify_ok 1.0" in generate_latest(metrics_registry(service))
+        with owner.begin() as conn:  # the owner switches the guard off: only `verify` can tell
+            conn.execute(text("ALTER TABLE account_balances DISABLE TRIGGER account_balances_guard"))
+            conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} "
+                              "WHERE account_id = :c"), {"c": customer})
+            conn.execute(text("ALTER TABLE account_balances ENABLE TRIGGER account_balances_guard"))
+        with caplog.at_level(logging.ERROR, logger="paralon.ledger_verify"):
+            result = run_verification(service)
+        assert not result["ok"]
+        assert any(r.levelno == logging.ERROR and f"differs by {THOUSAND_USD}" in r.getMessage() for r in caplog.records)
+        metrics = generate_latest(metrics_registry(service))
+        assert b"paralon_ledger_verify_ok 0.0" in metrics and b"paralon_ledger_verify_problems 1.0" in metrics
+    finally:
+        ledger.close()
+        service.dispose()
+        owner.dispose()
+
+
+def test_beat_reports_a_tampered_ledger_on_metrics_and_at_error_level(postgres_url, celery_worker, tmp_path):
+    """A real worker with its beat (`paralon worker -B`) verifies every second, as the service's role;
+    the owner edits a balance behind the guard; serve's /metrics turns to 0 and the worker logs an ERROR."""
+    owner = make_engine(postgres_url)
+    ledger = Ledger(owner)
+    customer = customer_with(ledger, 10 * USD)
+    ledger.close()
+    service_url = app_role_url(postgres_url)
+    worker = celery_worker({"PARALON_DATABASE_URL": service_url, "PARALON_LEDGER_VERIFY_INTERVAL_S": "1"}, pool="solo",
+                           concurrency=1, extra_args=("-B", "--schedule", str(tmp_path / "beat-schedule")))
+    try:
+        with serving(postgres_url) as proxy:
+            def verify_ok() -> bytes | None:
+                found = [line for line in httpx.get(proxy.url + "/metrics").content.splitlines()
+                         if line.startswith(b"paralon_ledger_verify_ok ")]
+                return found[0] if found else None
+
+            assert wait_for(verify_ok, timeout_s=60) == b"paralon_ledger_verify_ok 1.0", worker.log_tail()
+            with owner.begin() as conn:
+                conn.execute(text("ALTER TABLE account_balances DISABLE TRIGGER account_balances_guard"))
+                conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} "
+                                  "WHERE account_id = :c"), {"c": customer})
+                conn.execute(text("ALTER TABLE account_balances ENABLE TRIGGER account_balances_guard"))
+            wait_for(lambda: verify_ok() == b"paralon_ledger_verify_ok 0.0", timeout_s=60)
+        wait_for(lambda: "ERROR" in worker.log_tail() and "ledger verification FAILED" in worker.log_tail(), timeout_s=30)
+        assert f"differs by {THOUSAND_USD}" in worker.log_tail()
+    finally:
+        owner.dispose()
+
+
+def test_the_scheduled_verification_proves_only_new_events_and_finds_an_edit_on_each_storage(engine, ledger):
+    customer = customer_with(ledger, 10 * USD)
+    gpu_owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    ledger.append(cmd.SettleRequest(hold.hold_id, gpu_owner, 1_000_000, "r1", key(), {}))
+    first = run_verification(engine)
+    assert first["ok"] and first["events_checked"] == first["verified_seq"] == 2
+    ledger.append(cmd.GrantCredits(customer, USD, "more", key()))
+    second = run_verification(engine)
+    assert second["ok"] and second["events_checked"] == 1 and second["verified_seq"] == 3
+    with engine.begin() as conn:  # a superuser's edit, past the guard on PostgreSQL; SQLite has none
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
+        conn.execute(text("UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 7 WHERE account_id = :c"),
+                     {"c": customer})
+    failed = run_verification(engine)
+    assert not failed["ok"] and failed["verified_seq"] == 3 and failed["problems_total"] == 1
+
+
+def test_the_owner_url_defaults_to_the_service_url_and_both_are_checked(monkeypatch):
+    monkeypatch.setenv("PARALON_DATABASE_URL", "postgresql://paralon_app@db/paralon")
+    monkeypatch.delenv("PARALON_MIGRATION_DATABASE_URL", raising=False)
+    assert Settings.from_env().database.owner_url == "postgresql://paralon_app@db/paralon"
+    monkeypatch.setenv("PARALON_MIGRATION_DATABASE_URL", "postgresql://paralon_owner@db/paralon")
+    assert Settings.from_env().database.owner_url == "postgresql://paralon_owner@db/paralon"
+    assert service_role(Settings.from_env().database.url, Settings.from_env().database.owner_url) == "paralon_app"
+    monkeypatch.setenv("PARALON_MIGRATION_DATABASE_URL", "mysql://x@db/paralon")
+    with pytest.raises(BadDatabaseUrl, match="mysql"):  # as PARALON_DATABASE_URL is checked
+        Settings.from_env()
+    monkeypatch.delenv("PARALON_MIGRATION_DATABASE_URL")
+    monkeypatch.setenv("PARALON_LEDGER_VERIFY_INTERVAL_S", "0")
+    with pytest.raises(SettingsError, match="PARALON_LEDGER_VERIFY_INTERVAL_S"):
+        Settings.from_env()
+
+
+def test_replay_as_the_service_role_is_refused_with_one_line_and_moves_nothing(books, postgres_url):
+    owner, _, customer = books
+    before = money_snapshot(owner)
+    result = CliRunner().invoke(main, ["ledger", "replay"], env={"PARALON_DATABASE_URL": app_role_url(postgres_url)})
+    assert result.exit_code == 2 and "PARALON_MIGRATION_DATABASE_URL" in result.stderr
+    assert money_snapshot(owner) == before
