@@ -2,13 +2,13 @@
 and verifying from an anchor on (what a restored backup needs), on both storages."""
 from __future__ import annotations
 
-from sqlalchemy import text
 
 from ledger import commands as cmd
 from ledger.accounts import create_system_account
 from ledger.anchors import Anchor, check_anchors, latest_matching, read_head
 from ledger.verify import verify, verify_since
 from tests.ledger.helpers import customer_with, key
+from tests.support.tampering import tamper_as_superuser
 
 USD = 10**9
 
@@ -34,8 +34,7 @@ def test_from_an_anchor_on_the_books_verify_as_from_the_start_refund_debt_includ
         assert since.refunded_by_account == full.refunded_by_account == {customer: 10 * USD}
         assert check_anchors(conn, [anchored]) == []
         assert latest_matching(conn, [anchored, _anchor(2, bytes(32)), _anchor(1, bytes(32))]) == anchored
-    with engine.begin() as conn:
-        conn.execute(text("UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 5 WHERE account_id = :a"), {"a": customer})
+    tamper_as_superuser(engine, f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 5 WHERE account_id = {customer}")
     with engine.connect() as conn:
         assert any("differs by 5" in p for p in verify_since(conn, anchored.seq, anchored.hash).problems), "balances in full"
 

@@ -25,6 +25,7 @@ from ledger.schema import accounts, utc_now
 from ledger.store import append_batch
 from ledger.verify import rebuild_balances, verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.tampering import tamper_as_superuser
 
 USD = 1_000_000_000
 
@@ -270,21 +271,6 @@ def test_the_log_refuses_update_and_delete(engine, ledger):
     assert verify_now(engine).ok
 
 
-def _tamper(engine, statement: str) -> None:
-    """What a superuser could do: switch the triggers off and edit the log."""
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("SET LOCAL session_replication_role = replica"))
-            conn.execute(text(statement))
-            return
-        triggers = conn.execute(text("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")).all()
-        for name, _ in triggers:
-            conn.execute(text(f'DROP TRIGGER "{name}"'))
-        conn.execute(text(statement))
-        for _, sql in triggers:
-            conn.execute(text(sql))
-
-
 @pytest.mark.parametrize(
     "edit, expected",
     [
@@ -299,7 +285,7 @@ def test_verify_finds_a_superuser_edit(engine, ledger, edit, expected):
     ledger.append(cmd.GrantCredits(customer, USD, "welcome", key()))
     ledger.append(cmd.GrantCredits(customer, 2 * USD, "second", key()))
     assert verify_now(engine).ok
-    _tamper(engine, edit)
+    tamper_as_superuser(engine, edit)
     report = verify_now(engine)
     assert not report.ok
     assert any(expected in problem for problem in report.problems), report.problems
@@ -312,7 +298,7 @@ def test_replay_equals_the_inline_balances(engine, ledger):
         hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
         ledger.append(cmd.SettleRequest(hold.hold_id, owner, 1000 * (i + 1) + 7, f"r{i}", key(), {}))
     inline = money_snapshot(engine)["balances"]
-    _tamper(engine, "UPDATE account_balances SET balance_nano_usd = 0")
+    tamper_as_superuser(engine, "UPDATE account_balances SET balance_nano_usd = 0")
     with engine.begin() as conn:
         rebuild_balances(conn)
     assert money_snapshot(engine)["balances"] == inline
