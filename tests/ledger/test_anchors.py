@@ -2,7 +2,6 @@
 and verifying from an anchor on (what a restored backup needs), on both storages."""
 from __future__ import annotations
 
-
 from ledger import commands as cmd
 from ledger.accounts import create_system_account
 from ledger.anchors import Anchor, check_anchors, latest_matching, read_head
