@@ -55,6 +55,13 @@ async def json_object(request: Request) -> dict:
     return body
 
 
+def usd_text(value: object, field: str) -> str:
+    """Amounts come as decimal text ("5.00"): a JSON number may already have lost digits to a float."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f'{field} is decimal text such as "5.00"', param=field)
+    return value
+
+
 async def read(request: Request, work: Callable[..., T], *args: object) -> T:
     """`work(conn, *args)` on a connection of its own, in a thread."""
     return await asyncio.to_thread(_run, request.app.state.ledger.engine, False, work, args)
