@@ -44,3 +44,11 @@ def test_every_400_has_the_error_shape(site, method, path, token):
     assert response.status_code == 400, response.text
     assert set(response.json()["error"]) == ERROR_FIELDS
     assert site.money() == before
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("TRACE", "/health", {"GET"}), ("PUT", "/v1/account", {"GET"}), ("PATCH", "/v1/chat/completions", {"POST"})])
+def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_does(site, method, path, allowed):
+    response = site.call(method, path, site.tokens["admin"])
+    assert response.status_code == 405 and set(response.json()["error"]) == ERROR_FIELDS
+    assert allowed <= {m.strip() for m in response.headers["allow"].split(",")}
