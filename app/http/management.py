@@ -73,11 +73,11 @@ class AccountController(Controller):
         body = await json_object(request)
         if "amount_usd" not in body:
             raise InvalidRequest('send {"amount_usd": "25.00"}', param="amount_usd")
+        amount_usd = usd_text(body["amount_usd"], "amount_usd")
         caller_key = request.headers.get("idempotency-key") or f"{who.token_id}:{int(time.time()) // CHECKOUT_RETRY_WINDOW_S}"
         with about_field("amount_usd"):
             session = await asyncio.to_thread(stripe_payments.create_checkout, request.app.state.ledger.engine,
-                                              request.app.state.stripe, who.account_id, usd_text(body["amount_usd"], "amount_usd"),
-                                              caller_key)
+                                              request.app.state.stripe, who.account_id, amount_usd, caller_key)
         return json_response(session, 201)
 
     @get("/credits/crypto/address", guards=[requires_customer], summary="The caller's own stablecoin deposit address")

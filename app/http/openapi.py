@@ -4,6 +4,8 @@ bodies, the media types of documents, and the errors each route answers, all
 in one shape (OpenAI's error JSON, app/http/errors.py), never Litestar's own."""
 from __future__ import annotations
 
+from http import HTTPStatus
+
 from litestar import Litestar
 
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
@@ -18,27 +20,26 @@ ERROR_SCHEMA = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 ERROR_DESCRIPTIONS = {
-    400: "The request is malformed or refused; nothing was written",
-    401: "No bearer token, or an unknown or revoked one",
-    402: "Not enough credits",
-    403: "The token's role may not do this",
-    404: "Not there, or not the caller's to see",
-    405: "The route does not take this method",
-    409: "The resource is not in a state that allows this",
-    429: "The key's spend limit is reached",
-    500: "A fault of the service (the books disagree)",
-    502: "The worker failed",
-    503: "Not ready, or no worker or database available; retry later",
+    HTTPStatus.BAD_REQUEST: "The request is malformed or refused; nothing was written",
+    HTTPStatus.UNAUTHORIZED: "No bearer token, or an unknown or revoked one",
+    HTTPStatus.PAYMENT_REQUIRED: "Not enough credits",
+    HTTPStatus.FORBIDDEN: "The token's role may not do this",
+    HTTPStatus.NOT_FOUND: "Not there, or not the caller's to see",
+    HTTPStatus.METHOD_NOT_ALLOWED: "The route does not take this method",
+    HTTPStatus.CONFLICT: "The resource is not in a state that allows this",
+    HTTPStatus.TOO_MANY_REQUESTS: "The key's spend limit is reached",
+    HTTPStatus.BAD_GATEWAY: "The worker failed",
+    HTTPStatus.SERVICE_UNAVAILABLE: "Not ready, or no worker or database available; retry later",
 }
 # Every route: a malformed request, no such route or row, the method not taken, and an outage.
-STATUSES_OF_EVERY_ROUTE = (400, 404, 405, 503)
-STATUSES_OF_GUARDED_ROUTES = (401, 403)
+STATUSES_OF_EVERY_ROUTE = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED,
+                           HTTPStatus.SERVICE_UNAVAILABLE)
+STATUSES_OF_GUARDED_ROUTES = (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN)
 OPEN_PATHS = ("/health", "/metrics", "/webhooks/stripe")  # no bearer token
 STATUSES_OF_ROUTE = {
-    ("post", "/v1/chat/completions"): (402, 429, 502),
-    ("post", "/v1/completions"): (402, 429, 502),
-    ("post", "/v1/workers/{worker_id}/resume"): (409,),
-    ("get", "/v1/statements/{name}"): (500,),  # a statement that does not reconcile is not handed out
+    ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+    ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+    ("post", "/v1/workers/{worker_id}/resume"): (HTTPStatus.CONFLICT,),
 }
 
 PLAIN_USD = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]{1,9})?$", "description": "USD as plain decimal text: 12.50"}
@@ -91,7 +92,7 @@ def _complete_operation(method: str, path: str, operation: dict) -> None:
     if path not in OPEN_PATHS:
         statuses += STATUSES_OF_GUARDED_ROUTES
     for status in statuses:  # replaces Litestar's own 400 shape, which this service never answers
-        responses[str(status)] = {"description": ERROR_DESCRIPTIONS[status],
+        responses[str(int(status))] = {"description": ERROR_DESCRIPTIONS[status],
                                   "content": {"application/json": {"schema": ERROR_REF}}}
     if (method, path) in SUCCESS_CONTENT:
         for response in responses.values():
