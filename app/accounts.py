@@ -33,8 +33,13 @@ class NotVisible(InvalidInput):
 
 
 def scoped_account(who: Principal, account_id: int | None) -> int:
-    """Admins name any account; everyone else gets their own."""
-    return account_id if who.is_admin and account_id is not None else who.account_id
+    """The account a request reads: an admin names any; anyone else may name only their own,
+    and another account is not there for them (404), never their own data under its id."""
+    if account_id is None:
+        return who.account_id
+    if account_id != who.account_id and not who.is_admin:
+        raise NotVisible(f"no account {account_id}")
+    return account_id
 
 
 def account_view(conn: Connection, who: Principal) -> dict:

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
 from litestar import Controller, Request, Response, get
-from litestar.params import FromPath, FromQuery
+from litestar.params import FromQuery
 from litestar.response import Stream
 
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
-from app.http.plumbing import QueryId, json_response, read
+from app.http.plumbing import PathName, QueryId, json_response, path_name, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
 from invoices import exports, service, statements
@@ -41,8 +41,8 @@ class DocumentController(Controller):
 
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
-    async def invoice_pdf(self, request: Request, who: Caller, name: FromPath[str]) -> Response:
-        number = await read(request, accounts.visible_invoice, who, name.removesuffix(".pdf"))
+    async def invoice_pdf(self, request: Request, who: Caller, name: PathName) -> Response:
+        number = await read(request, accounts.visible_invoice, who, path_name(name, "name").removesuffix(".pdf"))
         # Only the bytes the ledger recorded, else 503 document_unavailable (invoices/files.py).
         content = await asyncio.to_thread(service.invoice_pdf, request.app.state.ledger.engine, request.app.state.invoices, number)
         return Response(content, media_type="application/pdf",
@@ -55,10 +55,10 @@ class DocumentController(Controller):
 
     @get("/statements/{name:str}", guards=[requires_any_role],
          summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
-    async def statement(self, request: Request, who: Caller, name: FromPath[str],
+    async def statement(self, request: Request, who: Caller, name: PathName,
                         account_id: QueryId = None) -> Response:
         account = accounts.scoped_account(who, account_id)
-        month_text, _, fmt = name.rpartition(".")
+        month_text, _, fmt = path_name(name, "name").rpartition(".")
         if fmt not in STATEMENT_FORMATS:
             raise NotFound(f"no statement {name}: ask for YYYY-MM.pdf or YYYY-MM.json")
         engine, settings = request.app.state.ledger.engine, request.app.state.invoices
@@ -100,7 +100,7 @@ class DocumentController(Controller):
             "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
 
-def _period_bound(value: str | None, name: FromPath[str]) -> datetime | None:
+def _period_bound(value: str | None, name: str) -> datetime | None:
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
     if not value:
         return None

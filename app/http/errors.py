@@ -106,7 +106,7 @@ def http_exception_response(_: Request, exc: HTTPException) -> Response:
     """Litestar's own errors (no such route, a path parameter of the wrong type) in the same shape."""
     error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
     return json_response({"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}},
-                         exc.status_code)
+                         exc.status_code, exc.headers)  # a 405's Allow (RFC 9110) among them
 
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from app.http.documents import DocumentController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
+from app.http.openapi import complete_openapi
 from app.http.status import health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
@@ -95,6 +96,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
+        on_startup=[complete_openapi],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=_openapi(),
     )

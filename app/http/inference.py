@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import orjson
 from litestar import Controller, Request, Response, get, post
-from litestar.params import FromPath
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp
 
 from app.http.errors import UnknownGeneration
 from app.http.guards import GRANT, KeyHolder, requires_api_key
-from app.http.plumbing import json_body, json_response, read
+from app.http.plumbing import PathName, json_body, json_response, path_name, read
 from app.http.relay_response import RelayResponse
 from ledger.money import nano_usd_to_usd_text
 from proxy.directory import Directory
@@ -42,8 +41,8 @@ class InferenceController(Controller):
         return json_response({"object": "list", "data": [_model_entry(directory, model) for model in directory.models()]})
 
     @get("/generations/{request_id:str}", summary="The recorded charge of one request")
-    async def get_generation(self, request: Request, grant: KeyHolder, request_id: FromPath[str]) -> Response:
-        found = await read(request, find_generation, request_id, grant.account_id)
+    async def get_generation(self, request: Request, grant: KeyHolder, request_id: PathName) -> Response:
+        found = await read(request, find_generation, path_name(request_id, "request_id"), grant.account_id)
         if found is None:
             raise UnknownGeneration(f"no settled request {request_id!r} for this key's account")
         return json_response(found)

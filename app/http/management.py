@@ -25,7 +25,7 @@ from app.http.guards import (
     requires_owner_or_admin,
     requires_reader,
 )
-from app.http.plumbing import PathId, QueryId, json_object, json_response, read, write
+from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
 from app.limits import CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
@@ -57,7 +57,7 @@ class AccountController(Controller):
         body = await json_object(request)
         limit_usd = body.get("spend_limit_usd")
         with about_field("spend_limit_usd"):
-            limit = usd_to_nano_usd(str(limit_usd)) if limit_usd is not None else None
+            limit = usd_to_nano_usd(usd_text(limit_usd, "spend_limit_usd")) if limit_usd is not None else None
         return json_response(await write(request, accounts.create_key, who, body.get("name"), limit), 201)
 
     @delete("/keys/{key_id:int}", guards=[requires_customer_or_admin], summary="Revoke an API key", status_code=200)
@@ -73,10 +73,11 @@ class AccountController(Controller):
         body = await json_object(request)
         if "amount_usd" not in body:
             raise InvalidRequest('send {"amount_usd": "25.00"}', param="amount_usd")
+        amount_usd = usd_text(body["amount_usd"], "amount_usd")
         caller_key = request.headers.get("idempotency-key") or f"{who.token_id}:{int(time.time()) // CHECKOUT_RETRY_WINDOW_S}"
         with about_field("amount_usd"):
             session = await asyncio.to_thread(stripe_payments.create_checkout, request.app.state.ledger.engine,
-                                              request.app.state.stripe, who.account_id, body["amount_usd"], caller_key)
+                                              request.app.state.stripe, who.account_id, amount_usd, caller_key)
         return json_response(session, 201)
 
     @get("/credits/crypto/address", guards=[requires_customer], summary="The caller's own stablecoin deposit address")

@@ -24,7 +24,7 @@ async def stripe_webhook(request: Request) -> Response:
         event_id = await asyncio.to_thread(stripe_payments.receive_webhook, engine, settings,
                                            payload, request.headers.get("stripe-signature"))
     except LedgerError as exc:
-        return json_response({"error": {"code": exc.code, "message": str(exc)}}, 400)
+        return json_response({"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": exc.code}}, 400)
     if event_id is not None:
         task = asyncio.create_task(_process(engine, event_id))
         request.app.state.background.add(task)

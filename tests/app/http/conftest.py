@@ -24,6 +24,7 @@ from ledger.service import Ledger
 from proxy import keys as api_keys
 from proxy import prices
 from proxy import workers as registry
+from tests.conftest import migrated_database_url
 from tests.ledger.helpers import money_snapshot
 
 MODEL = "paralon-test"
@@ -59,7 +60,17 @@ class Site:
 
 @pytest.fixture
 def site(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/paralon.db")
+    yield from _site(f"sqlite:///{tmp_path}/paralon.db", tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def site_each_storage(request, tmp_path):
+    """The same site on each storage: PostgreSQL refuses what SQLite stores (a NUL in text, for one)."""
+    yield from _site(migrated_database_url(request, request.param, tmp_path), tmp_path)
+
+
+def _site(database_url: str, tmp_path):
+    engine = make_engine(database_url)
     migrate(engine)
     ledger = Ledger(engine)
     people = _people(engine, ledger)

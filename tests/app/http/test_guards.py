@@ -117,14 +117,13 @@ def test_a_token_of_another_account_sees_and_changes_nothing_of_this_one(site):
 
     assert site.call("DELETE", f"/v1/keys/{site.key_id}", other_customer).status_code == 404, "as if it did not exist"
     assert site.call("GET", "/v1/models", site.key).status_code == 200, "the key still works"
-    listed = site.call("GET", f"/v1/keys?account_id={site.customer_id}", other_customer).json()["data"]
-    assert site.key_id not in {k["id"] for k in listed}, "account_id is for admins only"
-    assert site.call("GET", f"/v1/usage?account_id={site.customer_id}", other_customer).json()["data"] == []
+    assert site.call("GET", f"/v1/keys?account_id={site.customer_id}", other_customer).status_code == 404, "admins only"
+    assert site.call("GET", f"/v1/usage?account_id={site.customer_id}", other_customer).status_code == 404
     assert site.call("GET", "/v1/account", other_customer).json()["id"] == site.other_customer_id
 
     assert site.call("POST", f"/v1/workers/{site.worker_id}/drain", other_owner).status_code == 404
     assert [w["id"] for w in site.call("GET", "/v1/workers", other_owner).json()["data"]] == [site.other_worker_id]
-    assert site.call("GET", f"/v1/earnings?account_id={site.owner_id}", other_owner).json()["data"] == []
+    assert site.call("GET", f"/v1/earnings?account_id={site.owner_id}", other_owner).status_code == 404
 
     assert site.call("GET", f"/v1/generations/{site.settled_request_id}", site.other_key).status_code == 404
     mine = site.call("GET", f"/v1/generations/{site.settled_request_id}", site.key)
