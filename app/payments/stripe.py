@@ -31,6 +31,7 @@ from app.limits import (
     STRIPE_FIELD_SHOWN_CHARS_MAX,
     STRIPE_NETWORK_RETRIES_MAX,
     STRIPE_OUTCOME_CHARS_MAX,
+    STRIPE_RETRY_BACKOFF_FACTOR,
     STRIPE_RETRY_BACKOFF_S_BASE,
     STRIPE_RETRY_BACKOFF_S_MAX,
     STRIPE_SIGNATURE_TOLERANCE_S,
@@ -175,8 +176,8 @@ def process_event(engine: Engine, settings: StripeSettings, event_id: str, *, no
 
 
 def retry_delay_s(attempts: int) -> int:
-    """After the first failure the base delay, doubling with each failure after it, up to the limit."""
-    return min(STRIPE_RETRY_BACKOFF_S_BASE * 2 ** (attempts - 1), STRIPE_RETRY_BACKOFF_S_MAX)
+    """After the first failure the base delay, growing by the factor with each failure after it, up to the limit."""
+    return min(STRIPE_RETRY_BACKOFF_S_BASE * STRIPE_RETRY_BACKOFF_FACTOR ** (attempts - 1), STRIPE_RETRY_BACKOFF_S_MAX)
 
 
 def _park(engine: Engine, row, error: str, now: datetime) -> str:
