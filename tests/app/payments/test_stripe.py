@@ -168,7 +168,9 @@ def test_an_event_stored_but_not_processed_is_picked_up_by_the_cli(stripe_setup)
 
 
 def _paid(standin, proxy, token, dollars: str, payment_intent: str) -> dict:
+    """A session created and paid on Stripe; what its completed event carries."""
     session = _checkout(proxy, token, dollars).json()
+    standin.pay(session["id"], payment_intent=payment_intent)
     return {"id": session["id"], "amount_total": int(float(dollars) * 100), "payment_intent": payment_intent}
 
 
