@@ -57,6 +57,7 @@ STRIPE_EVENT_ATTEMPTS_MAX = 8
 STRIPE_RETRY_BACKOFF_S_BASE = 60
 STRIPE_RETRY_BACKOFF_FACTOR = 2  # each failure multiplies the delay by this
 STRIPE_RETRY_BACKOFF_S_MAX = 6 * 3600
+STRIPE_RETRIES_INTERVAL_S = 60.0  # how often beat looks for parked events now due
 STRIPE_ERROR_CHARS_MAX = 500  # why an event is parked, kept beside it
 STRIPE_FIELD_SHOWN_CHARS_MAX = 80  # of a malformed field's value, quoted in the error
 

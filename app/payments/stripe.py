@@ -326,15 +326,19 @@ def _close(conn, ours, row, status: str) -> None:
     conn.execute(update(stripe_disputes).where(stripe_disputes.c.dispute_id == row.dispute_id).values(status=status))
 
 
-def process_pending(engine: Engine, settings: StripeSettings, *, waiting_only: bool = False,
+def process_pending(engine: Engine, settings: StripeSettings, *, waiting_only: bool = False, parked_only: bool = False,
                     now: datetime | None = None) -> list[tuple[str, str]]:
     """Every stored event not processed yet (the process stopped between
     answering and processing, the event waits for another, or it is parked and
-    its next attempt is due), oldest first; returns (event id, outcome)."""
+    its next attempt is due), oldest first; returns (event id, outcome).
+    `parked_only`: only parked events now due (the beat's retries, which leave
+    fresh events to the webhook route that stored them)."""
     now = now or utc_now()
     query = select(stripe_events.c.event_id).where(stripe_events.c.processed_at.is_(None))
     if waiting_only:
         query = query.where(stripe_events.c.outcome.like(f"{WAITING}%"), stripe_events.c.parked_at.is_(None))
+    elif parked_only:
+        query = query.where(stripe_events.c.parked_at.is_not(None), stripe_events.c.next_attempt_at <= now)
     else:
         query = query.where(or_(stripe_events.c.parked_at.is_(None), stripe_events.c.next_attempt_at <= now))
     with engine.connect() as conn:

@@ -222,6 +222,27 @@ def test_retries_back_off_and_stop_after_the_bounded_number_of_attempts(database
     fleet.engine.dispose()
 
 
+def test_the_beat_retries_parked_events_once_they_are_due(database_url, monkeypatch):
+    from datetime import timedelta
+
+    from app.jobs.celery import celery
+    from app.payments.stripe import StripeSettings, parked_events, process_pending, receive_webhook
+    from ledger.schema import utc_now
+    from tests.support.harness import make_fleet
+
+    fleet = make_fleet(database_url, [], credits_usd="0")
+    settings = StripeSettings("sk_test_unused", SECRET, None, 500, 1_000_000, "http://x/done", "http://x/cancelled")
+    poison = _poison()
+    receive_webhook(fleet.engine, settings, poison, signed(poison, SECRET))
+    process_pending(fleet.engine, settings, now=utc_now() - timedelta(days=1))  # parked a day ago: due now
+    monkeypatch.setenv("PARALON_DATABASE_URL", database_url)
+    retry = celery.tasks["paralon.stripe_retry_parked"]
+    assert retry.apply(throw=True).get() == 1
+    assert retry.apply(throw=True).get() == 0, "parked again, not due before its backoff"
+    assert parked_events(fleet.engine)[0]["attempts"] == 2 and _balance(fleet) == 0
+    fleet.engine.dispose()
+
+
 # --- Item 4: Stripe's amounts are not taken on trust ----------------------------------------------
 
 @pytest.mark.parametrize(("stripe_says", "credited_cents"), [
