@@ -256,7 +256,7 @@ def _room_cents(conn, ours) -> int:
     refunds took and what disputes hold frozen or took (a released dispute gave it back)."""
     disputed = conn.execute(select(func.coalesce(func.sum(stripe_disputes.c.amount_cents), 0)).where(
         stripe_disputes.c.session_id == ours.session_id, stripe_disputes.c.status.in_(TAKING_DISPUTE_STATUSES))).scalar_one()
-    return ours.credited_cents - ours.refunded_cents - disputed
+    return ours.credited_cents - ours.refunded_cents - int(disputed)  # PostgreSQL sums BIGINT as NUMERIC (a Decimal)
 
 
 def _refund_charge(engine: Engine, event_id: str, charge: dict) -> str:

@@ -306,3 +306,16 @@ def test_a_dispute_won_returns_only_what_it_froze(stripe_setup):
     _send(fleet, proxy, refund_event("ch_7", "pi_7", 700, 700))
     assert _balance(fleet) == 0
     _verified(fleet, proxy)
+
+
+@pytest.mark.parametrize("status", ["warning_closed", "prevented"])
+def test_a_dispute_closed_without_a_chargeback_releases_what_it_froze(stripe_setup, status):
+    """Not only "won": an inquiry closed without a chargeback, or a prevented dispute,
+    leaves the money with the merchant, so the frozen credits are the customer's again."""
+    fleet, proxy, standin, token, _ = stripe_setup
+    _credited(fleet, proxy, standin, token, "7.00", "pi_7")
+    _send(fleet, proxy, _dispute("created", "dp_1", 700))
+    assert _balance(fleet) == 0
+    assert _send(fleet, proxy, _dispute("closed", "dp_1", 700, status)).startswith(f"dispute dp_1 {status}")
+    assert _balance(fleet) == 7 * 10**9 and fleet.events("EventReversed") == 1
+    _verified(fleet, proxy)
