@@ -64,6 +64,15 @@ STRIPE_ID_CHARS_MAX = 255  # a session's, a payment intent's, an event's, a disp
 STRIPE_EVENT_TYPE_CHARS_MAX = 100
 STRIPE_OUTCOME_CHARS_MAX = 500  # what processing an event did, kept beside it
 DISPUTE_STATUS_CHARS_MAX = 16  # frozen, won, lost
+# An event that cannot be processed is parked and tried again after a delay that
+# doubles from the base up to the limit; after the last attempt it waits for an operator.
+STRIPE_EVENT_ATTEMPTS_MAX = 8
+STRIPE_RETRY_BACKOFF_S_BASE = 60
+STRIPE_RETRY_BACKOFF_FACTOR = 2  # each failure multiplies the delay by this
+STRIPE_RETRY_BACKOFF_S_MAX = 6 * 3600
+STRIPE_RETRIES_INTERVAL_S = 60.0  # how often beat looks for parked events now due
+STRIPE_ERROR_CHARS_MAX = 500  # why an event is parked, kept beside it
+STRIPE_FIELD_SHOWN_CHARS_MAX = 80  # of a malformed field's value, quoted in the error
 
 # --- Stablecoin deposits (app/payments/crypto.py, app/payments/schema.py) ------------
 CRYPTO_SCAN_BLOCKS_MAX = 2_000  # blocks one scan reads

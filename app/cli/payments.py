@@ -3,6 +3,7 @@ they credit is invoiced through the outbox, dispatched once their commits are do
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import click
@@ -12,7 +13,7 @@ from app import outbox
 from app.jobs.celery import send_task
 from app.limits import CRYPTO_SCAN_INTERVAL_S_DEFAULT, CRYPTO_SCAN_INTERVAL_S_MAX, CRYPTO_SCAN_INTERVAL_S_MIN
 from app.payments.crypto import connect, deposit_address, scan_once
-from app.payments.stripe import process_pending
+from app.payments.stripe import parked_events, process_pending, replay
 from app import wiring
 from app.settings import Settings
 
@@ -26,12 +27,43 @@ def stripe_group() -> None:
 @json_option
 @handles_errors
 def stripe_process_pending(as_json: bool) -> None:
-    """Process stored webhook events that were not processed yet."""
+    """Process stored webhook events that were not processed yet, and parked ones
+    whose next attempt is due; one that fails is parked again (see `failed`)."""
     db = engine()
-    done = process_pending(db)
+    done = process_pending(db, wiring.stripe_settings(Settings.from_env()))
     outbox.dispatch(db, send_task)
     emit(as_json, {"processed": [{"event_id": e, "outcome": o} for e, o in done]},
          "\n".join(f"{e}: {o}" for e, o in done) or "nothing pending")
+
+
+def _plain(event: dict) -> dict:
+    return {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in event.items()}
+
+
+@stripe_group.command("failed")
+@json_option
+@handles_errors
+def stripe_failed(as_json: bool) -> None:
+    """Parked events: why each failed, its attempts and when the next is due (none: replay it)."""
+    parked = [_plain(e) for e in parked_events(engine())]
+    emit(as_json, {"failed": parked}, "\n".join(
+        f"{e['event_id']} {e['event_type']} attempts={e['attempts']} next={e['next_attempt_at'] or 'replay only'}: {e['last_error']}"
+        for e in parked) or "no parked events")
+
+
+@stripe_group.command("replay")
+@click.argument("event_id")
+@json_option
+@handles_errors
+def stripe_replay(event_id: str, as_json: bool) -> None:
+    """Process one stored, unprocessed event now. Exit 0 when processed (or waiting
+    for its payment), 1 when it failed again and stays parked."""
+    db = engine()
+    result = _plain(replay(db, wiring.stripe_settings(Settings.from_env()), event_id))
+    outbox.dispatch(db, send_task)
+    emit(as_json, result, f"{event_id}: {result['status']}: {result['outcome']}")
+    if result["status"] == "parked":
+        sys.exit(1)
 
 
 @click.group("crypto")

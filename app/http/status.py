@@ -16,6 +16,7 @@ from sqlalchemy import Engine, select, text
 
 from app.http.plumbing import json_response
 from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
+from app.payments.stripe import parked_count
 from invoices import read_models
 from ledger.limits import MS_PER_S
 from ledger.log import consumer_position
@@ -66,14 +67,30 @@ class LedgerVerification(Collector):
         yield GaugeMetricFamily(VERIFY_PROBLEMS_METRIC, "Problems the last scheduled verification found.", value=row.problems_total)
 
 
+class StripeParked(Collector):
+    """Stripe events that failed and are not processed yet (`paralon stripe failed`)."""
+
+    NAME, HELP = "paralon_stripe_parked_events", "Stripe webhook events parked after failing to process."
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, value=parked_count(self.engine))
+
+
 def metrics_registry(engine: Engine) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ReadModelLag(engine))
     registry.register(LedgerVerification(engine))
+    registry.register(StripeParked(engine))
     return registry
 
 
-@get("/metrics", summary="Prometheus metrics: read-model lag, the scheduled ledger verification")
+@get("/metrics", summary="Prometheus metrics: read-model lag, the scheduled ledger verification, parked Stripe events")
 async def metrics(request: Request) -> Response:
     text = await asyncio.to_thread(generate_latest, request.app.state.metrics)  # the collectors query the database
     return Response(text, media_type=CONTENT_TYPE_LATEST)

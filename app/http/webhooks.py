@@ -26,15 +26,15 @@ async def stripe_webhook(request: Request) -> Response:
     except LedgerError as exc:
         return json_response({"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": exc.code}}, 400)
     if event_id is not None:
-        task = asyncio.create_task(_process(engine, event_id))
+        task = asyncio.create_task(_process(engine, settings, event_id))
         request.app.state.background.add(task)
         task.add_done_callback(request.app.state.background.discard)
     return json_response({"received": True}, 200)
 
 
-async def _process(engine, event_id: str) -> None:
-    try:
-        outcome = await asyncio.to_thread(stripe_payments.process_event, engine, event_id)
+async def _process(engine, settings, event_id: str) -> None:
+    try:  # an event that fails is parked by process_event; what reaches here is the database failing
+        outcome = await asyncio.to_thread(stripe_payments.process_event, engine, settings, event_id)
         await asyncio.to_thread(outbox.dispatch, engine, send_task)  # invoices and credit notes of what it committed
         log.info("stripe event %s: %s", event_id, outcome)
     except Exception:  # stored and unprocessed: `paralon stripe process-pending` picks it up

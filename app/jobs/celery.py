@@ -19,9 +19,16 @@ from sqlalchemy import Engine
 
 from app import wiring
 from app import outbox
-from app.limits import OUTBOX_INTERVAL_S, READ_MODELS_INTERVAL_S, STATEMENTS_DAILY_AT_HOUR, STATEMENTS_DAILY_AT_MINUTE
 from app.jobs.ledger_check import run_verification
+from app.limits import (
+    OUTBOX_INTERVAL_S,
+    READ_MODELS_INTERVAL_S,
+    STATEMENTS_DAILY_AT_HOUR,
+    STATEMENTS_DAILY_AT_MINUTE,
+    STRIPE_RETRIES_INTERVAL_S,
+)
 from app.payments.crypto import connect, scan_once
+from app.payments.stripe import process_pending as stripe_process_pending
 from app.settings import Settings
 from app.statement_labels import statement_labels
 from invoices import tasks as invoice_tasks
@@ -42,6 +49,7 @@ celery.conf.update(
             "schedule": _settings.crypto.scan_interval_s,
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
+        "stripe-retries": {"task": "paralon.stripe_retry_parked", "schedule": STRIPE_RETRIES_INTERVAL_S},
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
         "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
         "ledger-verify": {"task": "paralon.verify_ledger", "schedule": _settings.database.ledger_verify_interval_s},
@@ -93,6 +101,16 @@ def crypto_scan() -> dict:
         if report.credited:
             outbox.dispatch(engine, send_task)  # the invoices, now that the credits are committed
         return dataclasses.asdict(report)
+
+
+@celery.task(name="paralon.stripe_retry_parked")
+def stripe_retry_parked() -> int:
+    """Parked Stripe events whose next attempt is due, tried again (their backoff is in app/limits.py)."""
+    with _database() as (engine, settings):
+        retried = stripe_process_pending(engine, wiring.stripe_settings(settings), parked_only=True)
+        if retried:
+            outbox.dispatch(engine, send_task)
+        return len(retried)
 
 
 @celery.task(name="paralon.dispatch_outbox")

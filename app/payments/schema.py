@@ -9,6 +9,7 @@ from app.limits import (
     DISPUTE_STATUS_CHARS_MAX,
     EVM_ADDRESS_CHARS,
     EVM_HASH_CHARS,
+    STRIPE_ERROR_CHARS_MAX,
     STRIPE_EVENT_TYPE_CHARS_MAX,
     STRIPE_ID_CHARS_MAX,
     STRIPE_OUTCOME_CHARS_MAX,
@@ -40,6 +41,11 @@ stripe_events = Table(
     Column("received_at", UTCDateTime, nullable=False),
     Column("processed_at", UTCDateTime),
     Column("outcome", String(STRIPE_OUTCOME_CHARS_MAX)),
+    # Parked: processing failed; tried again from next_attempt_at (none after the last attempt).
+    Column("attempts", BigInteger, nullable=False, server_default=text("0")),
+    Column("parked_at", UTCDateTime),
+    Column("next_attempt_at", UTCDateTime),
+    Column("last_error", String(STRIPE_ERROR_CHARS_MAX)),
 )
 
 stripe_disputes = Table(

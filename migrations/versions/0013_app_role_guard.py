@@ -20,7 +20,7 @@ Both: `ledger_verifications`, the one row the beat's verification writes
 (what it last proved, and whether it passed), read by /metrics.
 
 Revision ID: 0013
-Revises: 0011
+Revises: 0012
 Create Date: 2026-11-30
 """
 import sqlalchemy as sa
@@ -29,7 +29,7 @@ from alembic import op
 from ledger.schema import UTCDateTime
 
 revision = "0013"
-down_revision = "0011"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 

@@ -1,6 +1,8 @@
 """A local stand-in for the part of Stripe's API that Paralon calls: creating
-Checkout Sessions (form-encoded, honouring Idempotency-Key), so that the real
-`stripe` SDK runs end to end offline. It records every request it got."""
+Checkout Sessions (form-encoded, honouring Idempotency-Key) and retrieving
+them, so that the real `stripe` SDK runs end to end offline. It records every
+request it got. A session is unpaid until the test pays it (`pay`), as on
+Stripe until the customer pays."""
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +13,21 @@ from urllib.parse import parse_qs
 
 import orjson
 
+SESSIONS_PATH = "/v1/checkout/sessions/"
+
 
 class StripeStandIn:
     def __init__(self) -> None:
         self.requests: list[dict] = []
         self.sessions_by_key: dict[str, dict] = {}
+        self.sessions_by_id: dict[str, dict] = {}
+
+    def pay(self, session_id: str, **changes) -> dict:
+        """The customer paid: Stripe's session is now paid and complete;
+        `changes` (amount_total, currency) make Stripe's record differ from what was asked."""
+        session = self.sessions_by_id[session_id]
+        session.update({"payment_status": "paid", "status": "complete", **changes})
+        return session
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -31,6 +43,8 @@ class StripeStandIn:
         self.requests.append({"path": scope["path"], "headers": headers, "form": form})
         if scope["method"] == "POST" and scope["path"] == "/v1/checkout/sessions":
             status, payload = 200, self._session(headers.get("idempotency-key"), form)
+        elif scope["method"] == "GET" and scope["path"].startswith(SESSIONS_PATH):
+            status, payload = self._retrieve(scope["path"][len(SESSIONS_PATH):])
         else:
             status, payload = 404, {"error": {"type": "invalid_request_error", "message": "unknown path"}}
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
@@ -51,7 +65,14 @@ class StripeStandIn:
         }
         if key:
             self.sessions_by_key[key] = session
+        self.sessions_by_id[session_id] = session
         return session
+
+    def _retrieve(self, session_id: str) -> tuple[int, dict]:
+        if session_id not in self.sessions_by_id:
+            return 404, {"error": {"type": "invalid_request_error", "code": "resource_missing",
+                                   "message": f"No such checkout.session: '{session_id}'"}}
+        return 200, self.sessions_by_id[session_id]
 
 
 def signed(payload: bytes, secret: str, timestamp: int | None = None) -> str:

@@ -88,8 +88,9 @@ def test_only_a_customer_token_starts_a_checkout(stripe_setup):
 
 
 def test_a_paid_session_is_credited_exactly_once_whatever_the_copies(stripe_setup):
-    fleet, proxy, _, token, _ = stripe_setup
+    fleet, proxy, standin, token, _ = stripe_setup
     session = _checkout(proxy, token, "25.00").json()
+    standin.pay(session["id"])
     stored = {"id": session["id"], "amount_total": 2500, "client_reference_id": str(fleet.customer_id)}
     completed = session_event("checkout.session.completed", stored)
     for _ in range(3):  # Stripe retries: the same event, more than once
@@ -119,7 +120,7 @@ def _outbox_sent(fleet) -> bool:
 
 
 def test_bad_webhooks_store_nothing_and_credit_nothing(stripe_setup):
-    fleet, proxy, _, token, _ = stripe_setup
+    fleet, proxy, standin, token, _ = stripe_setup
     session = _checkout(proxy, token, "25.00").json()
     event = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 2500})
     tampered = event.replace(b"2500", b"9900")
@@ -132,7 +133,7 @@ def test_bad_webhooks_store_nothing_and_credit_nothing(stripe_setup):
 
 
 def test_events_this_service_cannot_credit(stripe_setup):
-    fleet, proxy, _, token, _ = stripe_setup
+    fleet, proxy, standin, token, _ = stripe_setup
     session = _checkout(proxy, token, "25.00").json()
     foreign = session_event("checkout.session.completed", {"id": "cs_test_not_ours", "amount_total": 2500})
     unpaid = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 2500}, paid=False)
@@ -151,20 +152,25 @@ def test_an_event_stored_but_not_processed_is_picked_up_by_the_cli(stripe_setup)
     from app.cli import main
     from app.payments.stripe import receive_webhook
 
-    fleet, proxy, _, token, _ = stripe_setup
+    fleet, proxy, standin, token, _ = stripe_setup
     session = _checkout(proxy, token, "7.50").json()
+    standin.pay(session["id"])
     event = session_event("checkout.session.completed", {"id": session["id"], "amount_total": 750})
     settings = type("S", (), {"webhook_secret": SECRET})()
     assert receive_webhook(fleet.engine, settings, event, signed(event, SECRET))  # stored, not processed
     runner = CliRunner()
+    env = {"PARALON_DATABASE_URL": fleet.database_url, "PARALON_STRIPE_SECRET_KEY": "sk_test_standin",
+           "PARALON_STRIPE_API_BASE": proxy.env["PARALON_STRIPE_API_BASE"]}  # it asks Stripe's API before crediting
     for _ in range(2):
-        result = runner.invoke(main, ["stripe", "process-pending", "--json"], env={"PARALON_DATABASE_URL": fleet.database_url})
+        result = runner.invoke(main, ["stripe", "process-pending", "--json"], env=env)
         assert result.exit_code == 0, result.output
     assert fleet.balance(fleet.customer_id).balance_nano_usd == 750 * 10**7 and fleet.events("CreditsPurchased") == 1
 
 
-def _paid(fleet, proxy, token, dollars: str, payment_intent: str) -> dict:
+def _paid(standin, proxy, token, dollars: str, payment_intent: str) -> dict:
+    """A session created and paid on Stripe; what its completed event carries."""
     session = _checkout(proxy, token, dollars).json()
+    standin.pay(session["id"], payment_intent=payment_intent)
     return {"id": session["id"], "amount_total": int(float(dollars) * 100), "payment_intent": payment_intent}
 
 
@@ -175,8 +181,8 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
     from ledger.service import Ledger, append_now
     from tests.support.stripe_standin import refund_event
 
-    fleet, proxy, _, token, _ = stripe_setup
-    session = _paid(fleet, proxy, token, "25.00", "pi_1")
+    fleet, proxy, standin, token, _ = stripe_setup
+    session = _paid(standin, proxy, token, "25.00", "pi_1")
     early = refund_event("ch_1", "pi_1", 2500, 500)  # arrives before the payment is even credited
     assert _deliver(proxy, early, signed(early, SECRET)).status_code == 200
     paid = session_event("checkout.session.completed", session)
@@ -195,7 +201,7 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
     ledger = Ledger(fleet.engine)
     with pytest.raises(InsufficientFunds):  # the debt blocks new requests
         ledger.place_hold(PlaceHold(fleet.customer_id, 1, "after-debt"))
-    repay = session_event("checkout.session.completed", _paid(fleet, proxy, token, "20.00", "pi_2"))
+    repay = session_event("checkout.session.completed", _paid(standin, proxy, token, "20.00", "pi_2"))
     _deliver(proxy, repay, signed(repay, SECRET))
     wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 2 * 10**9)
     assert ledger.place_hold(PlaceHold(fleet.customer_id, 10**9, "after-repay")).amount_nano_usd == 10**9
@@ -212,8 +218,8 @@ def test_refunds_in_any_order_and_any_copies_refund_once_and_spent_credits_becom
 def test_a_dispute_freezes_then_releases_or_forfeits_in_any_order(stripe_setup, outcome, close_first):
     from tests.support.stripe_standin import dispute_event
 
-    fleet, proxy, _, token, _ = stripe_setup
-    paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_d"))
+    fleet, proxy, standin, token, _ = stripe_setup
+    paid = session_event("checkout.session.completed", _paid(standin, proxy, token, "25.00", "pi_d"))
     _deliver(proxy, paid, signed(paid, SECRET))
     wait_for(lambda: fleet.balance(fleet.customer_id).balance_nano_usd == 25 * 10**9)
     created = dispute_event("charge.dispute.created", "dp_1", "pi_d", 1000, "needs_response")
@@ -253,8 +259,8 @@ def test_every_credit_gets_an_invoice_and_every_refund_a_credit_note(stripe_setu
     from invoices.service import list_invoices
     from tests.support.stripe_standin import refund_event
 
-    fleet, proxy, _, token, _ = stripe_setup
-    paid = session_event("checkout.session.completed", _paid(fleet, proxy, token, "25.00", "pi_cn"))
+    fleet, proxy, standin, token, _ = stripe_setup
+    paid = session_event("checkout.session.completed", _paid(standin, proxy, token, "25.00", "pi_cn"))
     _deliver(proxy, paid, signed(paid, SECRET))
     refund = refund_event("ch_cn", "pi_cn", 2500, 1000)
     _deliver(proxy, refund, signed(refund, SECRET))
