@@ -83,7 +83,7 @@ _WRITE_APPENDED_WITH_LIMITS = _WRITE_APPENDED_TEMPLATE.format(limits=""", limits
     WHERE l.limit_id = u.limit_id
 )""")
 
-# The hold rules, run by the server (migrations 0003, 0010 and 0016): one round trip
+# The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
 _PLACE_HOLDS = (
     "SELECT idx, status, hold_id, amount_nano_usd, expires_at, error_code FROM paralon_place_holds("
@@ -204,7 +204,7 @@ class PostgresStorage(Storage):
         })
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
-        """The server runs the rules (migration 0016's function): `rules` is not needed."""
+        """The server runs the rules (migration 0015's function): `rules` is not needed."""
         return place_each_key_once(requests, lambda distinct: _call_place_holds(conn, distinct))
 
     def insert_holds(self, conn: Connection, rows: list[tuple], now: datetime) -> dict[str, int]:

@@ -6,7 +6,7 @@ A database restored from a backup keeps the id of the one it was taken from:
 document file names also carry the PDF's SHA-256, so a number issued again
 after a restore gets a name of its own too.
 
-Revision ID: 0015
+Revision ID: 0014
 Revises: 0013
 Create Date: 2026-11-30
 """
@@ -17,7 +17,7 @@ from alembic import op
 
 from ledger.schema import UTCDateTime, utc_now
 
-revision = "0015"
+revision = "0014"
 down_revision = "0013"
 branch_labels = None
 depends_on = None

@@ -5,8 +5,8 @@ A replica restarted after a crash settles the holds it left behind at once
 waiting for them to expire; holds other replicas placed are not its to close.
 The function that places holds takes each hold's replica.
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0015
+Revises: 0014
 Create Date: 2026-11-30
 """
 import importlib.util
@@ -15,8 +15,8 @@ from pathlib import Path
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
+revision = "0015"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
