@@ -9,9 +9,6 @@ Revision ID: 0015
 Revises: 0014
 Create Date: 2026-11-30
 """
-import importlib.util
-from pathlib import Path
-
 import sqlalchemy as sa
 from alembic import op
 
@@ -117,7 +114,6 @@ BEGIN
      WHERE l.limit_id = u.limit_id AND u.placed <> 0;
 END $$
 """
-OLD_SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], timestamptz)"
 NEW_SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], text[], timestamptz)"
 
 
@@ -126,22 +122,15 @@ def upgrade() -> None:
     with op.batch_alter_table("holds") as batch:
         batch.add_column(sa.Column("replica_id", sa.String(REPLICA_ID_CHARS)))
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(f"DROP FUNCTION {OLD_SIGNATURE}")
+        # The previous signature stays, so that replicas of the previous release
+        # keep placing holds (with no replica) during a rolling deploy; their
+        # holds are swept like any other. A later revision may drop it.
         op.execute(PLACE_HOLDS)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION {NEW_SIGNATURE}")
-        op.execute(_previous_place_holds())
     with op.batch_alter_table("holds") as batch:
         batch.drop_column("replica_id")
 
-
-def _previous_place_holds() -> str:
-    """The function as revision 0010 created it."""
-    path = Path(__file__).with_name("0010_spend_limits_and_captures.py")
-    spec = importlib.util.spec_from_file_location("revision_0010", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.PLACE_HOLDS
