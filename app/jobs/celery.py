@@ -132,5 +132,5 @@ def anchor_ledger() -> dict:
 @celery.task(name="paralon.verify_ledger")
 def verify_ledger() -> dict:
     """Prove the ledger from the last proven event; a failure is logged at ERROR and shown by /metrics."""
-    with _database() as (engine, _):
-        return run_verification(engine)
+    with _database() as (engine, settings):
+        return run_verification(engine, wiring.anchor_settings(settings).file)

@@ -14,6 +14,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from app import outbox
+from app.anchoring import file as anchor_file
 from app.cli import main
 from app.jobs.celery import celery
 from app.db_roles import NARROW_PRIVILEGES, service_role
@@ -23,16 +24,19 @@ from app.settings import Settings, SettingsError
 from invoices.service import list_invoices
 from invoices.tasks import ISSUE_INVOICE, PROJECT_READ_MODELS
 from ledger import commands as cmd
+from ledger.anchors import Anchor, read_head
 from ledger.db import make_engine, snapshot_connection
 from ledger.errors import BadDatabaseUrl
 from ledger.holds import PlaceHold
 from ledger.service import Ledger, append_now
-from ledger.verify import verify
+from ledger.schema import utc_now
+from ledger.verify import rebuild_balances, verify
 from prometheus_client import generate_latest
 from tests.ledger.helpers import customer_with, key, money_snapshot
 from tests.support.celery_worker import celery_worker  # noqa: F401 (a fixture)
 from tests.support.db_roles import APP_ROLE, app_role_url
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+from tests.support.tampering import tamper_as_superuser
 
 USD = 10**9
 THOUSAND_USD = 1000 * USD
@@ -274,6 +278,28 @@ def test_the_scheduled_verification_proves_only_new_events_and_finds_an_edit_on_
                      {"c": customer})
     failed = run_verification(engine)
     assert not failed["ok"] and failed["verified_seq"] == 3 and failed["problems_total"] == 1
+
+
+def test_the_scheduled_verification_finds_a_rewind_below_an_anchor_of_the_file(engine, ledger, tmp_path):
+    """Its checkpoint finds a rewind of what it proved; the anchors, one of what it had not proved yet."""
+    customer = customer_with(ledger, 10 * USD)
+    ledger.append(cmd.GrantCredits(customer, USD, "anchored", key()))
+    path = tmp_path / "anchors.jsonl"
+    with engine.connect() as conn:
+        seq, head_hash = read_head(conn)
+    anchor_file.append(path, anchor_file.line_of(Anchor(seq, head_hash, utc_now(), "now")))
+    tamper_as_superuser(engine, f"DELETE FROM ledger_postings WHERE event_seq = {seq}")
+    tamper_as_superuser(engine, f"DELETE FROM ledger_events WHERE seq = {seq}")
+    tamper_as_superuser(engine, f"UPDATE ledger_head SET last_seq = {seq - 1}, "
+                                f"last_hash = (SELECT hash FROM ledger_events WHERE seq = {seq - 1})")
+    with engine.begin() as conn:
+        rebuild_balances(conn)
+    with engine.connect() as conn:
+        assert verify(conn).ok, "the rewound database agrees with itself"
+    failed = run_verification(engine, path)
+    assert not failed["ok"] and failed["problems_total"] == 2 and failed["verified_seq"] == 0, failed["problems"]
+    assert f"anchored seq {seq}" in failed["problems"][0] and "rewound" in failed["problems"][1]
+    assert run_verification(engine)["ok"], "without the anchor file nothing remembers the head"
 
 
 def test_the_owner_url_defaults_to_the_service_url_and_both_are_checked(monkeypatch):
