@@ -85,6 +85,7 @@ def read_anchors(settings: AnchorSettings, chain_from_block: int | None = None) 
     except Exception as exc:  # the node is down: the file's anchors are still checked
         result.notes.append(f"chain anchors not read: {type(exc).__name__}: {exc}")
         return result
+    _count_lost_lines(w3, settings, chain_id, file_anchors, result)
     for entry in file_anchors:
         if entry.tx_hash is None:
             continue
@@ -106,3 +107,14 @@ def read_anchors(settings: AnchorSettings, chain_from_block: int | None = None) 
         result.anchors.extend(a for a in scanned if a.where not in known)
         result.notes.append(f"chain {chain_id}: blocks {chain_from_block} to {last_block} scanned for anchors")
     return result
+
+
+def _count_lost_lines(w3, settings: AnchorSettings, chain_id: int, file_anchors: list, result: ReadAnchors) -> None:
+    """The wallet sends nothing but anchors: a chain that counts more of its
+    transactions than the file names lost lines (cut from the end by whoever
+    rewound the database too); one call, where the bounded scan costs thousands."""
+    sent = w3.eth.get_transaction_count(settings.chain.address)
+    named = len({entry.tx_hash for entry in file_anchors if entry.tx_hash and entry.chain_id == chain_id})
+    if sent > named:
+        result.findings.append(f"chain {chain_id}: the anchor wallet sent {sent} transactions, the file names {named}: "
+                               "lines are missing; find them with --chain-from-block")

@@ -188,7 +188,9 @@ def test_an_anchor_on_the_chain_survives_the_loss_of_the_file(paralon, database_
     assert any(f"file {anchor_file}" in p and "missing" in p for p in report["problems"]), report["problems"]
 
     anchor_file.unlink()  # whoever rewound the database removed the file on its host too
-    assert _json(paralon("ledger", "verify", "--json", **env))["ok"], "nothing left that names the transaction"
+    report = _json(paralon("ledger", "verify", "--json", expect=1, **env))
+    assert report["problems"] == ["chain 31337: the anchor wallet sent 1 transactions, the file names 0: lines are missing; "
+                                  "find them with --chain-from-block"], "the wallet's count remembers the file's lines"
     report = _json(paralon("ledger", "verify", "--chain-from-block", "0", "--json", expect=1, **env))
     assert report["anchors_checked"] == 1 and any("rewound" in p for p in report["problems"]), report
     assert _json(paralon("balance", str(customer), "--json"))["balance_nano_usd"] == 3 * USD
