@@ -143,6 +143,27 @@ def test_postings_of_a_new_event_must_sum_to_zero(books):
     ], customer, "sum to 1000000000000 nano-USD, not 0")
 
 
+def test_the_scheduled_verification_finds_a_posting_added_to_an_old_event(books):
+    """Past the postings guard (only the owner can lift it), the balance and its postings still agree:
+    the incremental verification finds the event whose postings no longer sum to zero."""
+    owner, service, _ = books
+    ledger = Ledger(owner)
+    idle = ledger.create_account(cmd.CUSTOMER, "idle")
+    ledger.close()
+    assert run_verification(service)["ok"]
+    with owner.begin() as conn:
+        conn.execute(text("ALTER TABLE ledger_postings DISABLE TRIGGER ledger_postings_guard"))
+        conn.execute(text(f"INSERT INTO ledger_postings VALUES (1, 99, :c, {THOUSAND_USD})"), {"c": idle})
+        conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
+                          "last_event_seq = 1 WHERE account_id = :c"), {"c": idle})
+        conn.execute(text("ALTER TABLE ledger_postings ENABLE TRIGGER ledger_postings_guard"))
+    result = run_verification(service)
+    assert not result["ok"] and result["events_checked"] == 0
+    with owner.connect() as conn:
+        first = conn.execute(text("SELECT first_problem FROM ledger_verifications")).scalar_one()
+    assert first == f"event 1: postings sum to {THOUSAND_USD} nano-USD, not 0"
+
+
 def test_the_owner_too_cannot_move_a_balance_without_its_event(books):
     """The guard is the database's, not a missing grant: only switching it off (as the owner) gets past it."""
     owner, _, customer = books
