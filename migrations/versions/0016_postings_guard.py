@@ -29,9 +29,14 @@ down_revision = "0015"
 branch_labels = None
 depends_on = None
 
+# Both queries go from the statement's events to the indexes (LATERAL, so
+# each is a primary-key lookup, not a scan of a table that only grows).
 # xid is 32 bits and wraps; txid_current() is the 64-bit id (epoch in the high
-# bits). An event's xmin is made 64-bit in the current epoch, or the previous
-# one when it is above the current id's low bits.
+# bits). An event's xmin is made 64-bit the way the server compares xids: as
+# the id within 2^31 before or after the current one (a subtransaction's id
+# comes after its transaction's; an old event's before). The postings of one
+# event are inserted by one statement (the append's), so each statement's
+# events must already sum to zero.
 GUARD_POSTINGS = """
 CREATE FUNCTION paralon_guard_postings() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
@@ -41,18 +46,19 @@ DECLARE
 BEGIN
     SELECT n.event_seq, 'it names no event this transaction inserted' AS why INTO bad
       FROM (SELECT DISTINCT event_seq FROM new_postings) n
-      LEFT JOIN ledger_events e ON e.seq = n.event_seq
-     WHERE e.seq IS NULL
+      LEFT JOIN LATERAL (SELECT e.xmin FROM ledger_events e WHERE e.seq = n.event_seq LIMIT 1) e ON true
+     WHERE e.xmin IS NULL
         OR (NOT e.xmin = current_low::text::xid
-            AND pg_xact_status((current_full - current_low + e.xmin::text::bigint
-                - CASE WHEN e.xmin::text::bigint > current_low THEN 4294967296 ELSE 0 END)::text::xid8)
+            AND pg_xact_status(greatest(current_full
+                + ((e.xmin::text::bigint - current_low + 6442450944) % 4294967296) - 2147483648, 0)::text::xid8)
                 IS DISTINCT FROM 'in progress')
      LIMIT 1;
     IF NOT FOUND THEN
-        SELECT p.event_seq, 'its postings sum to ' || sum(p.amount_nano_usd) || ' nano-USD, not 0' AS why INTO bad
-          FROM ledger_postings p
-         WHERE p.event_seq IN (SELECT DISTINCT event_seq FROM new_postings)
-         GROUP BY p.event_seq HAVING sum(p.amount_nano_usd) <> 0
+        SELECT n.event_seq, 'its postings sum to ' || s.total || ' nano-USD, not 0' AS why INTO bad
+          FROM (SELECT DISTINCT event_seq FROM new_postings) n
+          CROSS JOIN LATERAL (SELECT sum(p.amount_nano_usd) AS total FROM ledger_postings p
+                               WHERE p.event_seq = n.event_seq) s
+         WHERE s.total <> 0
          LIMIT 1;
     END IF;
     IF FOUND THEN
