@@ -148,7 +148,7 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
-             balance_guard: bool = True) -> dict:
+             balance_guard: bool = True, postings_guard: bool = True) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
@@ -156,6 +156,9 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP TRIGGER account_balances_guard ON account_balances")
             conn.exec_driver_sql("DROP INDEX ix_ledger_postings_account_seq")
+    if not postings_guard:  # and the postings guard of migration 0016
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER ledger_postings_guard ON ledger_postings")
     ledger = Ledger(engine)
     customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
     owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
@@ -205,6 +208,7 @@ def main() -> None:
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--without-balance-guard", action="store_true", help="drop migration 0013's balance guard first")
+    parser.add_argument("--without-postings-guard", action="store_true", help="drop migration 0016's postings guard first")
     args = parser.parse_args()
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
@@ -214,7 +218,8 @@ def main() -> None:
     log(f"  {tps_before:.0f} tps; ledger load ...")
     with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
         result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
-                          args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard)
+                          args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
+                          not args.without_postings_guard)
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -226,6 +231,7 @@ def main() -> None:
         processes=args.processes,
         seconds=args.seconds,
         balance_guard=not args.without_balance_guard,
+        postings_guard=not args.without_postings_guard,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -3,7 +3,8 @@
 `ledger.verify.verify` replays the whole log in Python. This proves the chain
 only from the last event a previous run proved (its seq and hash are kept in
 `ledger_verifications`), and checks every balance against the sum of its
-postings in one aggregate the database runs, and the hold and spend-limit
+postings in one aggregate the database runs, every event's postings summing
+to zero in another, and the hold and spend-limit
 counters as a full verification does. Run it on a snapshot connection.
 """
 from __future__ import annotations
@@ -30,6 +31,12 @@ WHERE NOT EXISTS (SELECT 1 FROM account_balances b WHERE b.account_id = p.accoun
 _POSTINGS_OF_NO_EVENT = text("""
 SELECT DISTINCT p.event_seq FROM ledger_postings p
 WHERE NOT EXISTS (SELECT 1 FROM ledger_events e WHERE e.seq = p.event_seq) ORDER BY 1
+""")
+
+# The chain check sums the postings of the events it reads (those since the
+# checkpoint); a posting added later to an older event is found only here.
+_EVENTS_NOT_SUMMING_TO_ZERO = text("""
+SELECT event_seq, sum(amount_nano_usd) FROM ledger_postings GROUP BY event_seq HAVING sum(amount_nano_usd) <> 0 ORDER BY 1
 """)
 
 
@@ -87,3 +94,5 @@ def _check_balances(conn: Connection, report: VerifyReport) -> None:
         report.add(f"postings name account {account_id}, which has no balance row")
     for seq in conn.execute(_POSTINGS_OF_NO_EVENT).scalars():
         report.add(f"postings name event {seq}, which is not in the log")
+    for seq, total in conn.execute(_EVENTS_NOT_SUMMING_TO_ZERO):
+        report.add(f"event {seq}: postings sum to {total} nano-USD, not 0")

@@ -90,22 +90,82 @@ def test_the_service_role_cannot_move_money_without_an_event_nor_switch_the_guar
         assert verify(conn).ok
 
 
-def test_a_posting_without_its_event_moves_no_balance_and_the_verification_names_it(books):
-    """The service may insert postings (appends do), but a balance counts only postings up to the log's last event."""
-    owner, service, customer = books
-    with service.begin() as conn:
-        conn.execute(text(f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
-                          f"VALUES (1000000, 0, :c, {THOUSAND_USD})"), {"c": customer})
-    with pytest.raises(DBAPIError, match="without the events that cause it"):
+def _refused_and_nothing_moved(owner, service, statements, customer, match, balance_nano_usd=10 * USD):
+    before = money_snapshot(owner)
+    with pytest.raises(DBAPIError, match=match):
         with service.begin() as conn:
-            conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
-                              "last_event_seq = 1000000 WHERE account_id = :c"), {"c": customer})
-    assert money_snapshot(owner)["balances"][customer] == 10 * USD
+            for statement in statements:
+                conn.execute(text(statement), {"c": customer})
+    assert money_snapshot(owner) == before
+    assert money_snapshot(owner)["balances"][customer] == balance_nano_usd
+    with owner.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM ledger_postings WHERE account_id = :c AND amount_nano_usd = :a"),
+                            {"c": customer, "a": THOUSAND_USD}).scalar_one() == 0
+    with snapshot_connection(owner) as conn:
+        assert verify(conn).ok
+    assert run_verification(service)["ok"]
+
+
+def test_a_posting_of_no_event_is_refused_at_insert(books):
+    """The service may insert postings (appends do), but only beside the event it inserts with them."""
+    owner, service, customer = books
+    _refused_and_nothing_moved(owner, service, [
+        f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES (1000000, 0, :c, {THOUSAND_USD})",
+    ], customer, "names no event this transaction inserted")
+
+
+def test_a_posting_on_an_old_event_is_refused_and_so_the_balance_edit_after_it(books):
+    """A posting attached to an event already in the log would let a balance move over that
+    event's range past the balance guard, unseen by the incremental verification. An idle
+    customer (no event yet) is the one whose balance range (0, 1] would take it."""
+    owner, service, _ = books
+    ledger = Ledger(owner)
+    idle = ledger.create_account(cmd.CUSTOMER, "idle")
+    ledger.close()
+    attach = (f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
+              f"VALUES (1, 99, :c, {THOUSAND_USD})")
+    _refused_and_nothing_moved(owner, service, [
+        attach,
+        f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, last_event_seq = 1 "
+        "WHERE account_id = :c",
+    ], idle, "names no event this transaction inserted", balance_nano_usd=0)
+    _refused_and_nothing_moved(owner, service, [attach], idle, "names no event this transaction inserted", balance_nano_usd=0)
+
+
+def test_postings_of_a_new_event_must_sum_to_zero(books):
+    """Even beside its own new event, a posting that makes money from nothing is refused."""
+    owner, service, customer = books
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+    forged_event = (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "
+                    f"recorded_at) VALUES ({head.last_seq + 1}, 'CreditsGranted', '{{}}', 'forged', '\\x00', "
+                    f"'\\x{bytes(head.last_hash).hex()}', '\\x00', now())")
+    _refused_and_nothing_moved(owner, service, [
+        forged_event,
+        f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
+        f"VALUES ({head.last_seq + 1}, 0, :c, {THOUSAND_USD})",
+    ], customer, "sum to 1000000000000 nano-USD, not 0")
+
+
+def test_the_scheduled_verification_finds_a_posting_added_to_an_old_event(books):
+    """Past the postings guard (only the owner can lift it), the balance and its postings still agree:
+    the incremental verification finds the event whose postings no longer sum to zero."""
+    owner, service, _ = books
+    ledger = Ledger(owner)
+    idle = ledger.create_account(cmd.CUSTOMER, "idle")
+    ledger.close()
+    assert run_verification(service)["ok"]
+    with owner.begin() as conn:
+        conn.execute(text("ALTER TABLE ledger_postings DISABLE TRIGGER ledger_postings_guard"))
+        conn.execute(text(f"INSERT INTO ledger_postings VALUES (1, 99, :c, {THOUSAND_USD})"), {"c": idle})
+        conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
+                          "last_event_seq = 1 WHERE account_id = :c"), {"c": idle})
+        conn.execute(text("ALTER TABLE ledger_postings ENABLE TRIGGER ledger_postings_guard"))
     result = run_verification(service)
-    assert not result["ok"]
+    assert not result["ok"] and result["events_checked"] == 0
     with owner.connect() as conn:
         first = conn.execute(text("SELECT first_problem FROM ledger_verifications")).scalar_one()
-    assert f"differs by -{THOUSAND_USD}" in first and result["problems_total"] == 2  # and the posting of no event
+    assert first == f"event 1: postings sum to {THOUSAND_USD} nano-USD, not 0"
 
 
 def test_the_owner_too_cannot_move_a_balance_without_its_event(books):
