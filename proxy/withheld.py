@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from proxy.limits import WITHHELD_JOURNAL_ENTRIES_MAX, WITHHELD_JOURNAL_LINE_BYTES_MAX
+from proxy.limits import WITHHELD_JOURNAL_ENTRIES_MAX, WITHHELD_JOURNAL_FILE_MODE, WITHHELD_JOURNAL_LINE_BYTES_MAX
 
 
 class JournalFull(Exception):
@@ -49,7 +49,7 @@ class WithheldJournal:
         if len(line) > WITHHELD_JOURNAL_LINE_BYTES_MAX:
             raise ValueError("a withheld journal line is too long")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, WITHHELD_JOURNAL_FILE_MODE)
         try:
             os.write(fd, line)
             os.fsync(fd)
