@@ -53,6 +53,7 @@ PUBLIC_URL_DEFAULT = f"http://127.0.0.1:{SERVE_PORT_DEFAULT}"
 INVOICE_DIR_DEFAULT = "./var/invoices"
 MAIL_FROM_DEFAULT = "billing@paralon.example"
 ANCHOR_FILE_DEFAULT = "./var/anchors.jsonl"
+WITHHELD_JOURNAL_DIR_DEFAULT = "./var/withheld"  # one journal file per replica id (proxy/withheld.py)
 
 
 def in_ms(seconds: float) -> int:
@@ -109,6 +110,8 @@ class ProxyConfig(_Group):
     worker_ca_bundle: str | None = _env("PARALON_WORKER_CA_BUNDLE")
     # Who places this replica's holds; unset: hostname:port (stable across restarts of one instance).
     replica_id: str | None = _env("PARALON_REPLICA_ID", min_length=1, max_length=REPLICA_ID_CHARS_MAX)
+    # Where each replica journals the withheld answers whose charge it still owes a reversal.
+    withheld_journal_dir: str = _env("PARALON_WITHHELD_JOURNAL_DIR", WITHHELD_JOURNAL_DIR_DEFAULT)
 
     @field_validator("public_url")
     @classmethod

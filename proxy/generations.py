@@ -41,6 +41,12 @@ def _settlements(conn: Connection, request_id: str) -> list:
     ).all()
 
 
+def _reversed(conn: Connection, seqs: list[int]) -> set[int]:
+    """Which of these events a later `EventReversed` undid."""
+    rows = conn.execute(select(ledger_events.c.reverses_seq).where(ledger_events.c.reverses_seq.in_(seqs)))
+    return {row.reverses_seq for row in rows}
+
+
 def first_settlement(conn: Connection, request_id: str) -> Settled | None:
     """What the settlement under the request's own key charged (the sweeper's, at the usage last recorded)."""
     row = conn.execute(select(ledger_events.c.payload).where(ledger_events.c.idempotency_key == settlement_key(request_id))).first()
@@ -58,13 +64,16 @@ def find_generation(conn: Connection, request_id: str, account_id: int) -> dict 
     events = [orjson.loads(row.payload) for row in rows]
     if events[0]["customer_account_id"] != account_id:
         return None
-    meta, charge = events[0]["meta"], sum(e["charge_nano_usd"] for e in events)
+    reversed_seqs = _reversed(conn, [row.seq for row in rows])
+    kept = [e for row, e in zip(rows, events) if row.seq not in reversed_seqs]  # a reversed charge costs nothing
+    meta, charge = events[0]["meta"], sum(e["charge_nano_usd"] for e in kept)
     return {
         "id": request_id,
         "object": "generation",
         "cost_nano_usd": charge,
         "cost": nano_usd_to_usd_text(charge),
-        "owner_nano_usd": sum(e["owner_nano_usd"] for e in events),
+        "owner_nano_usd": sum(e["owner_nano_usd"] for e in kept),
+        "reversed": bool(reversed_seqs),
         "prompt_tokens": sum(e["meta"].get("prompt_tokens", 0) for e in events),
         "completion_tokens": sum(e["meta"].get("completion_tokens", 0) for e in events),
         "model": meta.get("model"),

@@ -145,3 +145,6 @@ SIM_INSTANT_YIELD_EVERY_TOKENS = 8
 SIM_PROMPT_BYTES_PER_TOKEN = 4
 SIM_PROMPT_TOKENS_PER_MESSAGE = 4
 SIM_WORD_STEP = 37  # coprime with the simulated text's 61 words (proxy/sim/engine.py), so it visits every word
+WITHHELD_JOURNAL_ENTRIES_MAX = 100_000  # withheld answers one replica's journal keeps before it refuses more
+WITHHELD_JOURNAL_LINE_BYTES_MAX = 512  # one journal line; a request id is far shorter
+WITHHELD_JOURNAL_FILE_MODE = 0o600  # only the proxy reads what it owes

@@ -39,6 +39,7 @@ from proxy.limits import (
     UPSTREAM_ATTEMPTS_MAX,
     UPSTREAM_REFUSAL_DETAIL_BYTES_MAX,
 )
+from proxy.withheld import WithheldJournal
 from proxy.settlement import Settler, hold_key
 from proxy.upstream import UpstreamError, UpstreamPool
 
@@ -49,13 +50,13 @@ class _Retry(Exception):
 
 class InferenceProxy:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, journal: WithheldJournal | None = None) -> None:
         self.ledger = ledger
         self.directory = directory
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id  # written on every hold this process places
-        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id)
+        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id, journal=journal)
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
 
     # Before the first token

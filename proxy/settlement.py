@@ -35,6 +35,7 @@ from proxy.limits import (
     USAGE_PROBE_TIMEOUT_S,
 )
 from proxy.upstream import UpstreamError, UpstreamPool
+from proxy.withheld import WithheldJournal
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def hold_key(request_id: str) -> str:
 
 class Settler:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, journal: WithheldJournal | None = None) -> None:
         self.ledger = ledger
         self.directory = directory  # its loads: what this process has in flight per worker
         self.upstream = upstream
@@ -54,6 +55,8 @@ class Settler:
         self._background: set[asyncio.Task] = set()
         self._until_back: set[asyncio.Task] = set()  # of those, the ones waiting for the database to come back
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
+        self.journal = journal  # withheld answers whose reversal is owed, kept across restarts
+        self._stop_at_s: float | None = None  # set once shutdown starts: every wait ends by then
 
     def settle(self, generation: Generation, charge: bool) -> asyncio.Task:
         """Bill what was delivered, or, with charge=False (a non-streaming
@@ -118,6 +121,8 @@ class Settler:
         if not generation.streaming:
             log.warning("request %s could not be settled; nothing was delivered, its hold is released",
                         generation.request_id, exc_info=not database_away)
+            if database_away:  # before the 503: the reversal owed must outlive this process
+                await self._journal_withheld(generation.request_id)
             generation.withhold()
             try:
                 await self.release(generation)
@@ -135,6 +140,23 @@ class Settler:
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
             self._when_back_task(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
 
+    async def _journal_withheld(self, request_id: str) -> None:
+        if self.journal is None:
+            return
+        try:
+            await asyncio.shield(asyncio.to_thread(self.journal.record, request_id))
+        except Exception:  # the reversal is still tried from memory while this process runs
+            log.exception("request %s: the withheld journal could not record it", request_id)
+
+    def resume_withheld(self) -> int:
+        """At start: reverse, once the database answers, what a previous run withheld."""
+        pending = self.journal.pending() if self.journal is not None else []
+        for request_id in pending:
+            self._when_back_task(self._when_back(request_id, self._reverse_withheld, request_id))
+        if pending:
+            log.warning("%d withheld answer(s) from a previous run are reversed once the database answers", len(pending))
+        return len(pending)
+
     def _when_back_task(self, work) -> None:
         task = self.in_background(work)
         self._until_back.add(task)
@@ -144,7 +166,7 @@ class Settler:
         """`await work(*args)` once the database answers again (tried every
         interval, for a bounded time); work that fails otherwise is logged."""
         deadline_s = time.monotonic() + SETTLE_OUTAGE_RETRY_S_MAX
-        while time.monotonic() < deadline_s:
+        while time.monotonic() < min(deadline_s, self._stop_at_s or deadline_s):
             await asyncio.sleep(SETTLE_OUTAGE_RETRY_INTERVAL_S)
             try:
                 await work(*args)
@@ -164,6 +186,8 @@ class Settler:
         for seq in await asyncio.to_thread(self._settlement_seqs, request_id):
             await self._append(cmd.ReverseEvent(seq, "the answer was withheld: its settlement's outcome was not known in time",
                                                 withheld_key(request_id, seq)))
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.done, request_id)
 
     def _settlement_seqs(self, request_id: str) -> list[int]:
         with self.ledger.engine.connect() as conn:
@@ -303,13 +327,21 @@ class Settler:
     async def drain_background(self) -> None:
         """Wait for the background work. What still waits for the database is
         given a little while, then stopped: its holds carry what was delivered,
-        and the sweeper of any replica settles them."""
-        if self._until_back:
-            _, waiting = await asyncio.wait(list(self._until_back), timeout=SHUTDOWN_DATABASE_WAIT_S)
-            for task in waiting:
-                task.cancel()
+        and the sweeper of any replica settles them; a withheld answer's
+        reversal is in the journal. One deadline, set now, bounds every wait,
+        work that starts waiting during the drain included."""
+        self._stop_at_s = time.monotonic() + SHUTDOWN_DATABASE_WAIT_S
         while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+            left_s = self._stop_at_s - time.monotonic()
+            if left_s <= 0:
+                break
+            await asyncio.wait(list(self._background), timeout=left_s)
+        remaining = list(self._background)
+        if remaining:
+            log.warning("%d background task(s) stopped at shutdown", len(remaining))
+        for task in remaining:
+            task.cancel()
+        await asyncio.gather(*remaining, return_exceptions=True)
 
 
 def _database_away(exc: BaseException) -> bool:

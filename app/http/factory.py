@@ -44,6 +44,7 @@ from proxy.directory import Directory
 from proxy.health import HealthChecker
 from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S, UPSTREAM_CONNECT_TIMEOUT_S
 from proxy.revocations import follow_revocations
+from proxy.withheld import WithheldJournal
 from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
@@ -58,7 +59,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                hold_sweep_interval_s: float = HOLD_SWEEP_INTERVAL_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
-               worker_ca_bundle_path: str | None = None, replica_id: str | None = None) -> Litestar:
+               worker_ca_bundle_path: str | None = None, replica_id: str | None = None,
+               withheld_journal_path: str | None = None) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py). The
     holds this replica places carry `replica_id`; as it starts, it settles those
     its crashed run left under it (none when None)."""
@@ -75,7 +77,9 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory = directory
-        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id)
+        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id,
+                                         journal=WithheldJournal(withheld_journal_path) if withheld_journal_path else None)
+        app.state.proxy.settler.resume_withheld()
         background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds(),
                       _settle_orphans(ledger, replica_id, orphans))
         tasks = [asyncio.create_task(work) for work in background]

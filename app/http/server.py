@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import socket
 
 import uvicorn
@@ -27,6 +28,12 @@ def replica_id(settings: Settings, port: int) -> str:
     return settings.proxy.replica_id or f"{socket.gethostname()}:{port}"
 
 
+def journal_path(directory: str, replica: str) -> str:
+    """The withheld journal of this replica: its id, made a safe file name."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in replica)
+    return os.path.join(directory, f"{safe}.jsonl")
+
+
 def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False) -> None:
     ledger = wiring.open_ledger(settings)
     proxy = settings.proxy
@@ -35,7 +42,8 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      hold_sweep_interval_s=proxy.hold_sweep_interval_ms / MS_PER_S, worker_ca_bundle_path=proxy.worker_ca_bundle,
                      stripe_settings=wiring.stripe_settings(settings), crypto_settings=wiring.crypto_settings(settings),
                      invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat,
-                     replica_id=replica_id(settings, port))
+                     replica_id=replica_id(settings, port),
+                     withheld_journal_path=journal_path(proxy.withheld_journal_dir, replica_id(settings, port)))
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
