@@ -18,6 +18,7 @@ from ledger.schema import account_balances, accounts, customer_holds, holds, led
 
 BALANCE_GUARD_TRIGGER = "account_balances_guard"  # migration 0013
 Progress = Callable[[int], None]  # called with the number of events just processed
+REFUND_EVENT_TYPES = ("CreditsRefunded", "CreditsFrozen")  # a customer's first leg is what it took back
 
 
 @dataclass
@@ -52,7 +53,7 @@ def replay_balances(conn: Connection, report: VerifyReport | None = None, progre
         if report is not None:
             _check_event(event, expected_seq, prev_hash, report)
             report.events_checked += 1
-            if event.event_type in ("CreditsRefunded", "CreditsFrozen") and event.postings:
+            if event.event_type in REFUND_EVENT_TYPES and event.postings:
                 account_id, amount = event.postings[0]
                 report.refunded_by_account[account_id] = report.refunded_by_account.get(account_id, 0) - amount
         for account_id, amount in event.postings:
@@ -169,53 +170,3 @@ def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:
         conn.exec_driver_sql(f"ALTER TABLE account_balances ENABLE TRIGGER {BALANCE_GUARD_TRIGGER}")
     return len(account_ids)
 
-
-# --- From an anchor on (`ledger verify --since-anchor`) ---------------------------
-REFUND_EVENT_TYPES = ("CreditsRefunded", "CreditsFrozen")  # a customer's first leg is what it took back
-
-
-def verify_since(conn: Connection, after_seq: int, after_hash: bytes, progress: Progress | None = None) -> VerifyReport:
-    """What a restored backup needs checked when an anchor outside vouches for the
-    chain up to `after_seq`: the chain from that hash on to the head, each later
-    event's zero sum, and every balance against the sum of its postings (summed by
-    the database, nothing rehashed). Events up to the anchor are not rehashed: an
-    edit there that kept its stored hash needs the full `verify`."""
-    report = VerifyReport()
-    prev_hash, expected_seq = after_hash, after_seq + 1
-    position = after_seq
-    while page := read_events(conn, position):
-        for event in page:
-            _check_event(event, expected_seq, prev_hash, report)
-            report.events_checked += 1
-            prev_hash, expected_seq = event.hash, event.seq + 1
-            if progress is not None:
-                progress(1)
-        position = page[-1].seq
-    head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
-    if (head.last_seq, bytes(head.last_hash)) != (expected_seq - 1, prev_hash):
-        report.add(f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, "
-                   f"the log from seq {after_seq} ends at seq {expected_seq - 1} hash {prev_hash.hex()}")
-    report.refunded_by_account = _refunded_by_account(conn)
-    totals = conn.execute(select(ledger_postings.c.account_id, func.sum(ledger_postings.c.amount_nano_usd))
-                          .group_by(ledger_postings.c.account_id)).all()
-    _check_balances(conn, {account_id: int(total) for account_id, total in totals}, report)
-    _check_hold_counters(conn, report)
-    _check_spend_limits(conn, report)
-    return report
-
-
-def _refunded_by_account(conn: Connection) -> dict[int, int]:
-    """What each customer took back by refunds and disputes (its debt allowance)."""
-    rows = conn.execute(
-        select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-        .join(ledger_events, ledger_events.c.seq == ledger_postings.c.event_seq)
-        .where(ledger_events.c.event_type.in_(REFUND_EVENT_TYPES))
-        .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
-    ).all()
-    refunded: dict[int, int] = {}
-    seen: set[int] = set()
-    for seq, account_id, amount in rows:
-        if seq not in seen:
-            seen.add(seq)
-            refunded[account_id] = refunded.get(account_id, 0) - amount
-    return refunded

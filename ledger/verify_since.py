@@ -1,33 +1,33 @@
 """Verification from a checkpoint, cheap enough to run every few minutes.
 
 `ledger.verify.verify` replays the whole log in Python. This proves the chain
-only from the last event a previous run proved (its seq and hash are kept in
-`ledger_verifications`), and checks every balance against the sum of its
-postings in one aggregate the database runs, every event's postings summing
-to zero in another, and the hold and spend-limit
-counters as a full verification does. Run it on a snapshot connection.
+only from a checkpoint: the last event a previous scheduled run proved (kept
+in `ledger_verifications`), or an anchor outside that vouches for the chain up
+to it (`ledger verify --since-anchor`, what a restored backup needs). Every
+balance is checked against the sum of its postings in one aggregate the
+database runs, every event's postings summing to zero in another, and the hold
+and spend-limit counters as a full verification does. An edit before the
+checkpoint that kept its stored hash needs the full `verify`. Run it on a
+snapshot connection.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, select, text, update
+from sqlalchemy import Connection, func, select, text, update
 
 from ledger.log import read_events
-from ledger.schema import ledger_events, ledger_head, ledger_verifications, utc_now
-from ledger.verify import VerifyReport, _check_event, _check_hold_counters, _check_spend_limits
+from ledger.schema import ledger_events, ledger_head, ledger_postings, ledger_verifications, utc_now
+from ledger.verify import (
+    REFUND_EVENT_TYPES,
+    Progress,
+    VerifyReport,
+    _check_balances,
+    _check_event,
+    _check_hold_counters,
+    _check_spend_limits,
+)
 
-# Each account's stored balance beside the sum of its postings; postings of no account.
-_BALANCES_AGAINST_POSTINGS = text("""
-SELECT b.account_id, b.balance_nano_usd, coalesce(p.total, 0) FROM account_balances b
-LEFT JOIN (SELECT account_id, sum(amount_nano_usd) AS total FROM ledger_postings GROUP BY account_id) p
-  ON p.account_id = b.account_id
-WHERE b.balance_nano_usd <> coalesce(p.total, 0)
-""")
-_POSTINGS_OF_NO_ACCOUNT = text("""
-SELECT DISTINCT p.account_id FROM ledger_postings p
-WHERE NOT EXISTS (SELECT 1 FROM account_balances b WHERE b.account_id = p.account_id)
-""")
 _POSTINGS_OF_NO_EVENT = text("""
 SELECT DISTINCT p.event_seq FROM ledger_postings p
 WHERE NOT EXISTS (SELECT 1 FROM ledger_events e WHERE e.seq = p.event_seq) ORDER BY 1
@@ -52,11 +52,15 @@ def read_checkpoint(conn: Connection) -> Checkpoint:
     return Checkpoint(row.verified_seq, bytes(row.verified_hash))
 
 
-def verify_since(conn: Connection, start: Checkpoint) -> tuple[VerifyReport, Checkpoint]:
+def verify_since(conn: Connection, start: Checkpoint, progress: Progress | None = None) -> tuple[VerifyReport, Checkpoint]:
     """The report, and how far the chain is now proven (`start` again if it failed)."""
     report = VerifyReport()
-    end = _check_chain_from(conn, start, report)
-    _check_balances(conn, report)
+    end = _check_chain_from(conn, start, report, progress)
+    report.refunded_by_account = _refunded_by_account(conn)
+    totals = conn.execute(select(ledger_postings.c.account_id, func.sum(ledger_postings.c.amount_nano_usd))
+                          .group_by(ledger_postings.c.account_id)).all()
+    _check_balances(conn, {account_id: int(total) for account_id, total in totals}, report)
+    _check_postings(conn, report)
     _check_hold_counters(conn, report)
     _check_spend_limits(conn, report)
     return report, (end if report.ok else start)
@@ -68,30 +72,44 @@ def record(conn: Connection, report: VerifyReport, proven: Checkpoint) -> None:
         problems_total=report.problems_total, first_problem=report.problems[0] if report.problems else None))
 
 
-def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport) -> Checkpoint:
-    if start.seq:
-        stored = conn.execute(select(ledger_events.c.hash).where(ledger_events.c.seq == start.seq)).scalar_one_or_none()
-        if stored is None or bytes(stored) != start.hash:
-            report.add(f"event {start.seq}: its hash is no longer the {start.hash.hex()} a previous verification proved")
+def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport, progress: Progress | None) -> Checkpoint:
     prev_hash, expected_seq = start.hash, start.seq + 1
     while page := read_events(conn, expected_seq - 1):
         for event in page:
             _check_event(event, expected_seq, prev_hash, report)
             report.events_checked += 1
             prev_hash, expected_seq = event.hash, event.seq + 1
+        if progress is not None:
+            progress(len(page))
     head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
     if (head.last_seq, bytes(head.last_hash)) != (expected_seq - 1, prev_hash):
-        report.add(f"ledger_head says seq {head.last_seq}, the log ends at seq {expected_seq - 1} hash {prev_hash.hex()}")
+        report.add(f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, "
+                   f"the log from seq {start.seq} ends at seq {expected_seq - 1} hash {prev_hash.hex()}")
+    if start.seq:  # the checkpoint itself, which the walk from its hash does not read
+        stored = conn.execute(select(ledger_events.c.hash).where(ledger_events.c.seq == start.seq)).scalar_one_or_none()
+        if stored is None or bytes(stored) != start.hash:
+            report.add(f"event {start.seq}: its hash is no longer the {start.hash.hex()} the checkpoint holds")
     return Checkpoint(expected_seq - 1, prev_hash)
 
 
-def _check_balances(conn: Connection, report: VerifyReport) -> None:
-    report.accounts_checked = conn.execute(text("SELECT count(*) FROM account_balances")).scalar_one()
-    for account_id, stored, posted in conn.execute(_BALANCES_AGAINST_POSTINGS):
-        report.add(f"account {account_id}: balance {stored} nano-USD but its postings sum to {posted} "
-                   f"(differs by {stored - int(posted)})")
-    for account_id in conn.execute(_POSTINGS_OF_NO_ACCOUNT).scalars():
-        report.add(f"postings name account {account_id}, which has no balance row")
+def _refunded_by_account(conn: Connection) -> dict[int, int]:
+    """What each customer took back by refunds and disputes (its debt allowance)."""
+    rows = conn.execute(
+        select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
+        .join(ledger_events, ledger_events.c.seq == ledger_postings.c.event_seq)
+        .where(ledger_events.c.event_type.in_(REFUND_EVENT_TYPES))
+        .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+    ).all()
+    refunded: dict[int, int] = {}
+    seen: set[int] = set()
+    for seq, account_id, amount in rows:
+        if seq not in seen:
+            seen.add(seq)
+            refunded[account_id] = refunded.get(account_id, 0) - amount
+    return refunded
+
+
+def _check_postings(conn: Connection, report: VerifyReport) -> None:
     for seq in conn.execute(_POSTINGS_OF_NO_EVENT).scalars():
         report.add(f"postings name event {seq}, which is not in the log")
     for seq, total in conn.execute(_EVENTS_NOT_SUMMING_TO_ZERO):

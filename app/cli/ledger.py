@@ -24,7 +24,8 @@ from ledger.events import GENESIS_HASH
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now, sweep_expired_holds
-from ledger.verify import count_events, rebuild_balances, verify, verify_since
+from ledger.verify import count_events, rebuild_balances, verify
+from ledger.verify_since import Checkpoint, verify_since
 
 
 @click.command("migrate")
@@ -122,19 +123,18 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
     # Anchors first: one written after the snapshot began could name a seq the snapshot cannot see.
     read = read_anchors(anchor_settings(Settings.from_env()), chain_from_block)
     with snapshot_connection(engine()) as conn:  # appends may go on meanwhile
-        since_seq, since_hash = 0, GENESIS_HASH
+        since = Checkpoint(0, GENESIS_HASH)
         if since_anchor and (start := latest_matching(conn, read.anchors)) is not None:
-            since_seq, since_hash = start.seq, start.hash
-        total = count_events(conn) - since_seq
-        with progress(total, "verifying") as bar:
-            report = verify_since(conn, since_seq, since_hash, bar.update) if since_anchor else verify(conn, progress=bar.update)
+            since = Checkpoint(start.seq, start.hash)
+        with progress(count_events(conn) - since.seq, "verifying") as bar:
+            report = verify_since(conn, since, bar.update)[0] if since_anchor else verify(conn, progress=bar.update)
         for finding in read.findings + check_anchors(conn, read.anchors):
             report.add(finding)
     data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
             "problems_total": report.problems_total, "problems": report.problems,
             "anchors_checked": len(read.anchors), "anchor_notes": read.notes}
     if since_anchor:
-        data["since_seq"] = since_seq
+        data["since_seq"] = since.seq
     text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts, {len(read.anchors)} anchors" if report.ok else "\n".join(
         [f"FAILED: {report.problems_total} problem(s)"] + report.problems
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ledger import commands as cmd
 from ledger.accounts import create_system_account
 from ledger.anchors import Anchor, check_anchors, latest_matching, read_head
-from ledger.verify import verify, verify_since
+from ledger.verify import verify
+from ledger.verify_since import Checkpoint, verify_since
 from tests.ledger.helpers import customer_with, key
 from tests.support.tampering import tamper_as_superuser
 
@@ -26,7 +27,7 @@ def test_from_an_anchor_on_the_books_verify_as_from_the_start_refund_debt_includ
     ledger.append(cmd.AdjustBalance(customer, -5 * USD, "spent", key("adjust")))
     ledger.append(cmd.RefundCredits(customer, 10 * USD, "card", "re_1", "external:card", key("refund")))
     with engine.connect() as conn:
-        full, since = verify(conn), verify_since(conn, anchored.seq, anchored.hash)
+        full, since = verify(conn), verify_since(conn, Checkpoint(anchored.seq, anchored.hash))[0]
         assert full.ok and since.ok, (full.problems, since.problems)
         assert (since.events_checked, full.events_checked) == (2, 3)
         assert since.accounts_checked == full.accounts_checked
@@ -35,7 +36,7 @@ def test_from_an_anchor_on_the_books_verify_as_from_the_start_refund_debt_includ
         assert latest_matching(conn, [anchored, _anchor(2, bytes(32)), _anchor(1, bytes(32))]) == anchored
     tamper_as_superuser(engine, f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + 5 WHERE account_id = {customer}")
     with engine.connect() as conn:
-        assert any("differs by 5" in p for p in verify_since(conn, anchored.seq, anchored.hash).problems), "balances in full"
+        assert any("differs by 5" in p for p in verify_since(conn, Checkpoint(anchored.seq, anchored.hash))[0].problems), "balances in full"
 
 
 def test_anchors_that_the_log_does_not_hold_are_findings(ledger, engine):
@@ -48,5 +49,5 @@ def test_anchors_that_the_log_does_not_hold_are_findings(ledger, engine):
         assert "anchored seq 1" in findings[0] and "hash" in findings[0]
         assert f"anchored seq {head_seq + 1}" in findings[1] and "missing" in findings[1]
         assert "rewound" in findings[2]
-        wrong_start = verify_since(conn, 1, bytes(32))
+        wrong_start = verify_since(conn, Checkpoint(1, bytes(32)))[0]
         assert not wrong_start.ok and "prev_hash" in wrong_start.problems[0], "the chain is checked from the anchored hash"
