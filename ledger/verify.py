@@ -12,6 +12,7 @@ from ledger import commands as cmd
 from ledger import events as ev
 from ledger import spend_limits
 from ledger.accounts import read_books
+from ledger.anchors import read_head
 from ledger.limits import VERIFY_PROBLEMS_LISTED_MAX
 from ledger.log import iter_events, read_events
 from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, ledger_postings, spend_limit_holds
@@ -64,12 +65,15 @@ def replay_balances(conn: Connection, report: VerifyReport | None = None, progre
         if progress is not None:
             progress(1)
     if report is not None:
-        head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
-        if (head.last_seq, head.last_hash) != (expected_seq - 1, prev_hash):
-            report.add(
-                f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, the log ends at seq {expected_seq - 1} hash {prev_hash.hex()}"
-            )
+        check_head(conn, expected_seq - 1, prev_hash, report)
     return {a: (v[0], v[1]) for a, v in balances.items()}
+
+
+def check_head(conn: Connection, last_seq: int, last_hash: bytes, report: VerifyReport) -> None:
+    """`ledger_head` names the event the walk of the log ended at."""
+    head_seq, head_hash = read_head(conn)
+    if (head_seq, head_hash) != (last_seq, last_hash):
+        report.add(f"ledger_head says seq {head_seq} hash {head_hash.hex()}, the log ends at seq {last_seq} hash {last_hash.hex()}")
 
 
 def _check_event(event, expected_seq: int, prev_hash: str, report: VerifyReport) -> None:

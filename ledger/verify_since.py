@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, select, text, update
 
 from ledger.log import read_events
-from ledger.schema import ledger_events, ledger_head, ledger_postings, ledger_verifications, utc_now
+from ledger.schema import ledger_events, ledger_postings, ledger_verifications, utc_now
 from ledger.verify import (
     REFUND_EVENT_TYPES,
     Progress,
@@ -26,6 +26,7 @@ from ledger.verify import (
     _check_event,
     _check_hold_counters,
     _check_spend_limits,
+    check_head,
 )
 
 _POSTINGS_OF_NO_EVENT = text("""
@@ -81,10 +82,7 @@ def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport,
             prev_hash, expected_seq = event.hash, event.seq + 1
         if progress is not None:
             progress(len(page))
-    head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1)).one()
-    if (head.last_seq, bytes(head.last_hash)) != (expected_seq - 1, prev_hash):
-        report.add(f"ledger_head says seq {head.last_seq} hash {bytes(head.last_hash).hex()}, "
-                   f"the log from seq {start.seq} ends at seq {expected_seq - 1} hash {prev_hash.hex()}")
+    check_head(conn, expected_seq - 1, prev_hash, report)
     if start.seq:  # the checkpoint itself, which the walk from its hash does not read
         stored = conn.execute(select(ledger_events.c.hash).where(ledger_events.c.seq == start.seq)).scalar_one_or_none()
         if stored is None or bytes(stored) != start.hash:
