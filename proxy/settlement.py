@@ -53,7 +53,6 @@ class Settler:
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id
         self._background: set[asyncio.Task] = set()
-        self._until_back: set[asyncio.Task] = set()  # of those, the ones waiting for the database to come back
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
         self.journal = journal  # withheld answers whose reversal is owed, kept across restarts
         self._stop_at_s: float | None = None  # set once shutdown starts: every wait ends by then
@@ -129,7 +128,7 @@ class Settler:
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
             if database_away:
-                self._when_back_task(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
+                self.in_background(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         final = self.renewal(generation, billed)
@@ -138,7 +137,7 @@ class Settler:
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
-            self._when_back_task(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+            self.in_background(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
 
     async def _journal_withheld(self, request_id: str) -> None:
         if self.journal is None:
@@ -152,15 +151,10 @@ class Settler:
         """At start: reverse, once the database answers, what a previous run withheld."""
         pending = self.journal.pending() if self.journal is not None else []
         for request_id in pending:
-            self._when_back_task(self._when_back(request_id, self._reverse_withheld, request_id))
+            self.in_background(self._when_back(request_id, self._reverse_withheld, request_id))
         if pending:
             log.warning("%d withheld answer(s) from a previous run are reversed once the database answers", len(pending))
         return len(pending)
-
-    def _when_back_task(self, work) -> None:
-        task = self.in_background(work)
-        self._until_back.add(task)
-        task.add_done_callback(self._until_back.discard)
 
     async def _when_back(self, request_id: str, work, *args) -> None:
         """`await work(*args)` once the database answers again (tried every
