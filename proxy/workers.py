@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, select, update
 
 from ledger import commands as cmd
 from ledger.accounts import require_kind
@@ -192,14 +192,23 @@ def record_usage_discrepancy(conn: Connection, discrepancy: cmd.RecordUsageDiscr
 
 def _strike_across_accounts(conn: Connection, worker_id: int, reason: str, now: datetime) -> bool:
     """When pending evidence of this reason spans enough accounts within the
-    window, it becomes one strike (and counts for no other)."""
-    pending = (usage_evidence.c.worker_id == worker_id, usage_evidence.c.state == "pending",
+    window, the oldest piece of each account becomes one strike (and counts
+    for no other). One piece per account, so that the strikes do not depend
+    on the order in which concurrent settlements are recorded."""
+    pending = conn.execute(
+        select(usage_evidence.c.request_id, usage_evidence.c.customer_account_id)
+        .where(usage_evidence.c.worker_id == worker_id, usage_evidence.c.state == "pending",
                usage_evidence.c.reason == reason,
                usage_evidence.c.recorded_at >= now - timedelta(seconds=PROMPT_INFLATION_WINDOW_S))
-    accounts = conn.execute(select(func.count(usage_evidence.c.customer_account_id.distinct())).where(*pending)).scalar_one()
-    if accounts < PROMPT_INFLATION_ACCOUNTS_MIN:
+        .order_by(usage_evidence.c.recorded_at, usage_evidence.c.request_id)
+    ).all()
+    oldest_per_account: dict[int, str] = {}
+    for request_id, account_id in pending:
+        oldest_per_account.setdefault(account_id, request_id)
+    if len(oldest_per_account) < PROMPT_INFLATION_ACCOUNTS_MIN:
         return False
-    conn.execute(update(usage_evidence).where(*pending).values(state="struck"))
+    conn.execute(update(usage_evidence).where(usage_evidence.c.request_id.in_(oldest_per_account.values()))
+                 .values(state="struck"))
     return True
 
 

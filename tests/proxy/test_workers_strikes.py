@@ -162,11 +162,13 @@ def test_prompt_inflation_across_accounts_strikes_on_every_replica_and_suspends(
     worker = rewriting_worker(lambda body: PROMPT_REPORTED_INFLATED)
     fleet = make_fleet(database_url, [worker.url])
     per_strike = limits.PROMPT_INFLATION_ACCOUNTS_MIN
-    customers = more_customers(fleet, per_strike * limits.USAGE_STRIKES_MAX)
+    customers = more_customers(fleet, per_strike * limits.USAGE_STRIKES_MAX - 1)
     contents = {}
-    # What the strike count must reach after each request: none after the first
-    # account's two requests, then one more every PROMPT_INFLATION_ACCOUNTS_MIN accounts.
-    expected = [0] + [(n + 1) // per_strike for n in range(len(customers))]
+    # What the strike count must reach after each request. The first account's
+    # two requests count once towards the first strike; its second request is
+    # that account's piece of the next one (a strike takes one per account).
+    expected = [0, 0, 0, 1, 1, 2, 2, 2, 3]
+    assert per_strike == 3 and len(expected) == len(customers) + 1
     with serving(database_url) as a, serving(database_url) as b:
         # The first account asks on both replicas: the same account twice does not count twice.
         asking = [(customers[0][1], a), *((key, (b, a)[n % 2]) for n, (_, key) in enumerate(customers))]
@@ -254,6 +256,24 @@ def test_evidence_counts_once_within_its_window_and_recording_again_changes_noth
     assert (stored.state, stored.usage_strikes) == ("suspended", 3)
     assert stored.suspension_reason == "3 usage strikes: completion_above_bound, prompt_above_bound"
     assert recorded.count("UsageDiscrepancyRecorded") == 9 and recorded.count("WorkerSuspended") == 1
+
+
+def test_inflation_strikes_do_not_depend_on_the_order_settlements_are_recorded(engine):
+    """Three inflated requests from each of three accounts are three strikes,
+    whichever order their settlements reach the database in: a strike takes
+    one piece of evidence per account, never a fourth that arrived early."""
+    with engine.begin() as conn:
+        owner = acc.create_account(conn, cmd.OWNER, "owner")
+        worker_id = registry.add_worker(conn, owner, "http://127.0.0.1:1", MODEL)
+    record = lambda d: _in_transaction(engine, lambda conn: registry.record_usage_discrepancy(conn, d, proof=False))
+    arrival = [101, 102, 101, 103, 102, 103, 101, 102, 103]  # round two's first request lands before round one's last
+    outcomes = [record(_discrepancy(worker_id, f"inflated-{n}", account)) for n, account in enumerate(arrival)]
+    assert [struck for _, struck, _ in outcomes] == [False, False, False, True, False, True, False, False, True]
+    with engine.connect() as conn:
+        stored = registry.get_worker(conn, worker_id)
+        states = conn.execute(select(usage_evidence.c.state)).scalars().all()
+    assert (stored.state, stored.usage_strikes) == ("suspended", 3)
+    assert states.count("struck") == 9
 
 
 def suspend_by_proof(engine, worker_id: int, account_id: int) -> list[str]:
