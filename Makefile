@@ -19,10 +19,12 @@ run-packages:
 	@ldconfig -p | grep -q libpangoft2-1.0 && ldconfig -p | grep -q libharfbuzz-subset || \
 		($(SUDO) apt-get update -q && $(APT) libpango-1.0-0 libpangoft2-1.0-0 libharfbuzz-subset0)
 
-# The compilers llama.cpp (the real-engine test) is built with.
+# The compilers llama.cpp (the real-engine test) is built with, and the
+# headless Chromium the API-docs test drives through Playwright.
 dev-packages:
-	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null || \
-		($(SUDO) apt-get update -q && $(APT) cmake ninja-build build-essential)
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v g++ >/dev/null \
+		&& command -v chromium >/dev/null || \
+		($(SUDO) apt-get update -q && $(APT) cmake ninja-build build-essential chromium)
 
 venv: $(RUN_STAMP)
 
