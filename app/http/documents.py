@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
+from typing import Annotated
 
 from litestar import Controller, Request, Response, get
-from litestar.params import FromQuery
+from litestar.params import FromQuery, QueryParameter
 from litestar.response import Stream
 
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
+from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathName, QueryId, json_response, path_name, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
@@ -21,20 +23,24 @@ from invoices import exports, service, statements
 from proxy.errors import InvalidRequest
 
 STATEMENT_FORMATS = ("pdf", "json")
+# `from` is a Python keyword: the handler parameter names the query parameter.
+PeriodFrom = Annotated[str | None, QueryParameter(name="from", description="YYYY-MM or YYYY-MM-DD, UTC, inclusive")]
+PeriodTo = Annotated[str | None, QueryParameter(description="YYYY-MM or YYYY-MM-DD, UTC, exclusive")]
 
 
 class DocumentController(Controller):
     path = "/v1"
     tags = ["documents"]
+    security = MANAGEMENT_TOKEN
     dependencies = PRINCIPAL
     exception_handlers = SERVICE_EXCEPTION_HANDLERS
 
     @get("/invoices", guards=[requires_reader],
          summary="Invoices and credit notes of the account (filter by period and kind)")
     async def list_invoices(self, request: Request, who: Caller, account_id: QueryId = None,
-                            kind: FromQuery[str | None] = None, to: FromQuery[str | None] = None) -> Response:
+                            kind: FromQuery[str | None] = None, period_from: PeriodFrom = None, to: PeriodTo = None) -> Response:
         """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
-        start, end = _period_bound(request.query_params.get("from"), "from"), _period_bound(to, "to")
+        start, end = _period_bound(period_from, "from"), _period_bound(to, "to")
         with about_field("kind"):
             listed = await read(request, accounts.list_invoices, accounts.scoped_account(who, account_id), kind, start, end)
         return json_response({"data": listed})
@@ -79,13 +85,13 @@ class DocumentController(Controller):
 
     @get("/exports/ledger.csv", guards=[requires_any_role],
          summary="Every posting of the account in [from, to), with the running balance, as CSV")
-    async def ledger_export(self, request: Request, who: Caller, to: FromQuery[str | None] = None,
+    async def ledger_export(self, request: Request, who: Caller, period_from: PeriodFrom = None, to: PeriodTo = None,
                             account_id: QueryId = None) -> Response:
         """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
         the opening and closing balances and the row count come in `x-paralon-*` headers."""
         account = accounts.scoped_account(who, account_id)
         now = datetime.now(UTC)
-        start = _period_bound(request.query_params.get("from"), "from") or now.replace(day=1, hour=0, minute=0, second=0,
+        start = _period_bound(period_from, "from") or now.replace(day=1, hour=0, minute=0, second=0,
                                                                                        microsecond=0)
         end = min(_period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
         if end <= start:

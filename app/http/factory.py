@@ -11,17 +11,14 @@ from datetime import datetime
 
 import httpx
 from litestar import Litestar
-from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.static_files import create_static_files_router
-from swagger_ui_bundle import swagger_ui_path
 
 from app import wiring
 from app.http.documents import DocumentController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
-from app.http.openapi import complete_openapi
+from app.http.openapi import ASSETS_PATH, complete_openapi, openapi_config, swagger_ui_assets
 from app.http.status import health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
@@ -98,11 +95,11 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
 
     app = Litestar(
         route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
-                        create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
+                        create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False)],
         lifespan=[lifespan],
         on_startup=[complete_openapi],
         exception_handlers=EXCEPTION_HANDLERS,
-        openapi_config=_openapi(),
+        openapi_config=openapi_config(),
     )
     settings = None if stripe_settings and crypto_settings and invoice_settings else Settings.from_env()
     app.state.ledger = ledger
@@ -113,15 +110,6 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
     app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured
     app.state.background = set()  # webhook processing in flight: kept so the tasks are not collected mid-way
     return app
-
-
-def _openapi() -> OpenAPIConfig:
-    return OpenAPIConfig(
-        title="Paralon", version="0.1.0", path="/docs",
-        render_plugins=[SwaggerRenderPlugin(js_url="/docs/assets/swagger-ui-bundle.js", css_url="/docs/assets/swagger-ui.css",
-                                            standalone_preset_js_url="/docs/assets/swagger-ui-standalone-preset.js",
-                                            path="/", favicon="")],
-    )
 
 
 async def _settle_orphans(ledger: Ledger, replica_id: str | None, seen: dict[int, datetime]) -> None:

@@ -10,6 +10,7 @@ from litestar.types import ASGIApp
 
 from app.http.errors import UnknownGeneration
 from app.http.guards import GRANT, KeyHolder, requires_api_key
+from app.http.openapi import API_KEY
 from app.http.plumbing import PathName, json_body, json_response, path_name, read
 from app.http.relay_response import RelayResponse
 from ledger.money import nano_usd_to_usd_text
@@ -25,6 +26,7 @@ class InferenceController(Controller):
     path = "/v1"
     tags = ["inference"]
     guards = [requires_api_key]
+    security = API_KEY
     dependencies = GRANT
 
     @post("/chat/completions", summary="Create a chat completion (OpenAI API)", status_code=200)

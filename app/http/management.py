@@ -25,6 +25,7 @@ from app.http.guards import (
     requires_owner_or_admin,
     requires_reader,
 )
+from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
 from app.limits import CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
@@ -40,6 +41,7 @@ class AccountController(Controller):
 
     path = "/v1"
     tags = ["account"]
+    security = MANAGEMENT_TOKEN
     dependencies = PRINCIPAL
     exception_handlers = SERVICE_EXCEPTION_HANDLERS
 
@@ -111,6 +113,7 @@ class WorkerController(Controller):
 
     path = "/v1/workers"
     tags = ["workers"]
+    security = MANAGEMENT_TOKEN
     dependencies = PRINCIPAL
     exception_handlers = SERVICE_EXCEPTION_HANDLERS
 

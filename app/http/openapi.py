@@ -1,14 +1,56 @@
-"""The OpenAPI document the service serves (/docs/openapi.json), completed with
-what Litestar cannot see in handlers that read their own bodies: the request
-bodies, the media types of documents, and the errors each route answers, all
-in one shape (OpenAI's error JSON, app/http/errors.py), never Litestar's own."""
+"""The OpenAPI document the service serves (/docs/openapi.json) and the page
+that renders it (/docs: Swagger UI 5, which reads OpenAPI 3.1, from the assets
+of the `swagger-ui-py` package, served by the app itself: nothing from a CDN).
+
+The document is completed with what Litestar cannot see in handlers that read
+their own bodies: the request bodies, the media types of documents, the two
+bearer schemes ("Authorize" takes an API key or a management token), and the
+errors each route answers, all in one shape (OpenAI's error JSON,
+app/http/errors.py), never Litestar's own."""
 from __future__ import annotations
 
 from http import HTTPStatus
+from importlib.util import find_spec
+from pathlib import Path
 
 from litestar import Litestar
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
+from proxy.limits import MAX_TOKENS_LIMIT
+
+DOCS_PATH = "/docs"
+ASSETS_PATH = "/docs/assets"
+# Each route names the bearer scheme its guard checks (app/http/guards.py); the open ones name none.
+API_KEY_SCHEME, MANAGEMENT_TOKEN_SCHEME = "ApiKey", "ManagementToken"
+API_KEY = [{API_KEY_SCHEME: []}]
+MANAGEMENT_TOKEN = [{MANAGEMENT_TOKEN_SCHEME: []}]
+SECURITY_SCHEMES = {
+    API_KEY_SCHEME: {"type": "http", "scheme": "bearer", "bearerFormat": "sk-par-…",
+                     "description": "An API key (`sk-par-…`): the OpenAI API (completions, models, generations)."},
+    MANAGEMENT_TOKEN_SCHEME: {"type": "http", "scheme": "bearer", "bearerFormat": "pt-par-…",
+                              "description": "A management token (`pt-par-…`) of a customer, accountant, owner or admin: "
+                                             "the account, keys, workers, top-ups, usage, earnings and documents."},
+}
+
+
+def swagger_ui_assets() -> Path:
+    """The Swagger UI 5 files that `swagger-ui-py` ships (its package is not imported: only its files are used)."""
+    spec = find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the API docs need the swagger-ui-py package (requirements.lock)")
+    return Path(spec.submodule_search_locations[0]) / "static"
+
+
+def openapi_config() -> OpenAPIConfig:
+    return OpenAPIConfig(
+        title="Paralon", version="0.1.0", path=DOCS_PATH,
+        render_plugins=[SwaggerRenderPlugin(
+            js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js", css_url=f"{ASSETS_PATH}/swagger-ui.css",
+            standalone_preset_js_url=f"{ASSETS_PATH}/swagger-ui-standalone-preset.js", path="/",
+            favicon=f"<link rel='icon' type='image/png' href='{ASSETS_PATH}/favicon-32x32.png'>")],
+    )
 
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 ERROR_SCHEMA = {
@@ -31,37 +73,81 @@ ERROR_DESCRIPTIONS = {
     HTTPStatus.BAD_GATEWAY: "The worker failed",
     HTTPStatus.SERVICE_UNAVAILABLE: "Not ready, or no worker or database available; retry later",
 }
-# Every route: a malformed request, no such route or row, the method not taken, and an outage.
+# Every route: a malformed request, no such route or row, the method not taken, and an outage;
+# every route behind a bearer scheme: no token or a bad one, and a role that may not.
 STATUSES_OF_EVERY_ROUTE = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED,
                            HTTPStatus.SERVICE_UNAVAILABLE)
 STATUSES_OF_GUARDED_ROUTES = (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN)
-OPEN_PATHS = ("/health", "/metrics", "/webhooks/stripe")  # no bearer token
 STATUSES_OF_ROUTE = {
     ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/workers/{worker_id}/resume"): (HTTPStatus.CONFLICT,),
 }
+READINESS = {"type": "object", "required": ["status", "checks"], "properties": {
+    "status": {"enum": ["ready", "not_ready"]},
+    "checks": {"type": "object", "additionalProperties": {"type": "object", "required": ["ok"]}}}}
+# The few answers of 400 and above that are not errors: /ready names its failed checks.
+NOT_ERRORS = {("get", "/ready", HTTPStatus.SERVICE_UNAVAILABLE): {
+    "description": "Not ready: the failed checks are named (with Retry-After)",
+    "content": {"application/json": {"schema": READINESS}}}}
 
 PLAIN_USD = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]{1,9})?$", "description": "USD as plain decimal text: 12.50"}
 TEXT_OR_NULL = {"type": ["string", "null"], "minLength": 1}
+# What the proxy checks of a prompt request (proxy/service.py, proxy/metering.py); other fields
+# (temperature, tools, vLLM's top_k, guided_json, …) pass through to the engine as sent.
 PROMPT_FIELDS = {
-    "model": {"type": "string", "minLength": 1},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "stream": {"type": "boolean"},
+    "model": {"type": "string", "minLength": 1, "description": "A model of GET /v1/models"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {
+        "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
+}
+TEXT_PART = {"type": "object", "required": ["type"], "properties": {
+    "type": {"type": "string", "description": "text (or refusal)"}, "text": {"type": "string"}}}
+# Only what the proxy checks is typed: fields it forwards unread (name, tool_call_id, a call's id) are
+# the engine's to judge, and a document stricter than the service would be untrue.
+TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "function": {"type": "object", "description": "{\"name\": …, \"arguments\": \"<JSON text>\"}"}}}
+CHAT_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "description": "system, developer, user, assistant or tool"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
+    "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL}}}
+CHAT_REQUEST = {
+    "type": "object", "required": ["model", "messages"],
+    "description": "OpenAI's chat completion request; the fields not named here pass through to the worker.",
+    "properties": {**PROMPT_FIELDS,
+                   "messages": {"type": "array", "minItems": 1, "items": CHAT_MESSAGE},
+                   "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
+                   "tools": {"type": ["array", "null"]}},
+    "example": {"model": "paralon-test", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16},
+}
+COMPLETION_REQUEST = {
+    "type": "object", "required": ["model", "prompt"],
+    "description": "OpenAI's (legacy) completion request; the fields not named here pass through to the worker.",
+    "properties": {**PROMPT_FIELDS, "prompt": {"anyOf": [
+        {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer"}}]}},
+    "example": {"model": "paralon-test", "prompt": "Once upon a time", "max_tokens": 16},
+}
+STRIPE_EVENT = {
+    "type": "object", "required": ["id", "type"],
+    "description": "A Stripe event, verified against the `Stripe-Signature` header with the endpoint secret.",
+    "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "data": {"type": "object"}},
 }
 REQUEST_BODIES = {
     ("post", "/v1/keys"): {"type": "object", "properties": {
-        "name": {**TEXT_OR_NULL, "maxLength": NAME_CHARS_MAX}, "spend_limit_usd": {**PLAIN_USD, "type": ["string", "null"]}}},
-    ("post", "/v1/credits/checkout"): {"type": "object", "required": ["amount_usd"], "properties": {"amount_usd": PLAIN_USD}},
+        "name": {**TEXT_OR_NULL, "maxLength": NAME_CHARS_MAX}, "spend_limit_usd": {**PLAIN_USD, "type": ["string", "null"]}},
+        "example": {"name": "laptop", "spend_limit_usd": "5.00"}},
+    ("post", "/v1/credits/checkout"): {"type": "object", "required": ["amount_usd"], "properties": {"amount_usd": PLAIN_USD},
+                                       "example": {"amount_usd": "25.00"}},
     ("post", "/v1/workers/{worker_id}/resume"): {"type": "object", "properties": {
         "reason": {"type": "string", "minLength": 1, "maxLength": REASON_CHARS_MAX}}},
-    ("post", "/v1/chat/completions"): {"type": "object", "required": ["model", "messages"], "properties": {
-        **PROMPT_FIELDS, "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}}}},
-    ("post", "/v1/completions"): {"type": "object", "required": ["model", "prompt"], "properties": {
-        **PROMPT_FIELDS, "prompt": {"type": "string"}}},
+    ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},
+    ("post", "/v1/completions"): {"$ref": "#/components/schemas/CompletionRequest"},
+    ("post", "/webhooks/stripe"): {"$ref": "#/components/schemas/StripeEvent"},
 }
+NAMED_SCHEMAS = {"Error": ERROR_SCHEMA, "ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
+                 "StripeEvent": STRIPE_EVENT}
 OPTIONAL_BODIES = {("post", "/v1/keys"), ("post", "/v1/workers/{worker_id}/resume")}
 BINARY = {"type": "string", "format": "binary"}
 # What a success answers when it is not JSON.
@@ -79,7 +165,9 @@ def complete_openapi(app: Litestar) -> None:
     """Completes the document once, before the first request asks for it (an on_startup hook)."""
     # The dict the schema routes serve, built once and kept by Litestar's OpenAPI plugin.
     document = app.plugins.get("OpenAPIPlugin").provide_openapi_schema()
-    document.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    components = document.setdefault("components", {})
+    components.setdefault("schemas", {}).update(NAMED_SCHEMAS)
+    components["securitySchemes"] = SECURITY_SCHEMES
     for path, item in document.get("paths", {}).items():
         for method, operation in item.items():
             if isinstance(operation, dict) and "responses" in operation:
@@ -89,11 +177,11 @@ def complete_openapi(app: Litestar) -> None:
 def _complete_operation(method: str, path: str, operation: dict) -> None:
     responses = operation["responses"]
     statuses = [*STATUSES_OF_EVERY_ROUTE, *STATUSES_OF_ROUTE.get((method, path), ())]
-    if path not in OPEN_PATHS:
+    if operation.get("security"):
         statuses += STATUSES_OF_GUARDED_ROUTES
     for status in statuses:  # replaces Litestar's own 400 shape, which this service never answers
-        responses[str(int(status))] = {"description": ERROR_DESCRIPTIONS[status],
-                                  "content": {"application/json": {"schema": ERROR_REF}}}
+        responses[str(int(status))] = NOT_ERRORS.get((method, path, status)) or {
+            "description": ERROR_DESCRIPTIONS[status], "content": {"application/json": {"schema": ERROR_REF}}}
     if (method, path) in SUCCESS_CONTENT:
         for response in responses.values():
             if "content" in response and response["content"].get("application/json", {}).get("schema") != ERROR_REF:
