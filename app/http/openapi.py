@@ -52,6 +52,7 @@ def openapi_config() -> OpenAPIConfig:
             favicon=f"<link rel='icon' type='image/png' href='{ASSETS_PATH}/favicon-32x32.png'>")],
     )
 
+
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -74,10 +75,11 @@ ERROR_DESCRIPTIONS = {
     HTTPStatus.SERVICE_UNAVAILABLE: "Not ready, or no worker or database available; retry later",
 }
 # Every route: a malformed request, no such route or row, the method not taken, and an outage;
-# every route behind a bearer scheme: no token or a bad one, and a role that may not.
+# every route behind a bearer scheme: no token or a bad one (and, for a management token, a role that may not).
 STATUSES_OF_EVERY_ROUTE = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED,
                            HTTPStatus.SERVICE_UNAVAILABLE)
-STATUSES_OF_GUARDED_ROUTES = (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN)
+STATUSES_OF_SCHEME = {API_KEY_SCHEME: (HTTPStatus.UNAUTHORIZED,),
+                      MANAGEMENT_TOKEN_SCHEME: (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN)}
 STATUSES_OF_ROUTE = {
     ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
@@ -177,8 +179,8 @@ def complete_openapi(app: Litestar) -> None:
 def _complete_operation(method: str, path: str, operation: dict) -> None:
     responses = operation["responses"]
     statuses = [*STATUSES_OF_EVERY_ROUTE, *STATUSES_OF_ROUTE.get((method, path), ())]
-    if operation.get("security"):
-        statuses += STATUSES_OF_GUARDED_ROUTES
+    for requirement in operation.get("security", ()):
+        statuses += [status for scheme in requirement for status in STATUSES_OF_SCHEME[scheme]]
     for status in statuses:  # replaces Litestar's own 400 shape, which this service never answers
         responses[str(int(status))] = NOT_ERRORS.get((method, path, status)) or {
             "description": ERROR_DESCRIPTIONS[status], "content": {"application/json": {"schema": ERROR_REF}}}

@@ -57,6 +57,8 @@ def test_each_route_names_the_bearer_scheme_its_guard_checks(site, document):
         expected = (None if (method, path) in OPEN_ROUTES else
                     [{API_KEY_SCHEME: []}] if (method, path) in API_KEY_ROUTES else [{MANAGEMENT_TOKEN_SCHEME: []}])
         assert operation.get("security") == expected, (method, path)
+        assert ("401" in operation["responses"]) == (expected is not None), (method, path)
+        assert ("403" in operation["responses"]) == (expected == [{MANAGEMENT_TOKEN_SCHEME: []}]), (method, path)  # roles
         # What the guard does: without a token a guarded route answers 401, an open one never does.
         unauthenticated = site.call(method.upper(), _request_path(path), json={})
         assert (unauthenticated.status_code == 401) == (expected is not None), (method, path, unauthenticated.text)
