@@ -117,7 +117,7 @@ EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
 ROLE_CHARS_MAX = 16  # customer, accountant, owner, admin
 
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
-SIM_WORKERS_START_TIMEOUT_S = 20.0
+SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind
 SIM_WORKERS_STOP_TIMEOUT_S = 10.0
 SIM_WORKER_PROBE_TIMEOUT_S = 1.0  # one /health request while waiting for a worker to answer
 SIM_WORKER_PROBE_INTERVAL_S = 0.1
