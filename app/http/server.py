@@ -2,6 +2,7 @@
 and the read models' follower beside it (app/jobs/read_model_follower.py)."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -9,6 +10,7 @@ import socket
 from collections.abc import Callable
 
 import uvicorn
+from litestar import Litestar
 
 from app import wiring
 from app.http.factory import create_app
@@ -64,6 +66,8 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      withheld_journal_path=journal_path(proxy.withheld_journal_dir, replica_id(settings, port)))
     follower = ReadModelFollower(ledger.engine)
     app.state.metrics.register(FollowerState(follower))
+    app.state.read_model_follower = follower
+    app.on_shutdown.append(_stop_follower)  # after the drain; uvicorn then re-raises SIGTERM, past any finally here
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -75,6 +79,14 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
     except KeyboardInterrupt:  # as uvicorn.run: a second Ctrl-C during the drain
         pass
     finally:
-        if not follower.stop():
-            logging.getLogger("paralon.read_models").error("the read models' follower did not stop in time")
+        _stop_follower_now(follower)  # when startup failed, or a second Ctrl-C cut the shutdown short
         ledger.close()
+
+
+async def _stop_follower(app: Litestar) -> None:
+    await asyncio.to_thread(_stop_follower_now, app.state.read_model_follower)  # it waits for a page: not on the loop
+
+
+def _stop_follower_now(follower: ReadModelFollower) -> None:
+    if not follower.stop():
+        logging.getLogger("paralon.read_models").error("the read models' follower did not stop in time")
