@@ -96,7 +96,13 @@ EVM_RECEIPT_STATUS_SUCCESS = 1  # a mined transaction that did not revert
 OUTBOX_DISPATCH_TASKS_MAX = 500  # tasks one dispatch sends
 OUTBOX_TASK_NAME_CHARS_MAX = 100
 OUTBOX_INTERVAL_S = 5.0  # how often beat sends what a stopped process left in the outbox
-READ_MODELS_INTERVAL_S = 5.0
+# The read models follow the log within READ_MODELS_LAG_S_MAX (issue 13): the applier (a
+# `serve` replica's follower, or beat's task where no replica holds the lease) looks for new
+# events every READ_MODELS_INTERVAL_S and applies them all, page by page.
+READ_MODELS_INTERVAL_S = 1.0
+READ_MODELS_LAG_S_MAX = 5.0
+# Stopping the follower waits for the page it is applying (one transaction) this long at most.
+READ_MODELS_FOLLOWER_STOP_TIMEOUT_S = 30.0
 # Each day at 00:30 UTC, after a month's close grace (invoices.limits.CLOSE_GRACE_S).
 STATEMENTS_DAILY_AT_HOUR = 0
 STATEMENTS_DAILY_AT_MINUTE = 30
@@ -111,7 +117,7 @@ EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
 ROLE_CHARS_MAX = 16  # customer, accountant, owner, admin
 
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
-SIM_WORKERS_START_TIMEOUT_S = 20.0
+SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind
 SIM_WORKERS_STOP_TIMEOUT_S = 10.0
 SIM_WORKER_PROBE_TIMEOUT_S = 1.0  # one /health request while waiting for a worker to answer
 SIM_WORKER_PROBE_INTERVAL_S = 0.1

@@ -2,25 +2,32 @@
 
 Each page of events and the consumer's position are written in one
 transaction (`ledger.log.consume_once`), so every settlement counts exactly
-once, and a rebuild from the first event gives the same tables."""
+once, and a rebuild from the first event gives the same tables.
+
+One applier follows the log at a time (`ApplierLease`): the others skip
+rather than queue on the position's row lock. The lease only decides who
+works; exactly once never depends on it."""
 from __future__ import annotations
 
+import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 
 import orjson
-from sqlalchemy import Connection, Engine, Integer, delete, func, select
+from sqlalchemy import Connection, Engine, Integer, delete, func, select, text
 from sqlalchemy.dialects import sqlite
 
-from invoices.limits import PAGES_PER_RUN_MAX, REFERENCE_CHARS_MAX
+from invoices.limits import PAGES_PER_RUN_MAX, READ_MODELS_APPLIER_LOCK_KEY, REFERENCE_CHARS_MAX
 from invoices.schema import account_postings, earnings_daily, usage_daily
 from ledger import log
 from ledger.db import is_postgres
 from ledger.log import StoredEvent, consumer_position
-from ledger.schema import UTCDateTime, consumer_positions, ledger_events
+from ledger.schema import UTCDateTime, consumer_positions, ledger_events, utc_now
 from ledger.storage import pg_arrays
 
 CONSUMER = "read_models.usage_earnings"
+logger = logging.getLogger(__name__)
 POSTING_COLUMNS = ("account_id", "event_seq", "leg", "recorded_at", "event_type", "source_type", "amount_nano_usd",
                    "model", "api_key_id", "worker_id", "reference")
 
@@ -139,6 +146,97 @@ def catch_up(engine: Engine, progress: Callable[[int], None] | None = None) -> i
     return log.catch_up(engine, CONSUMER, apply_page, pages_max=PAGES_PER_RUN_MAX, progress=progress)
 
 
+def apply_next_page(engine: Engine) -> int:
+    """One page of the log beyond the position, applied; returns events read (0: at the end)."""
+    return log.consume_once(engine, CONSUMER, apply_page)
+
+
+def catch_up_alone(engine: Engine) -> int | None:
+    """`catch_up` unless another applier holds the lease (then None: it applies, not us)."""
+    lease = ApplierLease(engine)
+    if not lease.acquire():
+        return None
+    try:
+        return catch_up(engine)
+    finally:
+        lease.release()
+
+
+class ApplierLease:
+    """The right to apply the read models, held by one process at a time.
+
+    On PostgreSQL a session-level advisory lock on a connection of its own,
+    kept until `release`: replicas that do not hold it skip, and an applier
+    that dies releases it with its connection. On SQLite (the embedded
+    default, one process) a lock of the process, per database file."""
+
+    _sqlite_locks: dict[str, threading.Lock] = {}
+    _sqlite_locks_guard = threading.Lock()
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._conn: Connection | None = None
+        self._thread_lock: threading.Lock | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None or self._thread_lock is not None
+
+    def acquire(self) -> bool:
+        """Without waiting: True when this lease holds the right now (a held one is checked to be still alive)."""
+        if not is_postgres(self.engine):
+            return self._acquire_in_process()
+        if self._conn is not None and self._still_connected():
+            return True
+        self._drop_connection()
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")  # never idle in a transaction
+        try:
+            taken = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": READ_MODELS_APPLIER_LOCK_KEY}).scalar_one()
+        except BaseException:
+            conn.invalidate()
+            conn.close()
+            raise
+        if not taken:
+            conn.close()
+            return False
+        self._conn = conn
+        return True
+
+    def release(self) -> None:
+        if self._thread_lock is not None:
+            self._thread_lock.release()
+            self._thread_lock = None
+        self._drop_connection()
+
+    def _acquire_in_process(self) -> bool:
+        if self._thread_lock is not None:
+            return True
+        with self._sqlite_locks_guard:
+            lock = self._sqlite_locks.setdefault(str(self.engine.url), threading.Lock())
+        if not lock.acquire(blocking=False):
+            return False
+        self._thread_lock = lock
+        return True
+
+    def _still_connected(self) -> bool:
+        try:
+            self._conn.execute(text("SELECT 1"))
+            return True
+        except Exception:  # the connection, and the lock with it, is gone: try to take it again
+            logger.warning("the read models' applier lost its database connection, and the lock with it")
+            return False
+
+    def _drop_connection(self) -> None:
+        """Closed for good, not returned to the pool: the session, and the lock, end with it."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        try:
+            conn.invalidate()
+        finally:
+            conn.close()
+
+
 def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> int:
     """From the first event: empty the tables and the position together, then catch up to the end."""
     with engine.begin() as conn:
@@ -151,6 +249,14 @@ def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> in
     while read := catch_up(engine, progress):
         total += read
     return total
+
+
+def lag_seconds(engine: Engine) -> float:
+    """The age of the oldest event the read models have not applied (0.0 when none)."""
+    with engine.connect() as conn:
+        oldest = conn.execute(select(ledger_events.c.recorded_at)
+                              .where(ledger_events.c.seq == consumer_position(conn, CONSUMER) + 1)).scalar()
+    return 0.0 if oldest is None else max(0.0, (utc_now() - oldest).total_seconds())
 
 
 def lag_events(engine: Engine) -> int:

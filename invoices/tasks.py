@@ -107,9 +107,13 @@ def email_invoice(self: Task, number: str) -> str:
 
 @shared_task(name=PROJECT_READ_MODELS)
 def project_read_models() -> int:
-    """Apply new events to the usage and earnings read models (exactly once)."""
+    """Apply new events to the usage and earnings read models (exactly once); 0 when another
+    applier holds the lease (a `paralon serve` replica follows the log itself)."""
     with _resources() as r:
-        return read_models.catch_up(r.engine)
+        applied = read_models.catch_up_alone(r.engine)
+    if applied is None:
+        log.debug("the read models have an applier already; this run skips")
+    return applied or 0
 
 
 @shared_task(name=ISSUE_STATEMENTS, bind=True, max_retries=STATEMENT_RETRIES_MAX)

@@ -1,7 +1,8 @@
 """`paralon up` (what `make run` starts): the whole service on the embedded
 default. SQLite, two simulated GPU workers of different profiles owned by a
 demo owner, a demo customer with credits, a fresh API key printed with a curl
-and an openai example, then the proxy in the foreground until Ctrl-C."""
+and an openai example once the proxy accepts connections, then the proxy in
+the foreground until Ctrl-C."""
 from __future__ import annotations
 
 import socket
@@ -136,7 +137,7 @@ def run_up(host: str, port: int, worker_ports: tuple[int, int]) -> None:
     demo = prepare_demo(make_engine(settings.database.url), fleet)
     processes = start_sim_workers(fleet)
     try:
-        print_welcome(demo, f"http://{host}:{port}", fleet)
-        run_server(settings, host, port, embedded_beat=celery.conf.task_always_eager)  # no broker: no `paralon beat` either
+        run_server(settings, host, port, embedded_beat=celery.conf.task_always_eager,  # no broker: no `paralon beat` either
+                   on_listening=lambda: print_welcome(demo, f"http://{host}:{port}", fleet))  # an example run at once works
     finally:
         stop_sim_workers(processes)

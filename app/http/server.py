@@ -1,15 +1,20 @@
-"""`paralon serve`: the HTTP service on uvicorn, with uvloop when it is installed."""
+"""`paralon serve`: the HTTP service on uvicorn, with uvloop when it is installed,
+and the read models' follower beside it (app/jobs/read_model_follower.py)."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import uvicorn
+from litestar import Litestar
 
 from app import wiring
 from app.http.factory import create_app
+from app.jobs.read_model_follower import FollowerState, ReadModelFollower
 from app.runtime import tune_garbage_collector
 from app.settings import Settings
 from ledger.limits import MS_PER_S
@@ -34,7 +39,22 @@ def journal_path(directory: str, replica: str) -> str:
     return os.path.join(directory, f"{safe}.jsonl")
 
 
-def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False) -> None:
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling `on_listening` once its sockets accept connections."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit and self.on_listening is not None:
+            self.on_listening()
+
+
+def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool = False,
+               on_listening: Callable[[], None] | None = None) -> None:
+    """Until stopped (SIGINT, SIGTERM): uvicorn drains the app, then the follower stops between two pages."""
     ledger = wiring.open_ledger(settings)
     proxy = settings.proxy
     app = create_app(ledger, key_cache_ttl_s=proxy.key_cache_ttl_ms / MS_PER_S,
@@ -44,10 +64,29 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat,
                      replica_id=replica_id(settings, port),
                      withheld_journal_path=journal_path(proxy.withheld_journal_dir, replica_id(settings, port)))
+    follower = ReadModelFollower(ledger.engine)
+    app.state.metrics.register(FollowerState(follower))
+    app.state.read_model_follower = follower
+    app.on_shutdown.append(_stop_follower)  # after the drain; uvicorn then re-raises SIGTERM, past any finally here
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    config = uvicorn.Config(app, host=host, port=port, http="httptools", loop=event_loop_name(), log_level="warning",
+                            access_log=False)
+    follower.start()
     try:
-        uvicorn.run(app, host=host, port=port, http="httptools", loop=event_loop_name(), log_level="warning", access_log=False)
+        _Server(config, on_listening).run()
+    except KeyboardInterrupt:  # as uvicorn.run: a second Ctrl-C during the drain
+        pass
     finally:
+        _stop_follower_now(follower)  # when startup failed, or a second Ctrl-C cut the shutdown short
         ledger.close()
+
+
+async def _stop_follower(app: Litestar) -> None:
+    await asyncio.to_thread(_stop_follower_now, app.state.read_model_follower)  # it waits for a page: not on the loop
+
+
+def _stop_follower_now(follower: ReadModelFollower) -> None:
+    if not follower.stop():
+        logging.getLogger("paralon.read_models").error("the read models' follower did not stop in time")

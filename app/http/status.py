@@ -19,12 +19,13 @@ from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
 from app.payments.stripe import parked_count
 from invoices import read_models
 from ledger.limits import MS_PER_S
-from ledger.log import consumer_position
-from ledger.schema import ledger_events, ledger_verifications, utc_now
+from ledger.schema import ledger_verifications
 from proxy.limits import DATABASE_RETRY_AFTER_S
 
 LAG_METRIC = "paralon_projection_lag_events"
 LAG_HELP = "Events the read models have not applied yet."
+LAG_S_METRIC = "paralon_projection_lag_seconds"
+LAG_S_HELP = "Age of the oldest event the read models have not applied yet (0 when none); bound: READ_MODELS_LAG_S_MAX."
 
 
 class ReadModelLag(Collector):
@@ -35,11 +36,15 @@ class ReadModelLag(Collector):
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(LAG_METRIC, LAG_HELP, labels=["consumer"])
+        yield GaugeMetricFamily(LAG_S_METRIC, LAG_S_HELP, labels=["consumer"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gauge = GaugeMetricFamily(LAG_METRIC, LAG_HELP, labels=["consumer"])
         gauge.add_metric([read_models.CONSUMER], read_models.lag_events(self.engine))
         yield gauge
+        seconds = GaugeMetricFamily(LAG_S_METRIC, LAG_S_HELP, labels=["consumer"])
+        seconds.add_metric([read_models.CONSUMER], read_models.lag_seconds(self.engine))
+        yield seconds
 
 
 VERIFY_OK_METRIC = "paralon_ledger_verify_ok"
@@ -147,12 +152,7 @@ def _redis_answers(url: str) -> dict:
 
 def _read_models_keep_up(engine: Engine, lag_s_max: float = READY_READ_MODEL_LAG_S_MAX) -> dict:
     """Behind by the age of the oldest event the read models have not applied."""
-    with engine.connect() as conn:
-        oldest = conn.execute(select(ledger_events.c.recorded_at)
-                              .where(ledger_events.c.seq == consumer_position(conn, read_models.CONSUMER) + 1)).scalar()
-    if oldest is None:  # every event is applied
-        return {"lag_s": 0.0}
-    lag_s = (utc_now() - oldest).total_seconds()
+    lag_s = read_models.lag_seconds(engine)
     if lag_s > lag_s_max:
         raise ReadModelsBehind(f"{lag_s:.0f} s behind")
     return {"lag_s": round(lag_s, 1)}

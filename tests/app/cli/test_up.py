@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import httpx
@@ -27,7 +28,8 @@ def _answers(url: str) -> bool:
 
 def test_up_serves_the_demo_and_the_printed_key_works(tmp_path):
     port, workers = free_port(), (free_port(), free_port())
-    env = {**os.environ, "PARALON_DATABASE_URL": f"sqlite:///{tmp_path}/var/paralon.db"}
+    env = {**os.environ, "PARALON_DATABASE_URL": f"sqlite:///{tmp_path}/var/paralon.db",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[3])}  # this checkout's code, from any directory
     process = subprocess.Popen(
         [sys.executable, "-c", "from app.cli import main; main()", "up", "--port", str(port),
          "--worker-ports", str(workers[0]), str(workers[1])],
