@@ -35,7 +35,8 @@ class ResponsesRequest:
     prompt_bound: int
     max_output_tokens: int | None
     streaming: bool
-    store: bool
+    store: bool  # keep its items for a follow-up (the worker is always told not to)
+    previous_response_id: str | None
 
 
 def read_request(body: dict, history: list[dict]) -> ResponsesRequest:
@@ -63,7 +64,7 @@ def read_request(body: dict, history: list[dict]) -> ResponsesRequest:
     prompt_bound = metering.prompt_tokens_bound("chat", {**chat_view, "tool_choice": fields.get("tool_choice")})
     prompt_bound += sum(metering.json_bytes_bound(fields[name]) for name in ("text", "reasoning") if name in fields)
     return ResponsesRequest(model, fields, items, chat_view, prompt_bound, _max_output_tokens(body),
-                            _flag(body, "stream", False), _flag(body, "store", True))
+                            _flag(body, "stream", False), _flag(body, "store", True), body.get("previous_response_id"))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

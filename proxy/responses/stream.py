@@ -138,7 +138,7 @@ class ResponsesGeneration(Generation):
         if not isinstance(response, dict):
             raise _Malformed("no response object")
         self.created = response.get("created_at") if type(response.get("created_at")) is int else self.created
-        self.shell = {**response, "id": self.request_id, "model": self.model, "output": [], "usage": None}
+        self.shell = {**response, **self._echo(), "output": [], "usage": None}
         event["response"] = {**self.shell, "status": "in_progress" if event["type"] != "response.queued" else "queued"}
         return self._emit(event)
 
@@ -285,13 +285,18 @@ class ResponsesGeneration(Generation):
             event["response_id"] = self.request_id
         return opening + b"event: " + event["type"].encode() + b"\n" + sse.encode(event)
 
+    def _echo(self) -> dict:
+        """What the response says of its request that the worker was not told (it keeps nothing)."""
+        request = self.request
+        return {"id": self.request_id, "model": self.model, "store": request.store if request else True,
+                "previous_response_id": request.previous_response_id if request else None}
+
     def _default_shell(self) -> dict:
         request = self.request
-        return {"id": self.request_id, "object": "response", "created_at": self.created or int(time.time()),
-                "model": self.model, "status": "in_progress", "output": [], "usage": None, "error": None,
-                "incomplete_details": None, "instructions": request.upstream_fields.get("instructions") if request else None,
+        return {"object": "response", "created_at": self.created or int(time.time()), "status": "in_progress",
+                "output": [], "usage": None, "error": None, "incomplete_details": None, "instructions": request.upstream_fields.get("instructions") if request else None,
                 "tools": request.upstream_fields.get("tools", []) if request else [], "tool_choice": "auto",
-                "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}}
+                "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}, **self._echo()}
 
     # The caller's stream
     async def events(self):

@@ -117,3 +117,171 @@ def test_the_sdk_creates_and_streams_responses_billed_like_chat(database_url, st
     assert sorted(s["request_id"] for s in settled) == sorted([answer.id, completed.id, final.id])
     assert sum(s["charge_nano_usd"] for s in settled) == sum(_charge(r.usage) for r in (answer, completed, final))
     assert all(s["owner_nano_usd"] == s["charge_nano_usd"] * 80 // 100 for s in settled)
+
+
+def test_a_function_call_and_its_output_continue_through_previous_response_id(database_url, start_worker, fleet_of):
+    """The worker keeps nothing (store: false upstream): the proxy sends the
+    whole conversation, so the follow-up's prompt holds the first turn too."""
+    worker = start_worker(stop_after_tokens=4)
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url) as proxy:
+        client = _client(fleet, proxy)
+        first = client.responses.create(model=MODEL, input="What does 'lorem' mean?", tools=TOOLS, max_output_tokens=50)
+        [call] = first.output
+        follow_up = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, max_output_tokens=50,
+                                            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}])
+
+        async def streamed_follow_up():
+            async_client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0)
+            async with async_client.responses.stream(model=MODEL, previous_response_id=follow_up.id, input="Thanks. Again?",
+                                                     max_output_tokens=50) as stream:
+                deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+                third = await stream.get_final_response()
+            alone = await async_client.responses.create(model=MODEL, input="Thanks. Again?", max_output_tokens=50)
+            return deltas, third, alone
+
+        deltas, third, alone = asyncio.run(streamed_follow_up())
+    assert call.type == "function_call" and call.name == "lookup"
+    assert set(orjson.loads(call.arguments)) == {"input"}
+    assert first.usage.output_tokens == 4
+    assert follow_up.output[0].type == "message" and follow_up.output_text.strip()
+    assert follow_up.usage.input_tokens > first.usage.input_tokens, "the first turn was sent again"
+    assert third.usage.input_tokens > alone.usage.input_tokens and third.output_text == "".join(deltas)
+    assert third.previous_response_id == follow_up.id and third.store is True
+    _assert_paid(fleet, before)
+    assert len(fleet.settlements()) == 4
+
+
+def test_another_accounts_response_is_not_found_and_costs_nothing(database_url, start_worker, fleet_of):
+    worker = start_worker(stop_after_tokens=3)
+    fleet = fleet_of(worker.url)
+    with fleet.engine.begin() as conn:
+        other = acc.create_account(conn, cmd.CUSTOMER, "another customer", "other@example.com")
+        _, other_key = keys.create_key(conn, other)
+    append_now(fleet.engine, cmd.GrantCredits(other, usd_to_nano_usd("5"), "test credits", f"grant:{other}"))
+    with serving(database_url) as proxy:
+        mine = _client(fleet, proxy).responses.create(model=MODEL, input="A secret.", max_output_tokens=20)
+        before = {account: fleet.balance(account) for account in (fleet.customer_id, other, *fleet.owner_ids)}
+        with pytest.raises(openai.NotFoundError) as refused:
+            _client(fleet, proxy, other_key).responses.create(model=MODEL, previous_response_id=mine.id, input="Tell me.")
+        unknown = httpx.post(proxy.url + "/v1/responses", headers=_headers(fleet),
+                             json={"model": MODEL, "previous_response_id": "resp_nothing", "input": "Hi"})
+    assert refused.value.code == "response_not_found" and unknown.status_code == 404
+    assert {account: fleet.balance(account) for account in before} == before, "nothing moved"
+    assert len(fleet.settlements()) == 1
+
+
+def test_a_worker_reporting_more_output_than_it_relayed_is_billed_at_the_bound(database_url, start_worker, fleet_of):
+    """Ten times the tokens: billed at the bytes relayed (plus the finish
+    allowance), never at the report, and the report is recorded as evidence."""
+    worker = start_worker(stop_after_tokens=5, inflate_usage=10)
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url) as proxy:
+        events = list(_client(fleet, proxy).responses.create(model=MODEL, input="Hi", max_output_tokens=50, stream=True))
+    relayed_bytes = sum(len(e.delta.encode()) for e in events if e.type == "response.output_text.delta")
+    usage = events[-1].response.usage
+    assert usage.output_tokens == relayed_bytes + COMPLETION_ALLOWANCE_TOKENS_PER_FINISH < 50
+    [settled] = _assert_paid(fleet, before)
+    assert settled["meta"]["completion_tokens"] == usage.output_tokens and settled["charge_nano_usd"] == _charge(usage)
+    assert fleet.events("UsageDiscrepancyRecorded") == 1
+
+
+def test_a_caller_leaving_mid_stream_pays_for_what_it_received(database_url, start_worker, fleet_of):
+    worker = start_worker("h200", time_scale=1.0)
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    received = 0
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 400, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/responses", json=body, headers=_headers(fleet), timeout=30) as response:
+            for line in response.iter_lines():
+                received += line.startswith("event: response.output_text.delta")
+                if received >= 6:
+                    break
+        wait_for(lambda: worker.app.state.requests_aborted == 1)
+        [settled] = wait_for(fleet.settlements)
+    produced = settled["meta"]["completion_tokens"]
+    assert received <= produced < 400, "billed what was relayed, not max_output_tokens"
+    _assert_paid(fleet, before)
+
+
+def test_a_worker_failing_before_its_first_token_is_retried_elsewhere_at_no_charge(database_url, start_worker, fleet_of):
+    good = start_worker(stop_after_tokens=3)
+    fleet = fleet_of("http://127.0.0.1:9", good.url)  # port 9: nothing listens
+    with fleet.engine.begin() as conn:  # both look healthy to routing until the dead one is probed
+        conn.execute(workers.update().values(healthy=True, context_length=32768))
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url, PARALON_HEALTH_INTERVAL_MS="60000") as proxy:
+        client = _client(fleet, proxy)
+        answers = [client.responses.create(model=MODEL, input=f"q{i}", max_output_tokens=20, stream=i % 2 == 1)
+                   for i in range(4)]
+        answers = [a if not isinstance(a, openai.Stream) else list(a)[-1].response for a in answers]
+    assert all(a.status == "completed" and a.usage.output_tokens == 3 for a in answers)
+    settled = _assert_paid(fleet, before)
+    assert len(settled) == 4 and {s["owner_account_id"] for s in settled} == {fleet.owner_ids[1]}
+    assert fleet.balance(fleet.owner_ids[0]).balance_nano_usd == 0
+
+
+def test_an_empty_answer_costs_nothing(database_url, start_worker, fleet_of):
+    worker = start_worker(stop_after_tokens=0)
+    fleet = fleet_of(worker.url)
+    before = {account: fleet.balance(account) for account in (fleet.customer_id, *fleet.owner_ids)}
+    with serving(database_url) as proxy:
+        client = _client(fleet, proxy)
+        raw = client.responses.with_raw_response.create(model=MODEL, input="Say nothing.", max_output_tokens=20)
+        events = list(client.responses.create(model=MODEL, input="Say nothing.", max_output_tokens=20, stream=True))
+    answer = raw.parse()
+    assert answer.output == [] and answer.usage.output_tokens == 0 and raw.headers["x-paralon-cost-nano-usd"] == "0"
+    assert events[-1].type == "response.completed" and events[-1].response.usage.model_extra["cost_details"]["nano_usd"] == 0
+    assert {account: fleet.balance(account) for account in before} == before, "nothing moved"
+    assert fleet.settlements() == []
+
+
+def test_a_worker_dying_mid_stream_bills_only_the_streaming_caller_what_it_received(database_url, start_worker, fleet_of):
+    worker = start_worker(fail_after_tokens=5)
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url) as proxy:
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 50, "stream": True}
+        events = _events(httpx.post(proxy.url + "/v1/responses", json=body, headers=_headers(fleet), timeout=30))
+        whole = httpx.post(proxy.url + "/v1/responses", json={**body, "stream": False}, headers=_headers(fleet), timeout=30)
+    assert events[-1]["type"] == "error", "the caller is told the stream failed"
+    assert sum(e["type"] == "response.output_text.delta" for e in events) == 5
+    assert whole.status_code == 502
+    [settled] = _assert_paid(fleet, before)
+    assert settled["request_id"] == events[0]["response"]["id"] and settled["meta"]["completion_tokens"] == 5
+
+
+def test_output_past_max_output_tokens_is_never_relayed_nor_billed(database_url, start_worker, fleet_of):
+    worker = start_worker(extra_tokens=20)
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id).balance_nano_usd
+    with serving(database_url) as proxy:
+        events = list(_client(fleet, proxy).responses.create(model=MODEL, input="Hi", max_output_tokens=5, stream=True))
+    assert sum(e.type == "response.output_text.delta" for e in events) == 5
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 5
+    [settled] = _assert_paid(fleet, before)
+    assert settled["meta"]["completion_tokens"] == 5
+
+
+REFUSED = [
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+    {"input": "Hi", "tools": [{"type": "web_search"}]},
+    {"input": 42},
+    {"input": "Hi", "stream": "yes"},
+    {"input": "Hi", "background": True},
+]
+
+
+def test_what_cannot_be_bounded_is_refused_before_anything_is_held(database_url, start_worker, fleet_of):
+    worker = start_worker()
+    fleet = fleet_of(worker.url)
+    before = fleet.balance(fleet.customer_id)
+    with serving(database_url) as proxy:
+        refused = [httpx.post(proxy.url + "/v1/responses", json={"model": MODEL, **body}, headers=_headers(fleet))
+                   for body in REFUSED]
+    assert [r.status_code for r in refused] == [400] * len(REFUSED)
+    assert all(r.json()["error"]["param"] for r in refused)
+    assert fleet.balance(fleet.customer_id) == before and worker.app.state.requests_started == 0
