@@ -22,9 +22,10 @@ from typing import Any
 
 import orjson
 
+from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX
 from proxy.sim.emitters import JSON_HEADERS, SSE_HEADERS, Send, send_body
 from proxy.sim.engine import Call, GenerationRequest, SimulatedCrash
-from proxy.sim.requests import Behaviour, bad_request, parse_request
+from proxy.sim.requests import Behaviour, HttpError, bad_request, parse_request
 
 ARGUMENTS_HEAD, ARGUMENTS_TAIL = '{"input": "', '"}'
 
@@ -217,27 +218,26 @@ class ResponsesJsonEmitter:
 
 async def endpoint(worker, scope: dict, receive, send: Send) -> None:
     """POST /v1/responses on a SimWorker (proxy/sim/worker.py), run as its chat requests are."""
-    from proxy.sim import worker as sim_worker  # it routes here: imported when first called
-
     behaviour = Behaviour(worker.stop_after_tokens, worker.fail_after_tokens, worker.extra_tokens, worker.inflate_usage)
     try:
-        request, data = parse(await sim_worker._read_body(receive), model=worker.model, max_model_len=worker.max_model_len,
+        request, data = parse(await _read_body(receive), model=worker.model, max_model_len=worker.max_model_len,
                               behaviour=behaviour)
-    except sim_worker.HttpError as error:
-        await sim_worker._send_error(send, error)
+    except HttpError as error:
+        await send_body(send, error.status, error.body(), JSON_HEADERS)
         return
     except ConnectionResetError:
         return
     if request.fail_before_first_token:
         worker.state.requests_failed += 1
-        await sim_worker._send_error(send, sim_worker.HttpError(500, "InternalServerError", "Simulated failure before the first token."))
+        error = HttpError(500, "InternalServerError", "Simulated failure before the first token.")
+        await send_body(send, error.status, error.body(), JSON_HEADERS)
         return
     loop = asyncio.get_running_loop()
     call = Call(loop)
     emitter_class = ResponsesStreamEmitter if request.stream else ResponsesJsonEmitter
     emitter = emitter_class(request, send, call, data, worker.model)
     worker.state.requests_started += 1
-    watcher = loop.create_task(sim_worker._watch_disconnect(receive, call))
+    watcher = loop.create_task(_watch_disconnect(receive, call))
     try:
         await emitter.start()
         await worker.engine.generate(request, call, emitter)
@@ -251,3 +251,23 @@ async def endpoint(worker, scope: dict, receive, send: Send) -> None:
         worker.state.requests_aborted += 1
     else:
         worker.state.requests_finished += 1
+
+
+async def _read_body(receive) -> bytes:
+    parts, size_bytes = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client left before sending its request")
+        parts.append(message.get("body", b""))
+        size_bytes += len(parts[-1])
+        if size_bytes > SIM_REQUEST_BODY_BYTES_MAX:
+            raise HttpError(413, "BadRequestError", f"request body above {SIM_REQUEST_BODY_BYTES_MAX} bytes")
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _watch_disconnect(receive, call: Call) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    call.on_disconnect()
