@@ -161,6 +161,7 @@ class ResponsesGeneration(Generation):
         return self._emit(event)
 
     def _part_added(self, event: dict) -> bytes | None:
+        event["type"] = "response.content_part.added"  # vLLM's response.reasoning_part.added is this event
         item = self._open_item(event)
         part = event["part"]
         empty = EMPTY_PARTS.get((item["type"], part.get("type")))
@@ -190,6 +191,7 @@ class ResponsesGeneration(Generation):
         return self._emit(event)
 
     def _part_done(self, event: dict) -> bytes | None:
+        event["type"] = "response.content_part.done"
         item = self._open_item(event)
         event["part"] = dict(item["content"][event["content_index"]])
         return self._emit(event)
@@ -292,10 +294,10 @@ class ResponsesGeneration(Generation):
                 "previous_response_id": request.previous_response_id if request else None}
 
     def _default_shell(self) -> dict:
-        request = self.request
+        fields = self.request.upstream_fields if self.request else {}
         return {"object": "response", "created_at": self.created or int(time.time()), "status": "in_progress",
-                "output": [], "usage": None, "error": None, "incomplete_details": None, "instructions": request.upstream_fields.get("instructions") if request else None,
-                "tools": request.upstream_fields.get("tools", []) if request else [], "tool_choice": "auto",
+                "output": [], "usage": None, "error": None, "incomplete_details": None,
+                "instructions": fields.get("instructions"), "tools": fields.get("tools", []), "tool_choice": "auto",
                 "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}, **self._echo()}
 
     # The caller's stream
@@ -406,6 +408,8 @@ _HANDLERS = {
     "response.output_item.done": ResponsesGeneration._item_done,
     "response.content_part.added": ResponsesGeneration._part_added,
     "response.content_part.done": ResponsesGeneration._part_done,
+    "response.reasoning_part.added": ResponsesGeneration._part_added,
+    "response.reasoning_part.done": ResponsesGeneration._part_done,
     **dict.fromkeys(TEXT_DELTAS, ResponsesGeneration._text_delta),
     **dict.fromkeys(TEXT_DONES, ResponsesGeneration._text_done),
     "response.reasoning_summary_part.added": ResponsesGeneration._summary_part_added,

@@ -60,7 +60,8 @@ def _messages(instructions: Any, items: Any) -> list[dict]:
             raise bad_request("each input item must be an object")
         kind = item.get("type", "message")
         if kind == "function_call":
-            messages.append({"role": "assistant", "tool_calls": [{"function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+            function = {"name": item.get("name"), "arguments": item.get("arguments")}
+            messages.append({"role": "assistant", "tool_calls": [{"function": function}]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "content": item.get("output") if isinstance(item.get("output"), str) else ""})
         elif kind == "message":

@@ -15,9 +15,13 @@ import pytest
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.money import usd_to_nano_usd
+from ledger.schema import utc_now
 from ledger.service import append_now
 from proxy import keys
 from proxy.limits import COMPLETION_ALLOWANCE_TOKENS_PER_FINISH
+from proxy.prices import Price
+from proxy.responses.request import RESPONSES, read_request
+from proxy.responses.stream import ResponsesGeneration
 from proxy.schema import workers
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
@@ -285,3 +289,71 @@ def test_what_cannot_be_bounded_is_refused_before_anything_is_held(database_url,
     assert [r.status_code for r in refused] == [400] * len(REFUSED)
     assert all(r.json()["error"]["param"] for r in refused)
     assert fleet.balance(fleet.customer_id) == before and worker.app.state.requests_started == 0
+
+
+def _generation(max_tokens: int = 100) -> ResponsesGeneration:
+    request = read_request({"model": MODEL, "input": "Hi", "tools": TOOLS}, [])
+    generation = ResponsesGeneration(
+        kind=RESPONSES, request_id="resp_mine", model=MODEL, price=Price(INPUT_NANO_USD, OUTPUT_NANO_USD), grant=None,
+        prompt_bound=request.prompt_bound, max_tokens=max_tokens, wants_usage=True, wants_continuous_usage=False,
+        started_at=utc_now(), streaming=True, settle=None, request=request)
+    generation.use_worker(None, {"tools": TOOLS})
+    return generation
+
+
+def _relay(generation: ResponsesGeneration, *events: dict) -> list[dict]:
+    relayed = []
+    for event in events:
+        out = generation.transform(orjson.dumps(event))
+        relayed += [orjson.loads(line[6:]) for line in (out or b"").decode().splitlines() if line.startswith("data: ")]
+    return relayed
+
+
+def test_the_caller_gets_what_was_relayed_whatever_the_worker_claims_in_its_done_events():
+    """Text smuggled into added items, parts and `.done` events is replaced by
+    the deltas relayed (the only text counted); reasoning, vLLM's
+    reasoning_part events and a function call's name are counted."""
+    generation = _generation()
+    relayed = _relay(
+        generation,
+        {"type": "response.created", "response": {"id": "theirs", "model": "x", "output": [{"type": "message"}]}},
+        {"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning", "id": "rs_1", "summary": [
+            {"type": "summary_text", "text": "smuggled"}]}},
+        {"type": "response.reasoning_part.added", "output_index": 0, "item_id": "rs_1", "content_index": 0,
+         "part": {"type": "reasoning_text", "text": "smuggled"}},
+        {"type": "response.reasoning_text.delta", "output_index": 0, "item_id": "rs_1", "content_index": 0, "delta": "hmm"},
+        {"type": "response.reasoning_text.done", "output_index": 0, "item_id": "rs_1", "content_index": 0, "text": "smuggled"},
+        {"type": "response.output_item.done", "output_index": 0, "item": {"type": "reasoning", "id": "rs_1", "summary": []}},
+        {"type": "response.output_item.added", "output_index": 1, "item": {
+            "type": "message", "id": "msg_1", "content": [{"type": "output_text", "text": "smuggled"}]}},
+        {"type": "response.content_part.added", "output_index": 1, "item_id": "msg_1", "content_index": 0,
+         "part": {"type": "output_text", "text": "smuggled"}},
+        {"type": "response.output_text.delta", "output_index": 1, "item_id": "msg_1", "content_index": 0, "delta": "Hello"},
+        {"type": "response.output_text.done", "output_index": 1, "item_id": "msg_1", "content_index": 0, "text": "smuggled"},
+        {"type": "response.output_text.delta", "output_index": 7, "item_id": "msg_1", "content_index": 0, "delta": "nope"},
+        {"type": "response.output_item.added", "output_index": 2, "item": {
+            "type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "lookup", "arguments": "smuggled"}},
+        {"type": "response.function_call_arguments.delta", "output_index": 2, "item_id": "fc_1", "delta": "{}"},
+        {"type": "response.function_call_arguments.done", "output_index": 2, "item_id": "fc_1", "arguments": "smuggled"},
+        {"type": "response.some_future_event", "text": "smuggled"},
+        {"type": "response.completed", "response": {"status": "completed", "usage": {"input_tokens": 3, "output_tokens": 9}}},
+    )
+    assert b"smuggled" not in orjson.dumps(relayed)
+    assert [e["sequence_number"] for e in relayed] == list(range(len(relayed)))
+    assert relayed[0]["response"]["id"] == "resp_mine" and relayed[0]["response"]["output"] == []
+    assert {e["type"] for e in relayed} >= {"response.content_part.added", "response.reasoning_text.done"}
+    assert [e.get("text") for e in relayed if e["type"].endswith("text.done")] == ["hmm", "Hello"]
+    assert generation.output.relayed_bytes == len("hmm") + len("Hello") + len("lookup") + len("{}")
+    assert generation.output.dropped == 1, "the delta of an item never added"
+    assert generation.output.tool_call_indexes == {2} and generation.output.finished
+    assert (generation.reported_prompt, generation.reported_completion) == (3, 9)
+
+
+def test_nothing_is_relayed_past_what_the_hold_pays_for():
+    generation = _generation(max_tokens=2)
+    added = {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message", "id": "m"}}
+    part = {"type": "response.content_part.added", "output_index": 0, "content_index": 0, "part": {"type": "output_text"}}
+    deltas = [{"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": f" w{i}"} for i in range(5)]
+    relayed = _relay(generation, added, part, *deltas)
+    assert [e["delta"] for e in relayed if e["type"] == "response.output_text.delta"] == [" w0", " w1"]
+    assert generation.overran and generation.counted_tokens == 2
