@@ -31,6 +31,7 @@ NARROW_PRIVILEGES = {
     "spend_limit_usage": "SELECT, INSERT, UPDATE (spent_nano_usd, holds_closed_nano_usd)",
     "accounts": "SELECT, INSERT, UPDATE",
     "alembic_version": "SELECT",
+    "stored_responses": "SELECT, INSERT",  # written once per response, never changed
 }
 ORDINARY_PRIVILEGES = "SELECT, INSERT, UPDATE, DELETE"
 _ROLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")

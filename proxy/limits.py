@@ -111,6 +111,7 @@ COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a r
 COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL = 24  # tool-call markup a tool parser strips
 # Far more parallel calls than any agent framework makes; each beyond it is dropped, never relayed.
 TOOL_CALLS_PER_ANSWER_MAX = 64
+RESPONSE_OUTPUT_ITEMS_MAX = 128  # output items of one Responses answer (messages, reasoning, function calls)
 # A completion reported above the bound by more than this is a discrepancy.
 COMPLETION_TOLERANCE_TOKENS_MIN = 2
 COMPLETION_TOLERANCE_PERCENT = 5

@@ -1,7 +1,7 @@
-"""The proxy's tables: API keys, model prices, workers. Money stays in the ledger."""
+"""The proxy's tables: API keys, model prices, workers, stored responses. Money stays in the ledger."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, String, Table, text
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, String, Table, Text, text
 
 from ledger.limits import IDEMPOTENCY_KEY_CHARS_MAX, REASON_CHARS_MAX
 from ledger.schema import BigId, Sha256, UTCDateTime, metadata
@@ -78,4 +78,18 @@ usage_evidence = Table(
     Column("ledger_seq", BigInteger, nullable=False),
     CheckConstraint("state IN ('pending', 'struck', 'cleared')", name="ck_usage_evidence_state"),
     Index("ix_usage_evidence_worker", "worker_id", "state", "reason", "recorded_at"),
+)
+
+# Each response's input (earlier turns included) and output items, kept so
+# that a follow-up naming it (`previous_response_id`) can be sent whole to any
+# worker: workers share no state. Only its account may name it.
+stored_responses = Table(
+    "stored_responses",
+    metadata,
+    Column("response_id", String(IDEMPOTENCY_KEY_CHARS_MAX), primary_key=True),
+    Column("account_id", BigInteger, ForeignKey("accounts.id"), nullable=False),
+    Column("model", String(NAME_CHARS_MAX), nullable=False),
+    Column("input_items", Text, nullable=False),  # JSON, as forwarded
+    Column("output_items", Text, nullable=False),  # JSON, as the caller received them
+    Column("created_at", UTCDateTime, nullable=False),
 )

@@ -152,7 +152,7 @@ class InferenceProxy:
 
     async def _start_upstream(self, generation: Generation, body: dict, candidates: list[registry.WorkerView]) -> None:
         last_error: Exception | None = None
-        forwarded = forwarded_fields.upstream_fields(body)  # once per request, whichever worker answers
+        forwarded = self._forwarded_fields(body)  # once per request, whichever worker answers
         for worker in self._route(body, generation.model, candidates)[:UPSTREAM_ATTEMPTS_MAX]:
             try:
                 await self._try_worker(generation, forwarded, worker)
@@ -173,11 +173,17 @@ class InferenceProxy:
         if load is not None:
             load.in_flight -= 1
 
-    async def _try_worker(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> None:
-        upstream_body = {
+    def _forwarded_fields(self, body: dict) -> dict:
+        return forwarded_fields.upstream_fields(body)
+
+    def _upstream_body(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> dict:
+        return {
             **forwarded, "model": worker.served_model or worker.model, "stream": True, "max_tokens": generation.max_tokens,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
+
+    async def _try_worker(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> None:
+        upstream_body = self._upstream_body(generation, forwarded, worker)
         generation.use_worker(worker, upstream_body)
         self.directory.loads[worker.id].in_flight += 1
         try:

@@ -19,6 +19,7 @@ from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
 from app.http.openapi import ASSETS_PATH, complete_openapi, openapi_config, swagger_ui_assets
+from app.http.responses import ResponsesController
 from app.http.status import health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
@@ -40,9 +41,9 @@ from ledger.service import Ledger
 from proxy.directory import Directory
 from proxy.health import HealthChecker
 from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S, UPSTREAM_CONNECT_TIMEOUT_S
+from proxy.responses.relay import ResponsesProxy
 from proxy.revocations import follow_revocations
 from proxy.withheld import WithheldJournal
-from proxy.service import InferenceProxy
 from proxy.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         checker = HealthChecker(directory, client, interval_s=health_interval_s)
         await checker.check_all()
         app.state.directory = directory
-        app.state.proxy = InferenceProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id,
+        app.state.proxy = ResponsesProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id,
                                          journal=WithheldJournal(withheld_journal_path) if withheld_journal_path else None)
         app.state.proxy.settler.resume_withheld()
         background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds(),
@@ -94,7 +95,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
+        route_handlers=[InferenceController, ResponsesController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook,
+                        health, ready, metrics,
                         create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False)],
         lifespan=[lifespan],
         on_startup=[complete_openapi],

@@ -5,7 +5,8 @@ chunk and never becomes the bottleneck of a proxy benchmark. The GPU it
 models is proxy/sim/engine.py; how it reads requests, proxy/sim/requests.py;
 how it answers, proxy/sim/emitters.py; its command line, proxy/sim/cli.py.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not),
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(proxy/sim/responses.py) (streaming or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names).
 
 Request fields for tests that call the worker directly (vLLM ignores unknown
@@ -36,6 +37,7 @@ disconnect stops generation at once and counts as an abort.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import uuid
@@ -47,6 +49,7 @@ from prometheus_client import generate_latest
 
 from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX
 from proxy.sim import metrics
+from proxy.sim import responses as sim_responses
 from proxy.sim.emitters import JSON_HEADERS, JsonEmitter, StreamEmitter, send_body
 from proxy.sim.engine import Call, Engine, EngineState, GenerationRequest, SimulatedCrash
 from proxy.sim.profiles import SimProfile, get_profile
@@ -91,6 +94,7 @@ class SimWorker:
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat_completions),
             "/v1/completions": ("POST", self._completions),
+            "/v1/responses": ("POST", functools.partial(sim_responses.endpoint, self)),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),

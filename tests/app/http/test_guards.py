@@ -38,6 +38,7 @@ MANAGEMENT_ROUTES = [
 INFERENCE_ROUTES = [
     ("POST", "/v1/chat/completions", {"model": "paralon-test", "messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/v1/completions", {"model": "paralon-test", "prompt": "hi"}),
+    ("POST", "/v1/responses", {"model": "paralon-test", "input": "hi"}),
     ("GET", "/v1/models", None),
     ("GET", "/v1/generations/req-settled", None),
 ]
