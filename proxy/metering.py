@@ -17,7 +17,10 @@ byte-level tokenizer never makes more tokens than the UTF-8 bytes it is given.
   parser strips once the choice finished, and the markup a tool parser strips
   per tool call of a function the caller offered (at most
   TOOL_CALLS_PER_ANSWER_MAX). How the worker chunks its output does not move
-  it: splitting, repeating or padding adds only the bytes relayed.
+  it: splitting, repeating or padding adds only the bytes relayed. Logprobs
+  repeat the relayed tokens and are never counted. With n > 1 or a list of
+  prompts each choice is counted on its own (`ChoiceOutputs`): its own
+  max_tokens, its own allowances, the bound being their sum.
 
 Workers are paid by the tokens they report, so the report is billed when it
 is within the bound, else the bound. A completion reported above the bound of

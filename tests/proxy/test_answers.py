@@ -14,7 +14,10 @@ import openai
 import orjson
 import pytest
 
-from proxy import limits
+from proxy import limits, metering
+from proxy.errors import InvalidRequest
+from proxy.generation import CHAT, Generation
+from proxy.prices import Price
 from tests.support.agent_worker import ANSWER_WORDS, REASONING_WORDS, REFUSAL_TEXT, start_agent_worker
 from tests.support.harness import MODEL, make_fleet, serving
 
@@ -261,3 +264,52 @@ def test_max_completion_tokens_limits_a_completion(agent):
     assert refused.value.body["param"] == "max_completion_tokens"
     [settled] = assert_exact_books(fleet, before)
     assert settled["meta"]["completion_tokens"] == 3
+
+
+# --- the rules, without a server ----------------------------------------------
+
+PRICE = Price(150, 600)
+
+
+def _generation(choices: int, n: int, max_tokens: int) -> Generation:
+    generation = Generation(kind=CHAT, request_id="chatcmpl-test", model=MODEL, price=PRICE, grant=None, prompt_bound=50,
+                            max_tokens=max_tokens, wants_usage=False, wants_continuous_usage=False, started_at=None,
+                            streaming=True, settle=None, choices_per_prompt=n, choices=choices)
+    generation.use_worker(None, {})
+    return generation
+
+
+def _token(index: int, text: str = " word") -> bytes:
+    return orjson.dumps({"choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]})
+
+
+def test_the_hold_pays_for_max_tokens_of_every_choice():
+    plan = metering.plan_hold(PRICE, 50, 100, choices=6)
+    assert plan == (50 * 150 + 6 * 100 * 600, 50 * 150 + 6 * 600)
+    assert metering.affordable_max_tokens(PRICE, 50, plan.amount_nano_usd, choices=6) == 100
+    assert metering.requested_choices("completions", {"prompt": ["a", [1, 2]], "n": 3}) == 6
+    assert metering.prompt_tokens_bound("completions", {"prompt": ["ab", [1, 2]]}) == (
+        limits.TEMPLATE_TOKENS_PER_REQUEST + 2 + limits.TEMPLATE_TOKENS_WITH_TOKEN_IDS + 2)
+    for bad in (0, -1, True, 1.0, "2", limits.CHOICES_PER_PROMPT_MAX + 1):
+        with pytest.raises(InvalidRequest) as refused:
+            metering.requested_choices("chat", {"n": bad})
+        assert refused.value.param == "n"
+
+
+def test_max_tokens_holds_per_choice_and_the_bill_is_the_sum_over_choices():
+    generation = _generation(choices=2, n=2, max_tokens=3)
+    relayed = [generation.transform(_token(i % 2)) for i in range(10)]
+    assert sum(event is not None for event in relayed) == 6 and generation.overran
+    generation.reported_completion, generation.reported_prompt = 6, 10
+    assert generation.delivered_usage().completion_tokens == 6  # three per choice, both billed
+
+
+def test_out_of_range_duplicate_and_malformed_choices_are_dropped_and_counted():
+    generation = _generation(choices=2, n=2, max_tokens=100)
+    chunk = {"choices": [{"index": 0, "delta": {"content": " a"}}, {"index": 0, "delta": {"content": " b"}},
+                         {"index": 2, "delta": {"content": " c"}}, {"index": "1", "delta": {"content": " d"}},
+                         {"index": 1, "delta": {"content": " e"}, "logprobs": "junk"}]}
+    event = generation.transform(orjson.dumps(chunk))
+    assert [c["delta"]["content"] for c in orjson.loads(event[6:])["choices"]] == [" a"]
+    assert generation.output.dropped == 4 and generation.output.relayed_bytes == 2
+    assert generation.transform(_token(2)) is None and generation.output.dropped == 5
