@@ -14,8 +14,11 @@ Two things a field must not do:
   report would exceed the bound of what was relayed (`ignore_eos` keeps
   generating past end-of-sequence tokens that are stripped from the text;
   `logit_bias` and `allowed_token_ids` can force special tokens that
-  detokenise to nothing; `best_of`, `use_beam_search` and `n` > 1 generate
-  sequences nobody receives; `prompt_logprobs` scores the prompt).
+  detokenise to nothing; `best_of` and `use_beam_search` generate sequences
+  nobody receives; `prompt_logprobs` scores the prompt).
+
+`n` > 1 is forwarded: every one of its choices is relayed and counted on its
+own (proxy/generation.py), and the hold pays for each.
 
 The proxy sets `model`, `stream`, `stream_options` and `max_tokens` itself.
 """
@@ -26,7 +29,7 @@ from proxy import metering
 # Counted by the prompt bound.
 PROMPT_FIELDS = frozenset({
     "messages",  # chat: every message shape is counted, image/audio/file parts are refused
-    "prompt",  # completions: one string or one list of token ids
+    "prompt",  # completions: a string or a list of token ids, or a list of either (each counted)
     "tools", "functions",  # counted as their JSON with the tools preamble
     "tool_choice", "function_call",  # counted as their JSON; a named choice only constrains decoding
     "response_format",  # counted as its JSON schema (vLLM uses it for decoding, not in the prompt)
@@ -37,7 +40,8 @@ PROMPT_FIELDS = frozenset({
 SAMPLING_FIELDS = frozenset({
     # OpenAI
     "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop",
-    "logprobs", "top_logprobs", "parallel_tool_calls",
+    "logprobs", "top_logprobs", "parallel_tool_calls",  # logprobs repeat relayed tokens, never billed
+    "n",  # validated (metering.requested_choices), held for, each choice relayed and counted
     # vLLM sampling parameters
     "top_k", "min_p", "repetition_penalty", "min_tokens",  # min_tokens only holds back the stop tokens
     "stop_token_ids", "include_stop_str_in_output", "bad_words",

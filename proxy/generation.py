@@ -48,6 +48,8 @@ class Generation:
     started_at: datetime
     streaming: bool  # the caller receives tokens as they come (what it has received is delivered)
     settle: Settle
+    choices_per_prompt: int = 1  # n: choice index = prompt_index * n + j
+    choices: int = 1  # n times the prompts: every choice may use all of max_tokens
     # Its hold (accept_hold)
     hold_id: int = field(default=0, init=False)
     hold_nano_usd: int = field(default=0, init=False)
@@ -61,9 +63,13 @@ class Generation:
     first_token_at: float = field(default=0.0, init=False)
     upstream_done: bool = field(default=False, init=False)  # [DONE] came before any token: an empty completion
     # What the caller received, and what the worker reported
-    output: metering.OutputCount = field(default_factory=metering.OutputCount, init=False)
+    output: metering.ChoiceOutputs = field(init=False)
     reported_prompt: int | None = field(default=None, init=False)
     reported_completion: int | None = field(default=None, init=False)
+    # vLLM's continuous usage is per choice (its prompt, its tokens so far); the last usage chunk is the total
+    _reported_by_choice: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _reported_by_prompt: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _reported_total: bool = field(default=False, init=False, repr=False)
     overran: bool = field(default=False, init=False)  # the worker sent more tokens than the hold pays for
     created: int = field(default=0, init=False)
     # Settlement (proxy/settlement.py reports through the methods below)
@@ -75,18 +81,23 @@ class Generation:
     usage: dict = field(default_factory=dict, init=False)
     _settling: asyncio.Future | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.output = metering.ChoiceOutputs.of(self.choices)
+
     # Before the first token
     def accept_hold(self, hold_id: int, amount_nano_usd: int) -> None:
         """The hold granted, perhaps less than planned: max_tokens falls to what it pays for."""
         self.hold_id, self.hold_nano_usd = hold_id, amount_nano_usd
-        self.max_tokens = min(self.max_tokens, metering.affordable_max_tokens(self.price, self.prompt_bound, amount_nano_usd))
+        affordable = metering.affordable_max_tokens(self.price, self.prompt_bound, amount_nano_usd, self.choices)
+        self.max_tokens = min(self.max_tokens, affordable)
 
     def use_worker(self, worker: registry.WorkerView | None, upstream_body: dict) -> None:
         """The attempt about to start, and what the proxy counts of its body once
         rather than per chunk: the functions offered, the stop strings asked for."""
         self.worker, self.upstream_body = worker, upstream_body
         self.tool_names = metering.offered_tool_names(upstream_body)
-        self.output.stop_bytes = metering.stop_bytes_max(upstream_body)
+        for choice in self.output.choices:
+            choice.stop_bytes = metering.stop_bytes_max(upstream_body)
 
     def upstream_url(self) -> str:
         return self.worker.url + PATHS[self.kind]
@@ -115,8 +126,9 @@ class Generation:
         worker = self.worker
         self.worker, self.response, self.upstream = None, None, None
         self.pending = []
-        self.output = metering.OutputCount(stop_bytes=self.output.stop_bytes)
+        self.output = metering.ChoiceOutputs.of(self.choices, self.output.choices[0].stop_bytes)
         self.reported_prompt = self.reported_completion = None
+        self._reported_by_choice, self._reported_by_prompt, self._reported_total = {}, {}, False
         self.first_token_at, self.upstream_done = 0.0, False
         return worker
 
@@ -127,91 +139,119 @@ class Generation:
         if "error" in chunk and "choices" not in chunk:
             raise UpstreamFailed(f"the worker failed: {chunk['error']}")
         usage = chunk.pop("usage", None)
-        if usage:
-            self._note_usage(usage)
         choices = chunk.get("choices")
         if not choices:
+            if usage:
+                self._note_usage(usage, None)
             return None  # the final usage chunk: the caller gets ours, with the cost, after settling
-        choice = self._sole_choice(chunk, choices)
-        if choice is None:
+        kept = self._kept_choices(chunk, choices)
+        if usage and kept:
+            self._note_usage(usage, _index_of(kept[0]))
+        relayed = [choice for choice in kept if self._relay_choice(choice)]
+        if not relayed:
             return None
-        relayed_bytes = self._output_bytes(choice)
-        if relayed_bytes:
-            if self.counted_tokens >= self.max_tokens:  # never relay a token nobody pays for
-                self.overran = True
-                return None
-            self.output.relayed_chunks += 1
-            self.output.relayed_bytes += relayed_bytes
-            if not self.first_token_at:
-                self.first_token_at = time.perf_counter()
-        if choice.get("finish_reason"):
-            self.output.finished = True
+        if len(relayed) != len(choices):
+            chunk["choices"] = relayed
         chunk["id"], chunk["model"] = self.request_id, self.model
         self.created = chunk.get("created") or self.created
         if usage and self.wants_continuous_usage:
             chunk["usage"] = usage
         return sse.encode(chunk)
 
+    def _relay_choice(self, choice: dict) -> bool:
+        """Count one choice's output against its own max_tokens; False to hide it."""
+        output = self.output.choices[_index_of(choice)]
+        relayed_bytes = self._output_bytes(choice, output)
+        if relayed_bytes:
+            if output.relayed_chunks >= self.max_tokens:  # never relay a token nobody pays for
+                self.overran = True
+                return False
+            output.relayed_chunks += 1
+            output.relayed_bytes += relayed_bytes
+            if not self.first_token_at:
+                self.first_token_at = time.perf_counter()
+        if choice.get("finish_reason"):
+            output.finished = True
+        return True
+
     @property
     def counted_tokens(self) -> int:
-        """Chunks relayed with output, each at least one token: max_tokens is
-        enforced on this, so that nothing is relayed that the hold does not pay for."""
+        """Chunks relayed with output, each at least one token, over all
+        choices: max_tokens is enforced on each choice's count, so that nothing
+        is relayed that the hold does not pay for."""
         return self.output.relayed_chunks
 
-    def _note_usage(self, usage: object) -> None:
+    def _note_usage(self, usage: object, index: int | None) -> None:
+        """The worker's report: the total (a usage chunk without choices), or
+        one choice's running count (its prompt's tokens, its own tokens so far)."""
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if index is None:
+            self._reported_total = True
+            if type(prompt) is int and prompt >= 0:
+                self.reported_prompt = prompt
+            if type(completion) is int and completion >= 0:
+                self.reported_completion = completion
+            return
+        if self._reported_total:
+            return
         if type(prompt) is int and prompt >= 0:
-            self.reported_prompt = prompt
+            self._reported_by_prompt[index // self.choices_per_prompt] = prompt
+            self.reported_prompt = sum(self._reported_by_prompt.values())
         if type(completion) is int and completion >= 0:
-            self.reported_completion = completion
+            self._reported_by_choice[index] = completion
+            self.reported_completion = sum(self._reported_by_choice.values())
 
-    def _sole_choice(self, chunk: dict, choices: object) -> dict | None:
-        """The one choice a request with n=1 has; duplicates and malformed
-        choices are dropped from the chunk and counted against the worker."""
-        if type(choices) is list and len(choices) == 1 and _well_formed(self.kind, choices[0]):
-            return choices[0]
-        kept = None
-        for choice in choices if type(choices) is list else ():
-            if kept is None and _well_formed(self.kind, choice):
-                kept = choice
-            else:
-                self.output.dropped += 1
+    def _kept_choices(self, chunk: dict, choices: object) -> list[dict]:
+        """The choices the caller may get, each index at most once per chunk;
+        malformed, out-of-range and duplicate choices are dropped from the
+        chunk and counted against the worker."""
         if type(choices) is not list:
-            self.output.dropped += 1
-        chunk["choices"] = [kept] if kept is not None else []
+            self.output.dropped_choices += 1
+            chunk["choices"] = []
+            return []
+        kept, seen = [], set()
+        for choice in choices:
+            if _well_formed(self.kind, choice, self.choices) and _index_of(choice) not in seen:
+                seen.add(_index_of(choice))
+                kept.append(choice)
+            else:
+                self.output.dropped_choices += 1
+        if len(kept) != len(choices):
+            chunk["choices"] = kept
         return kept
 
-    def _output_bytes(self, choice: dict) -> int:
-        """UTF-8 bytes of output in one choice, as the caller receives them."""
+    def _output_bytes(self, choice: dict, output: metering.OutputCount) -> int:
+        """UTF-8 bytes of output in one choice, as the caller receives them.
+        Logprobs repeat the text's tokens: they are not output."""
         if self.kind != CHAT:
             return utf8_bytes(choice.get("text"))
         delta = choice.get("delta")
         if not delta:
             return 0
-        total = utf8_bytes(delta.get("content"))
+        total = utf8_bytes(delta.get("content")) + utf8_bytes(delta.get("refusal"))
         reasoning_content, reasoning = delta.get("reasoning_content"), delta.get("reasoning")
         total += utf8_bytes(reasoning_content)
         if reasoning != reasoning_content:  # vLLM sends the same text under both names
             total += utf8_bytes(reasoning)
         if delta.get("tool_calls") is not None:
-            total += self._tool_call_bytes(delta)
+            total += self._tool_call_bytes(delta, output)
         return total
 
-    def _tool_call_bytes(self, delta: dict) -> int:
+    def _tool_call_bytes(self, delta: dict, output: metering.OutputCount) -> int:
         """Names and arguments relayed. Entries that are not objects, that skip
         an index or open more than TOOL_CALLS_PER_ANSWER_MAX calls are dropped."""
         tool_calls = delta["tool_calls"]
         if type(tool_calls) is not list:
-            self.output.dropped += 1
+            output.dropped += 1
             del delta["tool_calls"]
             return 0
         kept, total = [], 0
         for call in tool_calls:
             index = call.get("index", 0) if isinstance(call, dict) else None
-            if not self._opens_or_continues(index):
-                self.output.dropped += 1
+            if not _opens_or_continues(output, index):
+                output.dropped += 1
                 continue
             kept.append(call)
             function = call.get("function")
@@ -219,30 +259,19 @@ class Generation:
                 name = function.get("name")
                 total += utf8_bytes(name) + utf8_bytes(function.get("arguments"))
                 if type(name) is str and name in self.tool_names:  # a name not offered is relayed, without the allowance
-                    self.output.tool_call_indexes.add(index)
+                    output.tool_call_indexes.add(index)
         if len(kept) != len(tool_calls):
             delta["tool_calls"] = kept
         return total
 
-    def _opens_or_continues(self, index: object) -> bool:
-        """A call already open, or the next one: engines number calls 0, 1, 2, ..."""
-        output = self.output
-        if type(index) is not int or not 0 <= index <= output.tool_calls_opened:
-            return False
-        if index < output.tool_calls_opened:
-            return True
-        if output.tool_calls_opened >= TOOL_CALLS_PER_ANSWER_MAX:
-            return False
-        output.tool_calls_opened += 1
-        return True
-
     def delivered_usage(self) -> metering.BilledUsage:
         """What is billable of what has been relayed so far: the worker's latest
         report where the proxy's own count vouches for it (metering.billable_usage),
-        never more completion tokens than the hold pays for."""
+        never more completion tokens than the hold pays for, per choice."""
+        self.output.max_tokens_per_choice = self.max_tokens
         billed = metering.billable_usage(self.reported_prompt, self.reported_completion,
                                          prompt_bound=self.prompt_bound, output=self.output)
-        return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens))
+        return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens * self.choices))
 
     # The caller's stream
     async def events(self):
@@ -255,7 +284,7 @@ class Generation:
             if not self.upstream_done:
                 async for data in self.upstream:
                     if data == sse.DONE:  # the worker ended its answer (with or without a finish_reason)
-                        self.output.finished = True
+                        self.output.finish_all()
                         break
                     out = self.transform(data)
                     if out is not None:
@@ -292,7 +321,7 @@ class Generation:
 
     async def collect(self) -> dict:
         """A non-streaming answer, assembled from the same stream."""
-        parts = answer.AnswerParts(chat=self.kind == CHAT)
+        parts = answer.AnswerParts(chat=self.kind == CHAT, choices=self.choices)
         async for event in self.events():
             parts.add(event)
         if self.settle_failed:
@@ -340,7 +369,10 @@ class Generation:
         return True
 
     def usage_dict(self) -> dict:
-        return {**self.usage, "cost": nano_usd_to_usd_text(self.cost_nano_usd)}
+        """usage.cost is a JSON number written with its nine decimals (no float
+        is involved); the exact integer is in cost_details."""
+        return {**self.usage, "cost": orjson.Fragment(nano_usd_to_usd_text(self.cost_nano_usd)),
+                "cost_details": {"nano_usd": self.cost_nano_usd}}
 
     def usage_chunk(self) -> dict:
         object_name = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
@@ -348,15 +380,38 @@ class Generation:
                 "choices": [], "usage": self.usage_dict()}
 
 
-def _well_formed(kind: str, choice: object) -> bool:
-    """A choice the caller may get: an object for index 0, its delta an object."""
-    if type(choice) is not dict or choice.get("index", 0) != 0:
+def _well_formed(kind: str, choice: object, choices: int) -> bool:
+    """A choice the caller may get: an object whose index is one of the
+    request's (absent means 0), its delta an object, its texts strings."""
+    if type(choice) is not dict:
+        return False
+    index = choice.get("index", 0)
+    if type(index) is not int or not 0 <= index < choices:
+        return False
+    logprobs = choice.get("logprobs")
+    if logprobs is not None and type(logprobs) is not dict:
         return False
     if kind != CHAT:
         return _text_or_none(choice.get("text"))
     delta = choice.get("delta") or {}
-    return (type(delta) is dict and _text_or_none(delta.get("content"))
+    return (type(delta) is dict and _text_or_none(delta.get("content")) and _text_or_none(delta.get("refusal"))
             and _text_or_none(delta.get("reasoning_content")) and _text_or_none(delta.get("reasoning")))
+
+
+def _index_of(choice: dict) -> int:
+    return choice.get("index", 0)
+
+
+def _opens_or_continues(output: metering.OutputCount, index: object) -> bool:
+    """A call already open, or the next one: engines number calls 0, 1, 2, ..."""
+    if type(index) is not int or not 0 <= index <= output.tool_calls_opened:
+        return False
+    if index < output.tool_calls_opened:
+        return True
+    if output.tool_calls_opened >= TOOL_CALLS_PER_ANSWER_MAX:
+        return False
+    output.tool_calls_opened += 1
+    return True
 
 
 def _text_or_none(value: object) -> bool:

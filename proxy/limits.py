@@ -34,6 +34,11 @@ UPSTREAM_ATTEMPTS_MAX = 3  # workers tried before the first token
 # max_tokens when the caller set none and no candidate has told its context length yet
 MAX_TOKENS_WITHOUT_CONTEXT = 4096
 MAX_TOKENS_LIMIT = 1_000_000  # the largest max_tokens a caller may ask for
+# Choices per prompt (`n`), prompts in one /v1/completions list, and choices in
+# all: each is held for at max_tokens and relayed, so the hold grows with them.
+CHOICES_PER_PROMPT_MAX = 16
+PROMPTS_PER_REQUEST_MAX = 64
+CHOICES_PER_REQUEST_MAX = 128
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
 NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
 DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that says to ask again after this long

@@ -17,7 +17,10 @@ byte-level tokenizer never makes more tokens than the UTF-8 bytes it is given.
   parser strips once the choice finished, and the markup a tool parser strips
   per tool call of a function the caller offered (at most
   TOOL_CALLS_PER_ANSWER_MAX). How the worker chunks its output does not move
-  it: splitting, repeating or padding adds only the bytes relayed.
+  it: splitting, repeating or padding adds only the bytes relayed. Logprobs
+  repeat the relayed tokens and are never counted. With n > 1 or a list of
+  prompts each choice is counted on its own (`ChoiceOutputs`): its own
+  max_tokens, its own allowances, the bound being their sum.
 
 Workers are paid by the tokens they report, so the report is billed when it
 is within the bound, else the bound. A completion reported above the bound of
@@ -37,12 +40,15 @@ import orjson
 from ledger.money import PERCENT
 from proxy.errors import InvalidRequest
 from proxy.limits import (
+    CHOICES_PER_PROMPT_MAX,
+    CHOICES_PER_REQUEST_MAX,
     COMPLETION_ALLOWANCE_TOKENS_PER_FINISH,
     COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL,
     COMPLETION_TOLERANCE_PERCENT,
     COMPLETION_TOLERANCE_TOKENS_MIN,
     MAX_TOKENS_LIMIT,
     MAX_TOKENS_WITHOUT_CONTEXT,
+    PROMPTS_PER_REQUEST_MAX,
     TEMPLATE_JSON_INDENT_RATIO_MAX,
     TEMPLATE_TOKENS_PER_CONTENT_PART,
     TEMPLATE_TOKENS_PER_MESSAGE,
@@ -183,25 +189,61 @@ def prompt_tokens_bound(kind: str, body: dict) -> int:
             if value is not None:
                 total += len(value.encode()) if isinstance(value, str) else json_bytes_bound(value)
         return total + utf8_bytes(body.get("reasoning_effort"))
+    return sum(completion_prompt_bounds(body))
+
+
+def completion_prompt_bounds(body: dict) -> list[int]:
+    """The bound of each prompt of a /v1/completions request: a string or a
+    list of token ids, or a list of either (each prompt counted once)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > PROMPTS_PER_REQUEST_MAX:
+            raise InvalidRequest(f"at most {PROMPTS_PER_REQUEST_MAX} prompts per request", param="prompt")
+        return [_one_prompt_bound(p) for p in prompt]
+    return [_one_prompt_bound(prompt)]
+
+
+def _one_prompt_bound(prompt: object) -> int:
     if isinstance(prompt, str):
         return TEMPLATE_TOKENS_PER_REQUEST + len(prompt.encode())
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return TEMPLATE_TOKENS_WITH_TOKEN_IDS + len(prompt)
-    raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    raise InvalidRequest("prompt must be a string, a list of token ids, or a list of either", param="prompt")
+
+
+def prompts_of(kind: str, body: dict) -> int:
+    """How many prompts a request holds (a validated body): chat has one."""
+    return 1 if kind == "chat" else len(completion_prompt_bounds(body))
+
+
+def choices_per_prompt(body: dict) -> int:
+    """`n`, from 1 to CHOICES_PER_PROMPT_MAX; absent or null is 1."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if type(n) is not int or not 1 <= n <= CHOICES_PER_PROMPT_MAX:
+        raise InvalidRequest(f"n must be an integer from 1 to {CHOICES_PER_PROMPT_MAX}", param="n")
+    return n
+
+
+def requested_choices(kind: str, body: dict) -> int:
+    """The choices a request asks for: n per prompt, numbered prompt_index * n + j."""
+    choices = choices_per_prompt(body) * prompts_of(kind, body)
+    if choices > CHOICES_PER_REQUEST_MAX:
+        raise InvalidRequest(f"n times the number of prompts must be at most {CHOICES_PER_REQUEST_MAX}", param="n")
+    return choices
 
 
 def requested_max_tokens(kind: str, body: dict) -> int | None:
-    value = body.get("max_completion_tokens") if kind == "chat" else None
-    if value is None:
-        value = body.get("max_tokens")
-    if value is None:
-        return None
-    if type(value) is not int or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise InvalidRequest(f"max_tokens must be an integer from 1 to {MAX_TOKENS_LIMIT}", param="max_tokens")
-    return value
+    """max_completion_tokens (OpenAI's newer name, on either route) before max_tokens."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if type(value) is not int or not 1 <= value <= MAX_TOKENS_LIMIT:
+            raise InvalidRequest(f"{name} must be an integer from 1 to {MAX_TOKENS_LIMIT}", param=name)
+        return value
+    return None
 
 
 def planned_max_tokens(asked_max_tokens: int | None, prompt_bound: int, context_lengths: list[int | None]) -> int:
@@ -243,15 +285,16 @@ class HoldPlan(NamedTuple):
     minimum_nano_usd: int  # covers the prompt and one token
 
 
-def plan_hold(price: Price, prompt_bound: int, max_tokens: int) -> HoldPlan:
+def plan_hold(price: Price, prompt_bound: int, max_tokens: int, choices: int = 1) -> HoldPlan:
+    """max_tokens is per choice: every choice may use all of it."""
     prompt_cost = prompt_bound * price.input_nano_usd_per_token
-    return HoldPlan(prompt_cost + max_tokens * price.output_nano_usd_per_token,
-                    prompt_cost + price.output_nano_usd_per_token)
+    return HoldPlan(prompt_cost + choices * max_tokens * price.output_nano_usd_per_token,
+                    prompt_cost + choices * price.output_nano_usd_per_token)
 
 
-def affordable_max_tokens(price: Price, prompt_bound: int, held_nano_usd: int) -> int:
-    """The most completion tokens a granted hold pays for."""
-    return (held_nano_usd - prompt_bound * price.input_nano_usd_per_token) // price.output_nano_usd_per_token
+def affordable_max_tokens(price: Price, prompt_bound: int, held_nano_usd: int, choices: int = 1) -> int:
+    """The most completion tokens per choice a granted hold pays for."""
+    return (held_nano_usd - prompt_bound * price.input_nano_usd_per_token) // (choices * price.output_nano_usd_per_token)
 
 
 @dataclass(slots=True)
@@ -274,6 +317,49 @@ class OutputCount:
                 + len(self.tool_call_indexes) * COMPLETION_ALLOWANCE_TOKENS_PER_TOOL_CALL)
 
 
+@dataclass(slots=True)
+class ChoiceOutputs:
+    """What the proxy relayed of every choice of a request (n per prompt),
+    each choice counted on its own: max_tokens holds per choice, and the
+    completion bound is the sum of the choices' bounds."""
+    choices: list[OutputCount]
+    dropped_choices: int = 0  # duplicate, out-of-range or malformed choices, never relayed
+    max_tokens_per_choice: int | None = None  # no choice is billed more than this, whatever it relayed
+
+    @classmethod
+    def of(cls, count: int, stop_bytes: int = 0) -> "ChoiceOutputs":
+        return cls([OutputCount(stop_bytes=stop_bytes) for _ in range(count)])
+
+    @property
+    def relayed_bytes(self) -> int:
+        return sum(choice.relayed_bytes for choice in self.choices)
+
+    @property
+    def relayed_chunks(self) -> int:
+        return sum(choice.relayed_chunks for choice in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_choices + sum(choice.dropped for choice in self.choices)
+
+    @property
+    def tool_call_indexes(self) -> set[int]:
+        return set().union(*(choice.tool_call_indexes for choice in self.choices))
+
+    def finish_all(self) -> None:
+        for choice in self.choices:
+            choice.finished = True
+
+    def completion_bound(self) -> int:
+        cap = self.max_tokens_per_choice
+        return sum(choice.completion_bound() if cap is None else min(choice.completion_bound(), cap)
+                   for choice in self.choices)
+
+
 class BilledUsage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
@@ -282,7 +368,7 @@ class BilledUsage(NamedTuple):
 
 
 def billable_usage(reported_prompt: int | None, reported_completion: int | None, *,
-                   prompt_bound: int, output: OutputCount) -> BilledUsage:
+                   prompt_bound: int, output: OutputCount | ChoiceOutputs) -> BilledUsage:
     """The worker's report where it is within the proxy's bounds, else the bound.
     A missing completion report bills the chunks relayed (llama.cpp streams no
     usage, one token per chunk), a missing prompt report the prompt's bound.

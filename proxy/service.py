@@ -111,8 +111,6 @@ class InferenceProxy:
         fleet = self.directory.fleet.get(model)
         if price is None or not fleet:
             raise UnknownModel(f"The model `{model}` does not exist")
-        if body.get("n", 1) != 1:
-            raise InvalidRequest("n must be 1", param="n")
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise InvalidRequest("stream_options must be an object", param="stream_options")
@@ -121,10 +119,11 @@ class InferenceProxy:
         wants_continuous_usage = _flag(stream_options, "continuous_usage_stats", "stream_options")
         prompt_bound = metering.prompt_tokens_bound(kind, body)
         asked_max_tokens = metering.requested_max_tokens(kind, body)
+        choices = metering.requested_choices(kind, body)  # each held for max_tokens
         candidates = routing.candidates(fleet, prompt_bound + (asked_max_tokens or 1))
         max_tokens = metering.planned_max_tokens(asked_max_tokens, prompt_bound, [w.context_length for w in candidates])
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
-        plan = metering.plan_hold(price, prompt_bound, max_tokens)
+        plan = metering.plan_hold(price, prompt_bound, max_tokens, choices)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)
         generation = Generation(
@@ -132,6 +131,7 @@ class InferenceProxy:
             max_tokens=max_tokens, wants_usage=wants_usage,
             wants_continuous_usage=wants_continuous_usage, started_at=utc_now(),
             streaming=streaming, settle=self.settler.settle,
+            choices_per_prompt=metering.choices_per_prompt(body), choices=choices,
         )
         return generation, candidates, hold_request
 

@@ -104,7 +104,7 @@ async def raw_stream(client: httpx.AsyncClient, base_url: str, key: str, body: d
                 received.text += (choice.get("delta") or {}).get("content") or ""
             if chunk.get("usage") and not chunk.get("choices"):
                 received.usage = chunk["usage"]
-                received.cost_nano_usd = usd_to_nano_usd(chunk["usage"]["cost"])
+                received.cost_nano_usd = chunk["usage"]["cost_details"]["nano_usd"]
         return received
 
 
@@ -122,7 +122,7 @@ async def sdk_stream(client: openai.AsyncOpenAI, *, leave_after_tokens: int | No
             received.text += chunk.choices[0].delta.content or ""
         if chunk.usage is not None:
             received.usage = chunk.usage.model_dump()
-            received.cost_nano_usd = usd_to_nano_usd(str(chunk.usage.model_extra["cost"]))
+            received.cost_nano_usd = chunk.usage.model_extra["cost_details"]["nano_usd"]
         if leave_after_tokens is not None and received.tokens >= leave_after_tokens:
             await stream.close()  # the caller leaves: the connection is closed mid-stream
             return received

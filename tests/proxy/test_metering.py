@@ -361,9 +361,9 @@ def test_prompts_that_cannot_be_bounded_are_refused_naming_the_param(bad, param)
 def test_only_documented_fields_are_forwarded():
     assert not {"sim_tokens", "sim_fail_before_first_token", "sim_fail_after_tokens", "sim_extra_tokens",
                 "sim_inflate_usage", "chat_template", "chat_template_kwargs", "echo", "suffix", "best_of",
-                "logit_bias", "ignore_eos", "n", "user", "documents", "add_generation_prompt"} & FORWARDED_FIELDS
+                "logit_bias", "ignore_eos", "use_beam_search", "user", "documents", "add_generation_prompt"} & FORWARDED_FIELDS
     assert {"messages", "prompt", "tools", "response_format", "temperature", "top_k", "min_p", "repetition_penalty",
-            "min_tokens", "guided_json", "structured_outputs"} <= FORWARDED_FIELDS
+            "min_tokens", "guided_json", "structured_outputs", "n", "logprobs", "top_logprobs"} <= FORWARDED_FIELDS
 
 
 # --- through `paralon serve` ---------------------------------------------------

@@ -75,7 +75,7 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
     charged = {rid for rid, usage in completed.items() if usage.completion_tokens}
     assert set(settled) == charged, "each completed request charged exactly once, nothing else"
     for rid in charged:
-        assert settled[rid]["charge_nano_usd"] == int(orjson.loads(orjson.dumps(completed[rid].model_extra["cost"])).replace(".", ""))
+        assert settled[rid]["charge_nano_usd"] == completed[rid].model_extra["cost_details"]["nano_usd"]
     customer = fleet.balance(fleet.customer_id)
     assert customer.held_nano_usd == 0 and customer.available_nano_usd >= 0
     assert customer.balance_nano_usd == 600_000 - sum(s["charge_nano_usd"] for s in settled.values())

@@ -39,7 +39,8 @@ def test_the_openai_sdk_gets_billed_answers_sync_and_streaming(one_worker):
     assert answer.model == MODEL and answer.usage.completion_tokens == 5
     cost_nano_usd = int(raw.headers["x-paralon-cost-nano-usd"])
     assert cost_nano_usd == answer.usage.prompt_tokens * 150 + 5 * 600
-    assert answer.usage.model_extra["cost"] == f"0.{cost_nano_usd:09d}"
+    assert answer.usage.model_extra["cost_details"] == {"nano_usd": cost_nano_usd}
+    assert f'"cost":0.{cost_nano_usd:09d},'.encode() in raw.http_response.content  # a JSON number, nine decimals
     assert raw.headers["x-request-id"] == answer.id
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,
@@ -133,7 +134,7 @@ def test_an_empty_completion_costs_nothing(database_url):
     with serving(database_url) as proxy:
         answer = _client(fleet, proxy).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
     worker.stop()
-    assert answer.choices[0].message.content == "" and answer.usage.model_extra["cost"] == "0.000000000"
+    assert answer.choices[0].message.content == "" and answer.usage.model_extra["cost_details"] == {"nano_usd": 0}
     assert fleet.settlements() == []
     after = fleet.balance(fleet.customer_id)
     assert (after.balance_nano_usd, after.held_nano_usd) == (before, 0)
