@@ -10,6 +10,7 @@ own count (proxy/sim/requests.py: UTF-8 bytes // 4 + 4 per message). Every
 answer is checked against exact balances: the customer's, and each owner's."""
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -216,3 +217,28 @@ def test_short_prompts_are_planned_without_a_count():
     assert uncounted.prompt_bound == metering.prompt_tokens_bound("chat", long), "no answer: the byte bound"
     token_ids = {"model": MODEL, "prompt": [1] * 40_000}
     assert proxy._prepare("completions", token_ids, grant) is not None, "token ids are their own count"
+
+
+def test_the_counter_asks_the_largest_worker_once_per_prompt_and_another_once_distrusted():
+    large, small = (sim_worker("instant", max_model_len=c) for c in (LARGE_CONTEXT_TOKENS, SMALL_CONTEXT_TOKENS))
+    gone = _view(3, LARGE_CONTEXT_TOKENS)._replace(url="http://127.0.0.1:1")  # nothing listens there
+    try:
+        fleet = [_view(1, LARGE_CONTEXT_TOKENS)._replace(url=large.url), _view(2, SMALL_CONTEXT_TOKENS)._replace(url=small.url)]
+        forwarded = {"messages": _messages(50_000)}
+
+        async def scenario() -> list:
+            counter = tokenize.PromptCounter(UpstreamPool())
+            first = await counter.count(MODEL, "chat", forwarded, fleet)
+            again = await counter.count(MODEL, "chat", forwarded, fleet)
+            counter.distrust(MODEL, "chat", forwarded)
+            recounted = await counter.count(MODEL, "chat", forwarded, fleet)
+            unreachable = await tokenize.PromptCounter(UpstreamPool()).count(MODEL, "chat", forwarded, [gone])
+            return [first, again, recounted, unreachable]
+
+        first, again, recounted, unreachable = asyncio.run(scenario())
+        assert first == again == tokenize.Counted(50_000, 1), "the largest context first, then from the cache"
+        assert recounted == tokenize.Counted(50_000, 2), "a distrusted worker is asked last"
+        assert unreachable is None, "no answer: the byte bound routes"
+        assert (tokenize_route(large.app).calls, tokenize_route(small.app).calls) == (1, 1)
+    finally:
+        large.stop(), small.stop()
