@@ -110,6 +110,18 @@ TEMPLATE_TOKENS_WITH_TOKEN_IDS = 2  # BOS (and EOS) an engine may add around tok
 # A template's `tojson` may indent by up to four spaces: at most this many times what indenting by two adds.
 TEMPLATE_JSON_INDENT_RATIO_MAX = 2
 
+# --- Long prompts: the engine's own count (proxy/tokenize.py) -------------------
+# A prompt whose byte bound does not fit every worker of its model is counted
+# by a worker's /tokenize; the count plus this margin (the larger of the two)
+# is the bound routing, the hold and the prompt's billing use, never above the
+# byte bound. It covers a special token an engine adds outside its template.
+COUNTED_PROMPT_MARGIN_TOKENS_MIN = 16
+COUNTED_PROMPT_MARGIN_PERCENT = 1
+TOKENIZE_TIMEOUT_S = 10.0  # one count; past it the byte bound routes, as without a count
+TOKENIZE_WORKERS_ASKED_MAX = 2  # workers asked for one count before giving up on it
+TOKENIZE_CACHE_ENTRIES_MAX = 1024  # recent counts kept, so a retried agent prompt is counted once
+TOKENIZE_KEY_BYTES = 16  # the BLAKE2b digest of a prompt, the cache's key
+
 # --- Metering: the completion bound ---------------------------------------------
 # Tokens an engine produces but never relays as text.
 COMPLETION_ALLOWANCE_TOKENS_PER_FINISH = 8  # stop token(s), <think></think> a reasoning parser strips

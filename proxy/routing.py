@@ -1,7 +1,9 @@
 """Which worker serves a request: pure functions over a snapshot of the fleet.
 
 1. Candidates: serving the model, active, healthy, with a context that holds
-   the prompt bound plus max_tokens.
+   the prompt bound plus max_tokens. The bound is the byte bound, or near a
+   context limit the engine's own count plus a margin (proxy/tokenize.py);
+   a worker's own "too long" is retried only on a larger context (`larger`).
 2. Affinity: weighted rendezvous hashing of the conversation prefix, so every
    proxy replica picks the same worker for a follow-up without talking to the
    others (the worker that holds its KV cache answers ~5x sooner).
@@ -54,6 +56,30 @@ def candidates(fleet: list[registry.WorkerView], tokens_needed: int) -> list[reg
             param="messages",
         )
     return fits
+
+
+def holds_everywhere(fleet: list[registry.WorkerView], tokens_needed: int) -> bool:
+    """Every routable worker's context holds this many tokens (or has not told
+    its size): the byte bound routes as well as a count would, so nothing is counted."""
+    return all(w.context_length is None or w.context_length >= tokens_needed
+               for w in fleet if w.state == "active" and w.healthy)
+
+
+def larger(worker: registry.WorkerView, refused_context_length: int | None) -> bool:
+    """May this worker serve a prompt that a worker of the refused context
+    length found too long? Only a larger context, or one not told."""
+    if refused_context_length is None or worker.context_length is None:
+        return True
+    return worker.context_length > refused_context_length
+
+
+def worker_max_tokens(max_tokens: int, prompt_bound: int, context_length: int | None) -> int:
+    """max_tokens as sent to one worker: the request's, at most the room its own
+    context leaves after the prompt bound (a smaller worker than the largest
+    candidate, whose room the request's max_tokens was planned on)."""
+    if context_length is None:
+        return max_tokens
+    return max(1, min(max_tokens, context_length - prompt_bound))
 
 
 def order(key: bytes, fleet: list[registry.WorkerView], measured_tokens_per_s: dict[int, int | None],

@@ -2,7 +2,10 @@
 
 `InferenceProxy.open` authenticates nothing (the controller did): it prices
 the model, places the hold, routes, and reads the upstream stream up to its
-first token, retrying other workers on a failure before it. It returns a
+first token, retrying other workers on a failure before it (and a worker's
+own "too long" on a larger one). A prompt whose byte bound does not fit every
+worker of its model is counted by a worker first (proxy/tokenize.py); short
+prompts never are. It returns a
 `Generation` (proxy/generation.py) whose `events()` relays the rest and hands
 it to the `Settler` (proxy/settlement.py) at the end.
 """
@@ -18,7 +21,7 @@ from ledger.errors import InsufficientFunds, SpendLimitReached
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import forwarded_fields, metering, routing
+from proxy import forwarded_fields, metering, routing, tokenize
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
@@ -48,6 +51,14 @@ class _Retry(Exception):
     """This worker failed before its first token: try the next one."""
 
 
+class _TooLong(_Retry):
+    """This worker refused the prompt as too long for its context: try a larger one."""
+
+    def __init__(self, refusal: ContextTooLong, context_length: int | None) -> None:
+        super().__init__(str(refusal))
+        self.refusal, self.context_length = refusal, context_length
+
+
 class InferenceProxy:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
                  replica_id: str | None = None, journal: WithheldJournal | None = None) -> None:
@@ -56,6 +67,7 @@ class InferenceProxy:
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id  # written on every hold this process places
+        self.counter = tokenize.PromptCounter(upstream)
         self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id, journal=journal)
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
 
@@ -65,7 +77,10 @@ class InferenceProxy:
         hold here was granted in full, the upstream request starts while the
         hold is being placed, so the hold adds nothing to the first token; it
         is abandoned (nothing relayed, nothing charged) if the hold is refused."""
-        generation, candidates, hold_request = self._prepare(kind, body, grant)
+        prepared = self._prepare(kind, body, grant)
+        if prepared is None:  # a long prompt: plan on the engine's count
+            prepared = self._prepare(kind, body, grant, await self._count(kind, body), counted_asked=True)
+        generation, candidates, hold_request = prepared
         hold_task = asyncio.ensure_future(self.ledger.place_hold_async(hold_request))
         upstream_task = None
         if self._solvent_until.get(grant.account_id, 0.0) > time.monotonic():
@@ -100,8 +115,12 @@ class InferenceProxy:
             raise
         return generation
 
-    def _prepare(self, kind: str, body: object, grant: KeyGrant) -> tuple[Generation, list[registry.WorkerView], PlaceHold]:
-        """Validate, price, bound, and plan the hold: everything that needs no I/O."""
+    def _prepare(self, kind: str, body: object, grant: KeyGrant, counted: int | None = None, *,
+                 counted_asked: bool = False) -> tuple[Generation, list[registry.WorkerView], PlaceHold] | None:
+        """Validate, price, bound, and plan the hold: everything that needs no I/O.
+        None when the byte bound does not fit every worker and the prompt is
+        countable: plan again with the engine's count (`_count`), or None for
+        it when no worker answered."""
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         model = body.get("model")
@@ -117,9 +136,13 @@ class InferenceProxy:
         streaming = _flag(body, "stream", "stream")
         wants_usage = _flag(stream_options, "include_usage", "stream_options")
         wants_continuous_usage = _flag(stream_options, "continuous_usage_stats", "stream_options")
-        prompt_bound = metering.prompt_tokens_bound(kind, body)
+        byte_bound = metering.prompt_tokens_bound(kind, body)
         asked_max_tokens = metering.requested_max_tokens(kind, body)
         choices = metering.requested_choices(kind, body)  # each held for max_tokens
+        if not counted_asked and not routing.holds_everywhere(fleet, byte_bound + (asked_max_tokens or 1)) \
+                and tokenize.countable(kind, body):
+            return None
+        prompt_bound = tokenize.bound_in_force(byte_bound, counted)
         candidates = routing.candidates(fleet, prompt_bound + (asked_max_tokens or 1))
         max_tokens = metering.planned_max_tokens(asked_max_tokens, prompt_bound, [w.context_length for w in candidates])
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
@@ -134,6 +157,22 @@ class InferenceProxy:
             choices_per_prompt=metering.choices_per_prompt(body), choices=choices,
         )
         return generation, candidates, hold_request
+
+    async def _count(self, kind: str, body: dict) -> int | None:
+        """The prompt's tokens as a worker counts them. Before a prompt is
+        refused on a count, another worker is asked: the smaller count wins, so
+        one worker counting high cannot get a prompt that fits refused."""
+        model, fleet = body["model"], self.directory.fleet[body["model"]]
+        forwarded = forwarded_fields.upstream_fields(body)
+        counted = await self.counter.count(model, kind, forwarded, fleet)
+        if counted is None:
+            return None
+        needed = tokenize.bound_in_force(metering.prompt_tokens_bound(kind, body), counted.tokens) + 1
+        if not any(w.context_length is None or w.context_length >= needed for w in fleet):
+            second = await self.counter.count(model, kind, forwarded, fleet, excluding=counted.worker_id)
+            if second is not None and second.tokens < counted.tokens:
+                return second.tokens
+        return counted.tokens
 
     async def _abandon_attempt(self, generation: Generation, upstream_task: asyncio.Future | None) -> None:
         """Stop a speculative upstream request, whether or not it got its first token."""
@@ -152,19 +191,31 @@ class InferenceProxy:
 
     async def _start_upstream(self, generation: Generation, body: dict, candidates: list[registry.WorkerView]) -> None:
         last_error: Exception | None = None
+        too_long: _TooLong | None = None  # the last worker's own "too long": only larger ones are tried after it
         forwarded = self._forwarded_fields(body)  # once per request, whichever worker answers
-        for worker in self._route(body, generation.model, candidates)[:UPSTREAM_ATTEMPTS_MAX]:
+        attempts = 0
+        for worker in self._route(body, generation.model, candidates):
+            if attempts == UPSTREAM_ATTEMPTS_MAX:
+                break
+            if too_long is not None and not routing.larger(worker, too_long.context_length):
+                continue
+            attempts += 1
             try:
                 await self._try_worker(generation, forwarded, worker)
                 return
             except _Retry as exc:
                 last_error = exc
+                if isinstance(exc, _TooLong):
+                    too_long = exc
+                    self.counter.distrust(generation.model, generation.kind, forwarded)
                 await generation.close_upstream()
                 self._forget_attempt(generation)
             except BaseException:
                 await generation.close_upstream()
                 self._forget_attempt(generation)
                 raise
+        if too_long is not None and last_error is too_long:  # no larger worker left: the caller's prompt is too long
+            raise too_long.refusal
         raise NoWorkerAvailable(f"every worker tried failed before its first token ({last_error})")
 
     def _forget_attempt(self, generation: Generation) -> None:
@@ -178,7 +229,8 @@ class InferenceProxy:
 
     def _upstream_body(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> dict:
         return {
-            **forwarded, "model": worker.served_model or worker.model, "stream": True, "max_tokens": generation.max_tokens,
+            **forwarded, "model": worker.served_model or worker.model, "stream": True,
+            "max_tokens": routing.worker_max_tokens(generation.max_tokens, generation.prompt_bound, worker.context_length),
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
 
@@ -194,7 +246,10 @@ class InferenceProxy:
         if status != 200:
             detail = (await generation.response.read())[:UPSTREAM_REFUSAL_DETAIL_BYTES_MAX]
             if status == 400:
-                raise _upstream_refusal(detail)
+                refusal = _upstream_refusal(detail)
+                if isinstance(refusal, ContextTooLong):
+                    raise _TooLong(refusal, worker.context_length)
+                raise refusal
             raise _Retry(f"worker {worker.id} answered {status}")
         try:
             if await generation.read_to_first_token():

@@ -48,9 +48,10 @@ class ResponsesProxy(InferenceProxy):
         return found
 
     # The hooks of InferenceProxy, for a Responses request
-    def _prepare(self, kind: str, body: object, grant: KeyGrant) -> tuple[Generation, list[registry.WorkerView], PlaceHold]:
+    def _prepare(self, kind: str, body: object, grant: KeyGrant, counted: int | None = None, *,
+                 counted_asked: bool = False) -> tuple[Generation, list[registry.WorkerView], PlaceHold] | None:
         if kind != RESPONSES:
-            return super()._prepare(kind, body, grant)
+            return super()._prepare(kind, body, grant, counted, counted_asked=counted_asked)
         request: ResponsesRequest = body
         price, fleet = self.directory.prices.get(request.model), self.directory.fleet.get(request.model)
         if price is None or not fleet:

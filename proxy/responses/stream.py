@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from ledger.money import nano_usd_to_usd_text
-from proxy import sse
+from proxy import metering, sse
 from proxy.errors import NotReady, ProxyError, UpstreamFailed
 from proxy.generation import Generation
 from proxy.limits import RESPONSE_OUTPUT_ITEMS_MAX, TOOL_CALLS_PER_ANSWER_MAX
@@ -102,6 +102,11 @@ class ResponsesGeneration(Generation):
                 return True
         return False
 
+    @property
+    def _single(self) -> metering.OutputCount:
+        """A response is one choice: its counts."""
+        return self.output.choices[0]
+
     # One upstream event
     def transform(self, data: bytes) -> bytes | None:
         event = orjson.loads(data)
@@ -117,11 +122,11 @@ class ResponsesGeneration(Generation):
         try:
             return handler(self, event)
         except (_Malformed, KeyError, IndexError, TypeError, AttributeError):
-            self.output.dropped += 1
+            self._single.dropped += 1
             return None
 
     def _end(self, response: object) -> None:
-        self.upstream_done = self.output.finished = True
+        self.upstream_done = self._single.finished = True
         if isinstance(response, dict):
             self._note_response_usage(response.get("usage"))
             self.upstream_status = response.get("status")
@@ -148,14 +153,14 @@ class ResponsesGeneration(Generation):
             raise _Malformed("an output index already used, or one too many")
         kept, relayed_bytes = _empty_item(item)
         if kept["type"] == "function_call":
-            if self.output.tool_calls_opened >= TOOL_CALLS_PER_ANSWER_MAX:
+            if self._single.tool_calls_opened >= TOOL_CALLS_PER_ANSWER_MAX:
                 raise _Malformed("too many function calls")
         if not self._may_relay(relayed_bytes):
             return None
         if kept["type"] == "function_call":
-            self.output.tool_calls_opened += 1
+            self._single.tool_calls_opened += 1
             if kept["name"] in self.tool_names:  # a name not offered is relayed, without the allowance
-                self.output.tool_call_indexes.add(index)
+                self._single.tool_call_indexes.add(index)
         self.items[index] = kept
         event["item"] = kept
         return self._emit(event)
@@ -269,8 +274,8 @@ class ResponsesGeneration(Generation):
         if self.counted_tokens >= self.max_tokens:  # never relay a token nobody pays for
             self.overran = True
             return False
-        self.output.relayed_chunks += 1
-        self.output.relayed_bytes += relayed_bytes
+        self._single.relayed_chunks += 1
+        self._single.relayed_bytes += relayed_bytes
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
         return True

@@ -7,7 +7,8 @@ how it answers, proxy/sim/emitters.py; its command line, proxy/sim/cli.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (proxy/sim/responses.py) (streaming or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names).
+GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names),
+POST /tokenize (proxy/sim/tokenize.py).
 
 Request fields for tests that call the worker directly (vLLM ignores unknown
 fields, so a client may always send them; the proxy forwards none of them):
@@ -54,6 +55,7 @@ from proxy.sim.emitters import JSON_HEADERS, JsonEmitter, StreamEmitter, send_bo
 from proxy.sim.engine import Call, Engine, EngineState, GenerationRequest, SimulatedCrash
 from proxy.sim.profiles import SimProfile, get_profile
 from proxy.sim.requests import Behaviour, HttpError, parse_request
+from proxy.sim.tokenize import TokenizeRoute
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -98,6 +100,7 @@ class SimWorker:
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
+            "/tokenize": ("POST", TokenizeRoute(self)),
         }
 
     @property

@@ -106,8 +106,8 @@ def test_errors_use_openai_shapes_and_move_no_money(one_worker):
     assert unknown.status_code == 404 and unknown.body["code"] == "model_not_found"
     invalid = _error(lambda: client.chat.completions.create(model=MODEL, messages=[]))
     assert invalid.status_code == 400 and invalid.body["type"] == "invalid_request_error"
-    too_long = _error(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x" * 40_000}], max_tokens=10))
+    too_long = _error(lambda: client.chat.completions.create(  # 40,004 tokens as the worker counts them, above its 32,768
+        model=MODEL, messages=[{"role": "user", "content": "x" * 160_000}], max_tokens=10))
     assert too_long.status_code == 400 and too_long.body["code"] == "context_length_exceeded"
     not_json = httpx.post(proxy.url + "/v1/chat/completions", content=b"{not json",
                           headers={"authorization": f"Bearer {fleet.key}", "content-type": "application/json"})

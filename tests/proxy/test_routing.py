@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 import pytest
 
 from ledger.errors import InvalidAmount
-from proxy import limits, metering, routing
+from proxy import limits, metering, routing, tokenize
 from proxy import workers as registry
 from proxy.errors import ContextTooLong, InvalidRequest, NoWorkerAvailable
 from proxy.prices import Price, nano_usd_per_token
@@ -141,3 +141,47 @@ def test_an_unmeasured_worker_is_probed_with_the_probe_capacity():
     below, full = limits.PROBE_CAPACITY_REQUESTS - 1, limits.PROBE_CAPACITY_REQUESTS
     assert routing.order(key, fleet, measured, {1: below, 2: 0})[0].id == 1
     assert routing.order(key, fleet, measured, {1: full, 2: 0})[0].id == 2
+
+
+# --- long prompts: the count, the room per worker, the retry on a larger one ----
+
+
+def test_a_prompt_is_counted_only_when_its_byte_bound_does_not_fit_every_routable_worker():
+    fleet = [_worker(1, context_length=262_144), _worker(2, context_length=32_768), _worker(3)]
+    assert routing.holds_everywhere(fleet, 32_768), "a worker of unknown context may hold it"
+    assert not routing.holds_everywhere(fleet, 32_769)
+    unhealthy_small = [_worker(1, context_length=262_144), _worker(2, context_length=32_768, healthy=False)]
+    assert routing.holds_everywhere(unhealthy_small, 100_000), "only routable workers matter"
+
+
+def test_a_too_long_refusal_is_retried_only_on_a_larger_context():
+    assert routing.larger(_worker(1, context_length=262_144), 32_768)
+    assert not routing.larger(_worker(2, context_length=32_768), 32_768)
+    assert routing.larger(_worker(3), 32_768), "a worker of unknown context may hold it"
+    assert routing.larger(_worker(2, context_length=32_768), None)
+
+
+def test_each_worker_is_sent_at_most_the_room_its_own_context_leaves():
+    assert routing.worker_max_tokens(200_000, 1_000, 262_144) == 200_000
+    assert routing.worker_max_tokens(200_000, 1_000, 32_768) == 31_768
+    assert routing.worker_max_tokens(200_000, 1_000, None) == 200_000
+    assert routing.worker_max_tokens(16, 40_000, 32_768) == 1, "never less than one token"
+
+
+def test_a_count_only_lowers_the_bound_by_its_margin_never_above_the_byte_bound():
+    assert tokenize.bound_in_force(720_000, None) == 720_000
+    assert tokenize.bound_in_force(720_000, 180_000) == 180_000 + 180_000 * limits.COUNTED_PROMPT_MARGIN_PERCENT // 100
+    assert tokenize.bound_in_force(720_000, 10) == 10 + limits.COUNTED_PROMPT_MARGIN_TOKENS_MIN
+    assert tokenize.bound_in_force(1_000, 5_000) == 1_000, "a count above the byte bound moves nothing"
+    assert tokenize.bound_in_force(1_000, 0) == limits.COUNTED_PROMPT_MARGIN_TOKENS_MIN
+
+
+def test_the_count_cache_key_is_what_the_template_renders():
+    messages = [{"role": "user", "content": "a long document"}]
+    key = tokenize.prompt_key("m", "chat", {"messages": messages, "temperature": 0.1})
+    assert tokenize.prompt_key("m", "chat", {"messages": messages, "temperature": 0.9, "top_p": 1}) == key
+    assert tokenize.prompt_key("m", "chat", {"messages": messages, "tools": [{"type": "function"}]}) != key
+    assert tokenize.prompt_key("other", "chat", {"messages": messages}) != key
+    assert tokenize.countable("chat", {"messages": messages})
+    assert tokenize.countable("completions", {"prompt": ["text"]})
+    assert not tokenize.countable("completions", {"prompt": [1, 2, 3]}), "token ids are their own count"
