@@ -18,6 +18,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from app import wiring
 from app.http.documents import DocumentController
+from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
@@ -97,7 +98,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
+        route_handlers=[InferenceController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook, health, ready, metrics,
                         create_static_files_router(path="/docs/assets", directories=[swagger_ui_path], include_in_schema=False)],
         lifespan=[lifespan],
         on_startup=[complete_openapi],

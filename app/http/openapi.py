@@ -9,6 +9,7 @@ from http import HTTPStatus
 from litestar import Litestar
 
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
+from proxy.limits import EMBEDDING_DIMENSIONS_MAX, EMBEDDING_INPUTS_MAX
 
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 ERROR_SCHEMA = {
@@ -39,6 +40,7 @@ OPEN_PATHS = ("/health", "/metrics", "/webhooks/stripe")  # no bearer token
 STATUSES_OF_ROUTE = {
     ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+    ("post", "/v1/embeddings"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/workers/{worker_id}/resume"): (HTTPStatus.CONFLICT,),
 }
 
@@ -49,6 +51,13 @@ PROMPT_FIELDS = {
     "max_tokens": {"type": "integer", "minimum": 1},
     "stream": {"type": "boolean"},
 }
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+EMBEDDING_INPUT = {"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "maxItems": EMBEDDING_INPUTS_MAX, "items": {"type": "string", "minLength": 1}},
+    {**TOKEN_IDS, "maxItems": EMBEDDING_INPUTS_MAX},
+    {"type": "array", "minItems": 1, "maxItems": EMBEDDING_INPUTS_MAX, "items": TOKEN_IDS},
+]}
 REQUEST_BODIES = {
     ("post", "/v1/keys"): {"type": "object", "properties": {
         "name": {**TEXT_OR_NULL, "maxLength": NAME_CHARS_MAX}, "spend_limit_usd": {**PLAIN_USD, "type": ["string", "null"]}}},
@@ -61,6 +70,10 @@ REQUEST_BODIES = {
             "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}}}},
     ("post", "/v1/completions"): {"type": "object", "required": ["model", "prompt"], "properties": {
         **PROMPT_FIELDS, "prompt": {"type": "string"}}},
+    ("post", "/v1/embeddings"): {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string", "minLength": 1}, "input": EMBEDDING_INPUT,
+        "encoding_format": {"enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1, "maximum": EMBEDDING_DIMENSIONS_MAX}}},
 }
 OPTIONAL_BODIES = {("post", "/v1/keys"), ("post", "/v1/workers/{worker_id}/resume")}
 BINARY = {"type": "string", "format": "binary"}

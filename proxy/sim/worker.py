@@ -6,7 +6,8 @@ models is proxy/sim/engine.py; how it reads requests, proxy/sim/requests.py;
 how it answers, proxy/sim/emitters.py; its command line, proxy/sim/cli.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names).
+GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names),
+POST /v1/embeddings (proxy/sim/embeddings.py).
 
 Request fields for tests that call the worker directly (vLLM ignores unknown
 fields, so a client may always send them; the proxy forwards none of them):
@@ -46,7 +47,7 @@ import orjson
 from prometheus_client import generate_latest
 
 from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX
-from proxy.sim import metrics
+from proxy.sim import embeddings, metrics
 from proxy.sim.emitters import JSON_HEADERS, JsonEmitter, StreamEmitter, send_body
 from proxy.sim.engine import Call, Engine, EngineState, GenerationRequest, SimulatedCrash
 from proxy.sim.profiles import SimProfile, get_profile
@@ -91,6 +92,7 @@ class SimWorker:
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat_completions),
             "/v1/completions": ("POST", self._completions),
+            embeddings.PATH: ("POST", embeddings.EmbeddingRoute(self, _read_body)),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
