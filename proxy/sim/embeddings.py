@@ -61,6 +61,7 @@ class EmbeddingRoute:
         self.read_body = read_body  # the worker's bounded body reader
         self.fault: str | None = None
         self.requests_served = 0
+        self.requests_failed = 0  # answered with the "fail" fault
 
     async def __call__(self, scope: dict, receive, send) -> None:
         try:
@@ -71,6 +72,7 @@ class EmbeddingRoute:
             await send_body(send, error.status, error.body(), JSON_HEADERS)
             return
         if self.fault == "fail":
+            self.requests_failed += 1
             error = HttpError(500, "InternalServerError", "Simulated failure before answering.")
             await send_body(send, error.status, error.body(), JSON_HEADERS)
             return
