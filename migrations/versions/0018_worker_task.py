@@ -26,4 +26,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.batch_alter_table("workers") as batch:
+        batch.drop_constraint("ck_workers_task", type_="check")
         batch.drop_column("task")

@@ -6,6 +6,7 @@ every failure leaves every balance as it was."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import struct
 from contextlib import contextmanager
@@ -13,12 +14,17 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import select
+
+from app.cli import main
 
 from ledger import accounts as acc
 from ledger import commands as cmd
+from ledger.db import snapshot_connection
 from ledger.schema import accounts
 from ledger.service import append_now
+from ledger.verify import verify
 from proxy import prices
 from proxy import workers as registry
 from proxy.embeddings import input_tokens_bound
@@ -103,7 +109,8 @@ def _settled_exactly(fleet: EmbeddingFleet, before: dict, charges: list[tuple[in
         owed = sum(charge * 80 // 100 for charge, paid in charges if paid == owner)
         assert after[owner][0] - before[owner][0] == owed
     assert after[fleet.platform_id][0] - before[fleet.platform_id][0] == total - sum(c * 80 // 100 for c, _ in charges)
-    fleet.fleet.assert_books_close()
+    with snapshot_connection(fleet.fleet.engine) as conn:  # the chain and every balance verify
+        assert verify(conn).ok
 
 
 def _nothing_moved(fleet: EmbeddingFleet, before: dict) -> None:
@@ -293,3 +300,22 @@ def test_llamacpp_embeds_through_the_proxy_billed_from_its_own_usage(llama_embed
         client.embeddings.create(model=EMBED_MODEL, input="hello", dimensions=8)
     assert refused.value.body["param"] == "dimensions"
     _nothing_moved(fleet, before)
+
+
+def test_an_owner_registers_an_embedding_worker_from_the_command_line(database_url):
+    def paralon(*args):
+        result = CliRunner().invoke(main, [*args, "--json"], env={"PARALON_DATABASE_URL": database_url}, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    paralon("migrate")
+    owner = paralon("accounts", "create", "--kind", "owner", "--name", "GPU owner")["id"]
+    added = paralon("workers", "add", "--owner", str(owner), "--url", "http://10.0.0.7:8000", "--model", EMBED_MODEL,
+                    "--task", "embedding")
+    chat = paralon("workers", "add", "--owner", str(owner), "--url", "http://10.0.0.8:8000", "--model", MODEL)
+    assert (added["task"], chat["task"]) == ("embedding", "chat")
+    listed = {w["id"]: w["task"] for w in paralon("workers", "list")["workers"]}
+    assert listed == {added["id"]: "embedding", chat["id"]: "chat"}
+    refused = CliRunner().invoke(main, ["workers", "add", "--owner", str(owner), "--url", "http://h:1", "--model", "m",
+                                        "--task", "rerank"], env={"PARALON_DATABASE_URL": database_url})
+    assert refused.exit_code == 2
