@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import httpx
 import openai
+import orjson
 import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
@@ -27,7 +28,9 @@ from ledger.service import append_now
 from ledger.verify import verify
 from proxy import prices
 from proxy import workers as registry
-from proxy.embeddings import input_tokens_bound
+from proxy.embeddings import Malformed, Vectors, billed_usage, input_tokens_bound, read_answer, read_request
+from proxy.errors import InvalidRequest
+from proxy.limits import EMBEDDING_INPUTS_MAX, EMBEDDING_TOKENS_PER_INPUT
 from proxy.sim.embeddings import prompt_tokens_of, route_of, vector_of
 from tests.support import harness
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
@@ -319,3 +322,37 @@ def test_an_owner_registers_an_embedding_worker_from_the_command_line(database_u
     refused = CliRunner().invoke(main, ["workers", "add", "--owner", str(owner), "--url", "http://h:1", "--model", "m",
                                         "--task", "rerank"], env={"PARALON_DATABASE_URL": database_url})
     assert refused.exit_code == 2
+
+
+def test_an_answer_is_usable_only_with_one_vector_of_numbers_per_input_all_as_long():
+    def raw(data, usage=None):
+        return orjson.dumps({"data": data, "usage": usage or {"prompt_tokens": 3}})
+
+    good = read_answer(raw([{"index": 1, "embedding": [0.5, 1]}, {"index": 0, "embedding": [0.25, -1.0]}]), 2, None)
+    assert good == Vectors([[0.25, -1.0], [0.5, 1]], 3)
+    assert read_answer(raw([{"index": 0, "embedding": [1.0]}], {"prompt_tokens": -1}), 1, None).reported_prompt_tokens is None
+    for bad, count, dimensions in [
+        (b"{", 1, None),
+        (raw([{"index": 0, "embedding": [1.0]}]), 2, None),  # a vector missing
+        (raw([{"index": 0, "embedding": [1.0]}, {"index": 0, "embedding": [1.0]}]), 2, None),  # an index twice
+        (raw([{"index": 0, "embedding": [1.0]}, {"index": 1, "embedding": [1.0, 2.0]}]), 2, None),  # widths differ
+        (raw([{"index": 0, "embedding": [1.0, 2.0]}]), 1, 3),  # not the dimensions asked for
+        (raw([{"index": 0, "embedding": ["1.0"]}]), 1, None),
+        (raw([{"index": 0, "embedding": [True]}]), 1, None),
+        (raw([{"index": 0, "embedding": []}]), 1, None),
+    ]:
+        with pytest.raises(Malformed):
+            read_answer(bad, count, dimensions)
+
+
+def test_the_bill_is_the_report_within_the_bound_else_the_bound():
+    price = prices.Price(INPUT_NANO_USD_PER_TOKEN, 1)
+    assert billed_usage(7, 9, price) == (7, 7 * INPUT_NANO_USD_PER_TOKEN, False)
+    assert billed_usage(10, 9, price) == (9, 9 * INPUT_NANO_USD_PER_TOKEN, True)
+    assert billed_usage(None, 9, price) == (9, 9 * INPUT_NANO_USD_PER_TOKEN, False)
+    assert billed_usage(0, 9, price) == (0, 0, False)
+    ask = read_request({"model": "m", "input": ["héllo", "ab"], "encoding_format": "base64", "user": "u"})
+    assert ask.bound_tokens == len("héllo".encode()) + 2 + 2 * EMBEDDING_TOKENS_PER_INPUT and ask.base64
+    assert read_request({"model": "m", "input": [5, 6, 7]}).inputs == [[5, 6, 7]]
+    with pytest.raises(InvalidRequest):
+        read_request({"model": "m", "input": [[1]] * (EMBEDDING_INPUTS_MAX + 1)})
