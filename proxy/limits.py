@@ -166,3 +166,13 @@ SIM_WORD_STEP = 37  # coprime with the simulated text's 61 words (proxy/sim/engi
 WITHHELD_JOURNAL_ENTRIES_MAX = 100_000  # withheld answers one replica's journal keeps before it refuses more
 WITHHELD_JOURNAL_LINE_BYTES_MAX = 512  # one journal line; a request id is far shorter
 WITHHELD_JOURNAL_FILE_MODE = 0o600  # only the proxy reads what it owes
+
+# --- Embeddings (proxy/embeddings.py, proxy/sim/embeddings.py) -------------------
+EMBEDDING_INPUTS_MAX = 2048  # inputs of one request, as OpenAI's API allows
+EMBEDDING_DIMENSIONS_MAX = 65_536  # a `dimensions` asked for; larger than any model's vectors
+# Tokens an engine adds around each input it tokenises (BOS/CLS, EOS/SEP, a
+# SentencePiece dummy-prefix space); token ids are embedded as they are sent.
+EMBEDDING_TOKENS_PER_INPUT = 4
+EMBEDDING_ANSWER_BYTES_MAX = 256 * 1024 * 1024  # a worker's answer (2,048 vectors of 4,096 floats as JSON fit)
+SIM_EMBEDDING_DIMENSIONS = 16  # the simulated worker's vectors, unless a request asks for fewer
+SIM_EMBEDDING_TOKENS_PER_INPUT = 2  # CLS and SEP, as a BERT-style embedding model adds

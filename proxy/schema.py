@@ -34,6 +34,9 @@ model_prices = Table(
 )
 
 WORKER_STATES = ("active", "draining", "drained", "suspended")
+# What a worker serves: chat and completions, or embeddings. Requests of one
+# task are never routed to workers of the other.
+WORKER_TASKS = ("chat", "embedding")
 
 workers = Table(
     "workers",
@@ -58,6 +61,8 @@ workers = Table(
     # Measured total decode rate, shared so every proxy replica weighs alike.
     Column("throughput_tokens_per_s", Integer),
     Column("created_at", UTCDateTime, nullable=False),
+    Column("task", String(STATE_CHARS_MAX), CheckConstraint("task IN ('chat', 'embedding')", name="ck_workers_task"),
+           nullable=False, server_default=text("'chat'")),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are

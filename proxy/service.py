@@ -127,7 +127,7 @@ class InferenceProxy:
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model is required", param="model")
         price = self.directory.prices.get(model)
-        fleet = self.directory.fleet.get(model)
+        fleet = registry.for_task(self.directory.fleet.get(model), registry.CHAT, model)
         if price is None or not fleet:
             raise UnknownModel(f"The model `{model}` does not exist")
         stream_options = body.get("stream_options") or {}

@@ -24,9 +24,12 @@ from ledger.errors import InvalidInput
 from ledger.schema import utc_now
 from ledger.store import CREATED, AppendResult, append_one
 from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
-from proxy.schema import usage_evidence, workers
+from proxy.errors import InvalidRequest
+from proxy.schema import WORKER_TASKS, usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
+CHAT, EMBEDDING = WORKER_TASKS
+ROUTES_OF_TASK = {CHAT: "/v1/chat/completions and /v1/completions", EMBEDDING: "/v1/embeddings"}
 # A report above the prompt bound may be the caller's doing (a field the engine
 # obeys, a template the bound misjudges): it is a strike only once requests of
 # PROMPT_INFLATION_ACCOUNTS_MIN different accounts show it within the window.
@@ -56,6 +59,7 @@ class WorkerView(NamedTuple):
     usage_strikes: int
     suspended_at: datetime | None
     suspension_reason: str | None
+    task: str = CHAT  # what it serves: chat (and completions) or embeddings
 
     def as_dict(self) -> dict:
         data = self._asdict()
@@ -87,10 +91,12 @@ def require_url(url: str) -> str:
 
 
 def add_worker(conn: Connection, owner_account_id: int, url: str, model: str, engine: str = "vllm",
-               context_length: int | None = None) -> int:
+               context_length: int | None = None, task: str = CHAT) -> int:
     require_kind(conn, owner_account_id, (cmd.OWNER,), "workers belong to owner accounts")
     if engine not in ENGINES:
         raise InvalidInput(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if task not in WORKER_TASKS:
+        raise InvalidInput(f"task must be one of {', '.join(WORKER_TASKS)}, got {task!r}")
     cmd.require_text(model, "a model name", NAME_CHARS_MAX)
     if context_length is not None and (type(context_length) is not int or context_length <= 0):
         raise InvalidInput("context length must be a positive number of tokens")
@@ -99,9 +105,20 @@ def add_worker(conn: Connection, owner_account_id: int, url: str, model: str, en
     return conn.execute(
         workers.insert()
         .values(owner_account_id=owner_account_id, url=require_url(url), model=model, engine=engine,
-                context_length=context_length, created_at=utc_now())
+                context_length=context_length, task=task, created_at=utc_now())
         .returning(workers.c.id)
     ).scalar_one()
+
+
+def for_task(fleet: list[WorkerView] | None, task: str, model: str) -> list[WorkerView]:
+    """The model's workers that serve this task. A model whose workers all
+    serve the other task is a clear 400 naming its route, not an unknown model."""
+    serving = [w for w in fleet or () if w.task == task]
+    if fleet and not serving:
+        other = fleet[0].task
+        raise InvalidRequest(f"`{model}` is {'an embedding' if other == EMBEDDING else 'a chat'} model: "
+                             f"it is served at {ROUTES_OF_TASK[other]}", param="model")
+    return serving
 
 
 def list_workers(conn: Connection, *, owner_account_id: int | None = None) -> list[WorkerView]:

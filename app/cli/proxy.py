@@ -10,6 +10,7 @@ from ledger.money import usd_to_nano_usd
 from proxy import keys as api_keys
 from proxy import prices as model_prices
 from proxy import workers as registry
+from proxy.schema import WORKER_TASKS
 from proxy.sim.cli import serve as serve_sim
 
 SIM_PROFILES = ("instant", "h200", "rtx-pro-6000", "2x4090", "2x5090")
@@ -83,13 +84,16 @@ def workers_group() -> None:
 @click.option("--model", required=True, help="The public model name callers use.")
 @click.option("--engine", "engine_name", type=click.Choice(registry.ENGINES), default="vllm", show_default=True)
 @click.option("--context-length", type=int, default=None, help="Tokens; read from the worker when omitted.")
+@click.option("--task", type=click.Choice(WORKER_TASKS), default=registry.CHAT, show_default=True,
+              help="What it serves: chat (and completions), or embeddings (/v1/embeddings).")
 @json_option
 @handles_errors
-def workers_add(owner_account_id: int, url: str, model: str, engine_name: str, context_length: int | None, as_json: bool) -> None:
+def workers_add(owner_account_id: int, url: str, model: str, engine_name: str, context_length: int | None, task: str,
+                as_json: bool) -> None:
     with engine().begin() as conn:
-        worker_id = registry.add_worker(conn, owner_account_id, url, model, engine_name, context_length)
-    emit(as_json, {"id": worker_id, "owner_account_id": owner_account_id, "url": url, "model": model, "engine": engine_name},
-         f"worker {worker_id} added")
+        worker_id = registry.add_worker(conn, owner_account_id, url, model, engine_name, context_length, task)
+    emit(as_json, {"id": worker_id, "owner_account_id": owner_account_id, "url": url, "model": model, "engine": engine_name,
+                   "task": task}, f"worker {worker_id} added")
 
 
 @workers_group.command("list")
@@ -99,7 +103,7 @@ def workers_list(as_json: bool) -> None:
     with engine().connect() as conn:
         listed = registry.list_workers(conn)
     emit(as_json, {"workers": [w.as_dict() for w in listed]},
-         "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}\t{w.url}"
+         "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}{_task_text(w)}\t{w.url}"
                    f"\t{w.usage_strikes} strikes{_suspension_text(w)}" for w in listed))
 
 
@@ -134,6 +138,10 @@ def workers_resume(worker_id: int, reason: str, as_json: bool) -> None:
 def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:
     """A simulated GPU worker speaking vLLM's OpenAI API."""
     serve_sim(host, port, profile, model)
+
+
+def _task_text(worker: registry.WorkerView) -> str:
+    return " (embeddings)" if worker.task == registry.EMBEDDING else ""
 
 
 def _suspension_text(worker: registry.WorkerView) -> str:

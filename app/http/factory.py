@@ -15,6 +15,7 @@ from litestar.static_files import create_static_files_router
 
 from app import wiring
 from app.http.documents import DocumentController
+from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController
 from app.http.management import MANAGEMENT_CONTROLLERS
@@ -95,8 +96,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, ResponsesController, *MANAGEMENT_CONTROLLERS, DocumentController, stripe_webhook,
-                        health, ready, metrics,
+        route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, DocumentController,
+                        stripe_webhook, health, ready, metrics,
                         create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False)],
         lifespan=[lifespan],
         on_startup=[complete_openapi],

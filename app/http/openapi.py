@@ -18,7 +18,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
-from proxy.limits import MAX_TOKENS_LIMIT
+from proxy.limits import EMBEDDING_DIMENSIONS_MAX, EMBEDDING_INPUTS_MAX, MAX_TOKENS_LIMIT
 
 DOCS_PATH = "/docs"
 ASSETS_PATH = "/docs/assets"
@@ -83,6 +83,7 @@ STATUSES_OF_SCHEME = {API_KEY_SCHEME: (HTTPStatus.UNAUTHORIZED,),
 STATUSES_OF_ROUTE = {
     ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+    ("post", "/v1/embeddings"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/workers/{worker_id}/resume"): (HTTPStatus.CONFLICT,),
 }
 READINESS = {"type": "object", "required": ["status", "checks"], "properties": {
@@ -136,6 +137,13 @@ STRIPE_EVENT = {
     "description": "A Stripe event, verified against the `Stripe-Signature` header with the endpoint secret.",
     "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "data": {"type": "object"}},
 }
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+EMBEDDING_INPUT = {"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "maxItems": EMBEDDING_INPUTS_MAX, "items": {"type": "string", "minLength": 1}},
+    {**TOKEN_IDS, "maxItems": EMBEDDING_INPUTS_MAX},
+    {"type": "array", "minItems": 1, "maxItems": EMBEDDING_INPUTS_MAX, "items": TOKEN_IDS},
+]}
 REQUEST_BODIES = {
     ("post", "/v1/keys"): {"type": "object", "properties": {
         "name": {**TEXT_OR_NULL, "maxLength": NAME_CHARS_MAX}, "spend_limit_usd": {**PLAIN_USD, "type": ["string", "null"]}},
@@ -147,6 +155,10 @@ REQUEST_BODIES = {
     ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},
     ("post", "/v1/completions"): {"$ref": "#/components/schemas/CompletionRequest"},
     ("post", "/webhooks/stripe"): {"$ref": "#/components/schemas/StripeEvent"},
+    ("post", "/v1/embeddings"): {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string", "minLength": 1}, "input": EMBEDDING_INPUT,
+        "encoding_format": {"enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1, "maximum": EMBEDDING_DIMENSIONS_MAX}}},
 }
 NAMED_SCHEMAS = {"Error": ERROR_SCHEMA, "ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
                  "StripeEvent": STRIPE_EVENT}

@@ -8,7 +8,7 @@ how it answers, proxy/sim/emitters.py; its command line, proxy/sim/cli.py.
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (proxy/sim/responses.py) (streaming or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus text, vLLM's names),
-POST /tokenize (proxy/sim/tokenize.py).
+POST /tokenize (proxy/sim/tokenize.py), POST /v1/embeddings (proxy/sim/embeddings.py).
 
 Request fields for tests that call the worker directly (vLLM ignores unknown
 fields, so a client may always send them; the proxy forwards none of them):
@@ -49,7 +49,7 @@ import orjson
 from prometheus_client import generate_latest
 
 from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX
-from proxy.sim import metrics
+from proxy.sim import embeddings, metrics
 from proxy.sim import responses as sim_responses
 from proxy.sim.emitters import JSON_HEADERS, JsonEmitter, StreamEmitter, send_body
 from proxy.sim.engine import Call, Engine, EngineState, GenerationRequest, SimulatedCrash
@@ -97,6 +97,7 @@ class SimWorker:
             "/v1/chat/completions": ("POST", self._chat_completions),
             "/v1/completions": ("POST", self._completions),
             "/v1/responses": ("POST", functools.partial(sim_responses.endpoint, self)),
+            embeddings.PATH: ("POST", embeddings.EmbeddingRoute(self, _read_body)),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),

@@ -23,8 +23,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# With embeddings on, a llama-architecture model (the tiny one) would give a
+# vector per token: mean pooling makes it one per input, as an embedding model does.
+EMBEDDING_ARGS = ("--embedding", "True", "--kv_overrides", "llama.pooling_type=int:1")
+
+
 def llamacpp_server_command(model_path: Path, model_alias: str, port: int, *, n_ctx: int,
-                            interrupt_requests: bool, extra_args: Sequence[str] = ()) -> list[str]:
+                            interrupt_requests: bool, embedding: bool = False, extra_args: Sequence[str] = ()) -> list[str]:
     return [
         sys.executable, "-m", "llama_cpp.server",
         "--model", str(model_path),
@@ -33,6 +38,7 @@ def llamacpp_server_command(model_path: Path, model_alias: str, port: int, *, n_
         "--port", str(port),
         "--n_ctx", str(n_ctx),
         "--interrupt_requests", str(interrupt_requests),
+        *(EMBEDDING_ARGS if embedding else ()),
         *extra_args,
     ]
 
@@ -63,7 +69,7 @@ def stop(process: subprocess.Popen) -> None:
 
 @contextmanager
 def running_llamacpp_server(model_path: Path, model_alias: str, port: int | None = None, *,
-                            n_ctx: int = 512, interrupt_requests: bool = False,
+                            n_ctx: int = 512, interrupt_requests: bool = False, embedding: bool = False,
                             startup_timeout: float = 60.0, extra_args: Sequence[str] = ()) -> Iterator[str]:
     """Serves ``model_path`` as ``model_alias`` on 127.0.0.1 and yields its base URL.
 
@@ -72,11 +78,13 @@ def running_llamacpp_server(model_path: Path, model_alias: str, port: int | None
 
     The server's output goes to a file rather than a pipe, so a chatty server never
     blocks on a full pipe; on a failed start the error carries that output.
+
+    ``embedding`` starts it with embeddings on (``POST /v1/embeddings``), one vector per input.
     """
     port = port or free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = llamacpp_server_command(model_path, model_alias, port, n_ctx=n_ctx,
-                                      interrupt_requests=interrupt_requests, extra_args=extra_args)
+                                      interrupt_requests=interrupt_requests, embedding=embedding, extra_args=extra_args)
     with tempfile.TemporaryDirectory(prefix="llamacpp-server-") as log_dir:
         log_path = Path(log_dir) / "server.log"
         with log_path.open("wb") as log:
