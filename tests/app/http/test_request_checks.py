@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.app.http.conftest import MODEL
+from tests.support import harness
 from tests.support.harness import make_fleet, serving, sim_worker
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -104,6 +105,9 @@ GOOD_COMPLETIONS = [
     {"prompt": [[1, 2], [3]], "top_k": 5, "min_p": 0.1},
 ]
 
+# `paralon serve` took 35 s to listen on a machine loaded twentyfold: more than the harness waits.
+SERVE_START_TIMEOUT_S = 120
+
 
 def _refused(site, path: str, body: dict, param: str, code: str) -> None:
     before = site.money()
@@ -141,7 +145,8 @@ def test_what_openai_or_the_engines_accept_passes_the_checks(site, path, fields)
 
 
 @pytest.fixture
-def served(database_url):
+def served(database_url, monkeypatch):
+    monkeypatch.setattr(harness, "START_TIMEOUT_S", SERVE_START_TIMEOUT_S)
     worker = sim_worker("instant")
     fleet = make_fleet(database_url, [worker.url])
     with serving(database_url) as proxy:
