@@ -8,6 +8,7 @@ defaults: `repr()`, logs and error messages show them as `**********`; only
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -112,11 +113,28 @@ class ProxyConfig(_Group):
     replica_id: str | None = _env("PARALON_REPLICA_ID", min_length=1, max_length=REPLICA_ID_CHARS_MAX)
     # Where each replica journals the withheld answers whose charge it still owes a reversal.
     withheld_journal_dir: str = _env("PARALON_WITHHELD_JOURNAL_DIR", WITHHELD_JOURNAL_DIR_DEFAULT)
+    # Web pages that may call the API from a browser: origins, comma-separated (`*` for any).
+    # Unset: no CORS headers at all, so browsers refuse cross-origin calls.
+    cors_origins_text: str | None = _env("PARALON_CORS_ORIGINS")
 
     @field_validator("public_url")
     @classmethod
     def _no_trailing_slash(cls, url: str) -> str:
         return url.rstrip("/")
+
+    @field_validator("cors_origins_text")
+    @classmethod
+    def _origins(cls, text: str | None) -> str | None:
+        origins = [origin.strip().rstrip("/") for origin in (text or "").split(",") if origin.strip()]
+        for origin in origins:
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query):
+                raise ValueError(f"an origin is scheme://host[:port] or *, not {origin!r}")
+        return ",".join(origins) or None
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        return tuple(self.cors_origins_text.split(",")) if self.cors_origins_text else ()
 
     @field_validator("replica_id")
     @classmethod

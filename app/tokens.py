@@ -14,7 +14,7 @@ from sqlalchemy import BigInteger, Column, Connection, ForeignKey, String, Table
 from app.limits import ROLE_CHARS_MAX
 from ledger import commands as cmd
 from ledger.accounts import require_kind
-from ledger.errors import InvalidInput
+from ledger.errors import InvalidInput, a_or_an
 from ledger.schema import BigId, Sha256, UTCDateTime, metadata, utc_now
 from proxy.keys import key_sha256, new_secret, revoke_secret
 from proxy.limits import KEY_PREFIX_CHARS_MAX, KEY_PREFIX_SHOWN_CHARS
@@ -53,7 +53,7 @@ def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str
     """Returns (id, token); the token itself is never stored and cannot be shown again."""
     if role not in ROLES:
         raise InvalidInput(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    require_kind(conn, account_id, (ACCOUNT_KIND_OF_ROLE[role],), f"a {role} token acts for a {ACCOUNT_KIND_OF_ROLE[role]} account")
+    require_kind(conn, account_id, (ACCOUNT_KIND_OF_ROLE[role],), f"{a_or_an(role)} token acts for {a_or_an(ACCOUNT_KIND_OF_ROLE[role])} account")
     token = new_secret(TOKEN_PREFIX)
     token_id = conn.execute(
         management_tokens.insert()

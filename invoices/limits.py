@@ -22,6 +22,10 @@ INVOICE_FILE_DIGEST_CHARS = 16  # of the PDF's SHA-256, in hex, in the invoice's
 DEPLOYMENT_ID_CHARS = 36  # a UUID in text
 # The modification time (Unix seconds) written into the fonts a PDF embeds: fixed, so renders repeat byte for byte.
 PDF_FONT_TIMESTAMP_S = 0
+# A payment reference up to this long fits beside its label even in the widest
+# glyphs, so it is set as it always was (the same bytes as before); a longer one
+# (a chain's transaction hash with its log index) may break anywhere.
+REFERENCE_CHARS_UNBROKEN_MAX = 32
 
 # --- Dates as the read models and statements keep them (UTC) ---
 DAY_CHARS = len("YYYY-MM-DD")

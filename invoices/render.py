@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from invoices.limits import PDF_FONT_TIMESTAMP_S
+from invoices.limits import PDF_FONT_TIMESTAMP_S, REFERENCE_CHARS_UNBROKEN_MAX
 from ledger.money import NANO_USD_PER_USD, nano_usd_to_usd_text
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +29,7 @@ def cents_text(amount_nano_usd: int) -> str:
 
 
 _templates.filters.update(usd=cents_text, exact_usd=nano_usd_to_usd_text)
+_templates.globals.update(reference_chars_unbroken_max=REFERENCE_CHARS_UNBROKEN_MAX)
 
 
 def render_pdf(document: dict) -> bytes:

@@ -8,7 +8,7 @@ from sqlalchemy import Connection, func, select
 
 from ledger import commands as cmd
 from ledger.db import storage_of
-from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
+from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind, a_or_an
 from ledger.limits import ACCOUNT_NAME_CHARS_MAX, EMAIL_CHARS_MAX
 from ledger.schema import account_balances, accounts, customer_holds, utc_now
 from ledger.storage.base import in_chunks
@@ -106,5 +106,5 @@ def require_kind(conn: Connection, account_id: int, kinds: tuple[str, ...], rule
     if kind is None:
         raise UnknownAccount(f"account {account_id} does not exist")
     if kind not in kinds:
-        raise WrongAccountKind(f"{rule}; {account_id} is a {kind} account")
+        raise WrongAccountKind(f"{rule}; {account_id} is {a_or_an(kind)} account")
     return kind

@@ -18,6 +18,7 @@ from ledger.errors import (
     InvariantBroken,
     NotReversible,
     WrongAccountKind,
+    a_or_an,
 )
 from ledger.limits import (
     AMOUNT_NANO_USD_MAX,
@@ -305,7 +306,7 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
         case AdjustBalance():
             kind = book.kind(command.account_id)
             if kind not in (CUSTOMER, OWNER):
-                raise WrongAccountKind(f"account {command.account_id} is a {kind} account; only customers and owners are adjusted")
+                raise WrongAccountKind(f"account {command.account_id} is {a_or_an(kind)} account; only customers and owners are adjusted")
             counter = book.system_account(ADJUSTMENTS_ACCOUNT)
             event = ev.BalanceAdjusted(command.account_id, command.delta_nano_usd, command.reason)
             postings = [ev.Posting(command.account_id, command.delta_nano_usd), ev.Posting(counter, -command.delta_nano_usd)]
@@ -375,7 +376,7 @@ def _reverse(command: ReverseEvent, book: BookView) -> tuple[ev.EventReversed, l
 def _require_kind(book: BookView, account_id: int, kind: str) -> None:
     actual = book.kind(account_id)
     if actual != kind:
-        raise WrongAccountKind(f"account {account_id} is a {actual} account, not a {kind} account")
+        raise WrongAccountKind(f"account {account_id} is {a_or_an(actual)} account, not {a_or_an(kind)} account")
 
 
 def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -> None:

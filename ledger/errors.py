@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 
+def a_or_an(word: str) -> str:
+    """A word a message fills in, with its article: 'an owner', 'a customer'
+    (the names filled in are roles, account kinds and part types: none says
+    "you" for a leading u)."""
+    return ("an " if word[:1].lower() in "aeio" else "a ") + word
+
+
 class LedgerError(Exception):
     code = "ledger_error"
 

@@ -17,7 +17,7 @@ from ledger import commands as cmd
 from ledger import events as ev
 from ledger import spend_limits
 from ledger.db import storage_of
-from ledger.errors import InsufficientFunds, InvalidInput, LedgerError, UnknownAccount, WrongAccountKind
+from ledger.errors import InsufficientFunds, InvalidInput, LedgerError, UnknownAccount, WrongAccountKind, a_or_an
 from ledger.hold_commands import (  # noqa: F401 (HoldRenewal, settlement_key and the validators: this module's API)
     CREATED,
     EXISTS,
@@ -81,7 +81,7 @@ def _place_holds_here(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
             results[i] = UnknownAccount(f"account {request.account_id} does not exist")
             continue
         if view.kind != cmd.CUSTOMER:
-            results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is a {view.kind} account")
+            results[i] = WrongAccountKind(f"holds are placed on customer accounts; {request.account_id} is {a_or_an(view.kind)} account")
             continue
         lowest = request.minimum_nano_usd or request.amount_nano_usd
         limit_id = request.spend_limit_id

@@ -152,7 +152,7 @@ def _check_spend_limits(conn: Connection, report: VerifyReport) -> None:
         if view["held_nano_usd"] != expected:
             report.add(f"spend limit {limit_id}: hold counters say {view['held_nano_usd']} nano-USD held, active holds sum to {expected}")
         if view["spent_nano_usd"] > view["limit_nano_usd"]:
-            report.add(f"spend limit {limit_id}: spent {view['spent_nano_usd']} nano-USD of a {view['limit_nano_usd']} limit")
+            report.add(f"spend limit {limit_id}: spent {view['spent_nano_usd']} nano-USD of its limit of {view['limit_nano_usd']}")
 
 
 def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:

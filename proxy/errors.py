@@ -1,9 +1,14 @@
 """Errors the proxy raises to a caller of the OpenAI API, each with its HTTP
 status and OpenAI error type. The HTTP edge (app/http/errors.py) turns them
-into OpenAI's error JSON and adds its own (authentication, permissions)."""
+into OpenAI's error JSON and adds its own (authentication, permissions).
+
+Each also says whether asking again can help, as the OpenAI SDKs read it:
+`retry_after_s` (a `retry-after` header) where it can, `should_retry = False`
+(`x-should-retry: false`) where it cannot, so an SDK does not spend its retries
+on a bad body, a missing key or an exhausted spend limit."""
 from __future__ import annotations
 
-from proxy.limits import DATABASE_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
+from proxy.limits import DATABASE_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
 
 
 class ProxyError(Exception):
@@ -12,14 +17,23 @@ class ProxyError(Exception):
     code = "internal_error"
     param: str | None = None
     retry_after_s: int | None = None
+    should_retry: bool | None = None  # None: the SDK decides by the status
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         if param is not None:
             self.param = param
+        if code is not None:
+            self.code = code
 
 
-class InvalidRequest(ProxyError):
+class CallerMistake(ProxyError):
+    """A 4xx that the same request will meet again: no retry can fix it."""
+
+    should_retry = False
+
+
+class InvalidRequest(CallerMistake):
     status, error_type, code = 400, "invalid_request_error", "invalid_request"
 
 
@@ -27,20 +41,23 @@ class ContextTooLong(InvalidRequest):
     code = "context_length_exceeded"
 
 
-class NotEnoughCredits(ProxyError):
+class NotEnoughCredits(CallerMistake):
     status, error_type, code = 402, "insufficient_quota", "insufficient_credits"
 
 
-class UnknownModel(ProxyError):
+class UnknownModel(CallerMistake):
     status, error_type, code = 404, "invalid_request_error", "model_not_found"
 
 
-class LimitReached(ProxyError):
-    status, error_type, code = 429, "rate_limit_error", "spend_limit_reached"
+class LimitReached(CallerMistake):
+    """The key's spend limit: a 429 as OpenAI's exhausted quota is, and like it never worth a retry."""
+
+    status, error_type, code = 429, "insufficient_quota", "insufficient_quota"
 
 
 class NoWorkerAvailable(ProxyError):
     status, error_type, code = 503, "service_unavailable", "no_worker_available"
+    retry_after_s = NO_WORKER_RETRY_AFTER_S
 
 
 class UpstreamFailed(ProxyError):

@@ -56,14 +56,25 @@ def first_settlement(conn: Connection, request_id: str) -> Settled | None:
     return Settled(event["charge_nano_usd"], event["meta"].get("prompt_tokens", 0), event["meta"].get("completion_tokens", 0))
 
 
+# What the GPU's side earned and which GPU it was are the owner's business: a
+# customer's export shows neither (invoices/exports.py), nor does this.
+HIDDEN_FROM_CUSTOMERS = frozenset({"owner_nano_usd", "worker_id", "customer_account_id"})
+
+
 def find_generation(conn: Connection, request_id: str, account_id: int) -> dict | None:
-    """The recorded charge of a request of this account; None for anyone else's."""
+    """The recorded charge of a request of this account, as its customer sees it; None for anyone else's."""
+    record = generation_record(conn, request_id)
+    if record is None or record["customer_account_id"] != account_id:
+        return None
+    return {name: value for name, value in record.items() if name not in HIDDEN_FROM_CUSTOMERS}
+
+
+def generation_record(conn: Connection, request_id: str) -> dict | None:
+    """Everything recorded of a settled request, the owner's share and the worker included."""
     rows = _settlements(conn, request_id)
     if not rows:
         return None
     events = [orjson.loads(row.payload) for row in rows]
-    if events[0]["customer_account_id"] != account_id:
-        return None
     reversed_seqs = _reversed(conn, [row.seq for row in rows])
     kept = [e for row, e in zip(rows, events) if row.seq not in reversed_seqs]  # a reversed charge costs nothing
     meta, charge = events[0]["meta"], sum(e["charge_nano_usd"] for e in kept)
@@ -78,6 +89,7 @@ def find_generation(conn: Connection, request_id: str, account_id: int) -> dict 
         "completion_tokens": sum(e["meta"].get("completion_tokens", 0) for e in events),
         "model": meta.get("model"),
         "worker_id": meta.get("worker_id"),
+        "customer_account_id": events[0]["customer_account_id"],
         "api_key_id": meta.get("api_key_id"),
         "started_at": meta.get("started_at"),
         "completed_at": rows[-1].recorded_at.isoformat(),

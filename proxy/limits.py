@@ -42,8 +42,19 @@ CHOICES_PER_REQUEST_MAX = 128
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
 NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
 DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that says to ask again after this long
+NO_WORKER_RETRY_AFTER_S = 2  # no worker could take the request: health probes may bring one back by then
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0
+
+# --- Request bodies: the ranges of OpenAI's API document (proxy/request_checks.py)
+OPENAI_TEMPERATURE_MAX = 2
+OPENAI_PENALTY_MAX = 2  # frequency_penalty, presence_penalty: from minus this to this
+OPENAI_TOP_LOGPROBS_MAX = 20  # chat's top_logprobs
+OPENAI_COMPLETION_LOGPROBS_MAX = 5  # /v1/completions' logprobs
+OPENAI_BEST_OF_MAX = 20
+OPENAI_CHOICES_MAX = 128  # n
+OPENAI_LOGIT_BIAS_MAX = 100  # each bias, from minus this to this
+OPENAI_SEED_BITS = 64  # a signed 64-bit integer
 
 # --- The connections to workers (proxy/upstream.py) ----------------------------
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0

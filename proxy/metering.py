@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import orjson
 
+from ledger.errors import a_or_an
 from ledger.money import PERCENT
 from proxy.errors import InvalidRequest
 from proxy.limits import (
@@ -107,7 +108,7 @@ def _content_bytes(content: object, param: str) -> int:
             raise InvalidRequest(f"content parts of type {kind!r} are not supported yet: send text parts only", param=param)
         text = part.get(content_part_text_key(kind))
         if not isinstance(text, str):
-            raise InvalidRequest(f"a {kind} part needs its text as a string", param=param)
+            raise InvalidRequest(f"{a_or_an(kind)} part needs its text as a string", param=param)
         total += TEMPLATE_TOKENS_PER_CONTENT_PART + len(text.encode())
     return total
 

@@ -21,7 +21,7 @@ from ledger.errors import InsufficientFunds, SpendLimitReached
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import forwarded_fields, metering, routing, tokenize
+from proxy import forwarded_fields, metering, request_checks, routing, tokenize
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
@@ -123,6 +123,7 @@ class InferenceProxy:
         it when no worker answered."""
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
+        request_checks.check_body(kind, body)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model is required", param="model")

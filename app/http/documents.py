@@ -99,7 +99,8 @@ class DocumentController(Controller):
         engine = request.app.state.ledger.engine
         totals = await asyncio.to_thread(exports.prepare, engine, account, start, end, HTTP_CATCH_UP_ROUNDS_MAX)
         chunks = exports.csv_chunks(engine, account, start, end, totals)
-        return Stream(iterate_in_threads(chunks), media_type="text/csv; charset=utf-8", headers={
+        # Litestar appends "; charset=utf-8" to a text/ type itself: naming it here sent it twice.
+        return Stream(iterate_in_threads(chunks), media_type="text/csv", headers={
             "content-disposition": f'attachment; filename="ledger-{account}-{start.date()}-{end.date()}.csv"',
             "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
             "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),

@@ -9,6 +9,7 @@ each to its status, so a controller only calls the service."""
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,32 +23,32 @@ from invoices.statements import NoStatement, StatementNotReady
 from ledger.db import DATABASE_ERRORS, is_connection_failure
 from ledger.errors import DatabaseUnavailable, InvariantBroken, LedgerError
 from proxy import workers as registry
-from proxy.errors import DatabaseAway, InvalidRequest, NotReady, ProxyError
+from proxy.errors import CallerMistake, DatabaseAway, InvalidRequest, NotReady, ProxyError
 
 
-class AuthenticationFailed(ProxyError):
+class AuthenticationFailed(CallerMistake):
     """No bearer token, or one that is unknown or revoked (API keys and management tokens alike)."""
 
     status, error_type, code = 401, "authentication_error", "invalid_api_key"
 
 
-class PermissionDenied(ProxyError):
+class PermissionDenied(CallerMistake):
     """The token's role may not do this to its own account's data."""
 
     status, error_type, code = 403, "permission_error", "permission_denied"
 
 
-class NotFound(ProxyError):
+class NotFound(CallerMistake):
     """Does not exist, or belongs to an account the token may not know about."""
 
     status, error_type, code = 404, "invalid_request_error", "not_found"
 
 
-class UnknownGeneration(ProxyError):
+class UnknownGeneration(CallerMistake):
     status, error_type, code = 404, "invalid_request_error", "generation_not_found"
 
 
-class WorkerNotSuspended(ProxyError):
+class WorkerNotSuspended(CallerMistake):
     status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
 
 
@@ -93,20 +94,34 @@ def error_body(exc: ProxyError) -> dict:
     return {"error": {"message": str(exc), "type": exc.error_type, "param": exc.param, "code": exc.code}}
 
 
+def retry_headers(retry_after_s: int | None, should_retry: bool | None) -> dict[str, str]:
+    """What tells an OpenAI SDK whether to ask again: `retry-after` (seconds),
+    or `x-should-retry: false`, which the SDKs obey before their status rules."""
+    headers = {"retry-after": str(retry_after_s)} if retry_after_s else {}
+    if should_retry is not None:
+        headers["x-should-retry"] = "true" if should_retry else "false"
+    return headers
+
+
 def proxy_error_response(_: Request, exc: ProxyError) -> Response:
-    headers = {"retry-after": str(exc.retry_after_s)} if exc.retry_after_s else None
-    return json_response(error_body(exc), exc.status, headers)
+    return json_response(error_body(exc), exc.status, retry_headers(exc.retry_after_s, exc.should_retry) or None)
 
 
 def service_error_response(request: Request, exc: LedgerError) -> Response:
     return proxy_error_response(request, http_error_for(exc))
 
 
+# A timeout, a conflict or too many requests may pass when asked again (the SDKs retry them).
+RETRYABLE_CLIENT_STATUSES = frozenset({HTTPStatus.REQUEST_TIMEOUT, HTTPStatus.CONFLICT, HTTPStatus.TOO_MANY_REQUESTS})
+
+
 def http_exception_response(_: Request, exc: HTTPException) -> Response:
     """Litestar's own errors (no such route, a path parameter of the wrong type) in the same shape."""
     error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
+    final = exc.status_code < 500 and exc.status_code not in RETRYABLE_CLIENT_STATUSES  # a wrong path stays wrong
+    headers = {**(exc.headers or {}), **retry_headers(None, False if final else None)}  # a 405's Allow (RFC 9110) kept
     return json_response({"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}},
-                         exc.status_code, exc.headers)  # a 405's Allow (RFC 9110) among them
+                         exc.status_code, headers)
 
 
 log = logging.getLogger(__name__)

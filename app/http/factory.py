@@ -17,7 +17,7 @@ from app import wiring
 from app.http.documents import DocumentController
 from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
-from app.http.inference import InferenceController
+from app.http.inference import InferenceController, browser_cors
 from app.http.management import MANAGEMENT_CONTROLLERS
 from app.http.openapi import ASSETS_PATH, complete_openapi, openapi_config, swagger_ui_assets
 from app.http.responses import ResponsesController
@@ -103,6 +103,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         on_startup=[complete_openapi],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=openapi_config(),
+        cors_config=browser_cors(Settings.from_env()),
     )
     settings = None if stripe_settings and crypto_settings and invoice_settings else Settings.from_env()
     app.state.ledger = ledger

@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 
 from app.http.errors import AuthenticationFailed, PermissionDenied
 from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, Principal, find_token
+from ledger.errors import a_or_an
 from proxy.keys import KeyGrant
 
 
@@ -42,7 +43,7 @@ def requires_role(*roles: str) -> Guard:
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         who = await _management_principal(connection)
         if who.role not in roles:
-            raise PermissionDenied(f"a {who.role} token may not do this")
+            raise PermissionDenied(f"{a_or_an(who.role)} token may not do this")
 
     guard.__qualname__ = guard.__name__ = f"requires_role({', '.join(roles)})"
     return guard

@@ -9,12 +9,16 @@ import openai
 
 from ledger import accounts as acc
 from proxy import workers as registry
+from proxy.generations import generation_record
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 
 def _worker_of(proxy, fleet, request_id: str) -> int:
+    """Which worker served a request: the settlement says (the customer's /v1/generations does not)."""
     found = httpx.get(f"{proxy.url}/v1/generations/{request_id}", headers={"authorization": f"Bearer {fleet.key}"})
-    return found.json()["worker_id"]
+    assert found.status_code == 200, found.text
+    with fleet.engine.connect() as conn:
+        return generation_record(conn, request_id)["worker_id"]
 
 
 def test_draining_under_load_drops_no_request_and_ends_drained(database_url):

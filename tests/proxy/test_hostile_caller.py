@@ -301,7 +301,7 @@ def test_a_key_spend_limit_holds_against_concurrent_requests_on_two_replicas(pos
     served = [r for r in results if r.status == 200]
     refused = [r for r in results if r.status != 200]
     assert {r.status for r in refused} <= {429}
-    assert all(r.error["type"] == "rate_limit_error" for r in refused)
+    assert all(r.error["type"] == r.error["code"] == "insufficient_quota" for r in refused)
     settled = assert_books_exact(fleet, credits)
     spent = sum(s["charge_nano_usd"] for s in settled)
     assert spent <= KEY_LIMIT_NANO_USD, f"the key spent {spent} nano-USD against a limit of {KEY_LIMIT_NANO_USD}"

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from ledger.verify import verify
+from proxy.generations import generation_record
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 from tests.support.llamacpp_server import running_llamacpp_server
 from tests.support.tiny_gguf import write_tiny_model
@@ -37,7 +38,10 @@ def sqlite_url(tmp_path):
 
 
 def _served_by(proxy, fleet, request_id):
-    return httpx.get(f"{proxy.url}/v1/generations/{request_id}", headers={"authorization": f"Bearer {fleet.key}"}).json()
+    """The customer's view of the charge, and which worker served it (the settlement's, not shown to customers)."""
+    shown = httpx.get(f"{proxy.url}/v1/generations/{request_id}", headers={"authorization": f"Bearer {fleet.key}"}).json()
+    with fleet.engine.connect() as conn:
+        return {**shown, "worker_id": generation_record(conn, request_id)["worker_id"]}
 
 
 def test_both_engines_answer_in_one_shape_and_are_billed_their_own_tokens(mixed_fleet):

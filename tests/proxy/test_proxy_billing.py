@@ -191,7 +191,7 @@ def test_a_key_with_a_spend_limit_gets_429_once_it_is_spent(database_url):
                 assert len(answer.choices[0].message.content.split()) == answer.usage.completion_tokens
             except openai.APIStatusError as exc:
                 statuses.append(exc.status_code)
-                assert exc.body["type"] == "rate_limit_error"
+                assert exc.body["type"] == exc.body["code"] == "insufficient_quota"
     worker.stop()
     assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
     spent = sum(s["charge_nano_usd"] for s in fleet.settlements())

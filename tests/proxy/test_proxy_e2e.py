@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.generations import generation_record
 from proxy.keys import revoke_key
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
@@ -58,7 +59,10 @@ def test_the_openai_sdk_gets_billed_answers_sync_and_streaming(one_worker):
 
     generation = httpx.get(f"{proxy.url}/v1/generations/{answer.id}", headers={"authorization": f"Bearer {fleet.key}"}).json()
     assert generation["cost_nano_usd"] == cost_nano_usd
-    assert generation["completion_tokens"] == 5 and generation["worker_id"] == fleet.worker_ids[0]
+    assert generation["completion_tokens"] == 5
+    assert "worker_id" not in generation and "owner_nano_usd" not in generation, "the owner's side is not the customer's"
+    with fleet.engine.connect() as conn:
+        assert generation_record(conn, answer.id)["worker_id"] == fleet.worker_ids[0]
 
     settled = fleet.settlements()
     assert len(settled) == 4

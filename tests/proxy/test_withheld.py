@@ -11,7 +11,7 @@ from ledger.errors import DatabaseUnavailable
 from ledger.holds import settlement_key
 from ledger.verify import verify
 from proxy import settlement
-from proxy.generations import find_generation
+from proxy.generations import generation_record
 from proxy.limits import HOLD_TTL_S_DEFAULT, SHUTDOWN_DATABASE_WAIT_S
 from proxy.settlement import Settler
 from proxy.upstream import UpstreamPool
@@ -78,7 +78,7 @@ def test_a_withheld_charge_is_reversed_after_a_restart(books, tmp_path, monkeypa
     assert WithheldJournal(journal_path).pending() == []
     assert journal_path.read_bytes() == b""  # compacted once nothing is owed
     with books.engine.connect() as conn:
-        shown = find_generation(conn, generation.request_id, books.customer)
+        shown = generation_record(conn, generation.request_id)
     assert shown["reversed"] is True and shown["cost_nano_usd"] == 0 and shown["owner_nano_usd"] == 0
 
 

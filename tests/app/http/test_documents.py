@@ -13,7 +13,7 @@ def test_an_export_holds_the_accounts_postings_and_no_one_elses(site):
     read_models.catch_up(site.engine)
     before = site.money()
     export = site.call("GET", "/v1/exports/ledger.csv?from=2000-01", site.tokens["accountant"])
-    assert export.status_code == 200 and export.headers["content-type"].startswith("text/csv")
+    assert export.status_code == 200 and export.headers["content-type"] == "text/csv; charset=utf-8", "charset once"
     rows = list(csv.DictReader(io.StringIO(export.text)))
     assert int(export.headers["x-paralon-postings"]) == len(rows) > 0
     closing = int(export.headers["x-paralon-closing-balance-nano-usd"])

@@ -6,10 +6,12 @@ from __future__ import annotations
 from tests.app.http.conftest import MODEL
 
 
-def test_models_carry_their_prices(site):
-    [model] = site.call("GET", "/v1/models", site.key).json()["data"]
-    assert model["id"] == MODEL
-    assert model["pricing"]["input_usd_per_mtok"] == "0.100000000" and model["pricing"]["output_nano_usd_per_token"] == 200
+def test_a_model_whose_workers_are_all_unreachable_is_not_listed(site):
+    """The site's workers never answer a probe: listed models are those that can answer
+    (tests/app/http/test_models_routes.py shows a listed one, with its prices)."""
+    assert site.call("GET", "/v1/models", site.key).json()["data"] == []
+    missing = site.call("GET", f"/v1/models/{MODEL}", site.key)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_request_is_refused_before_anything_is_held(site):
@@ -39,7 +41,7 @@ def test_a_flag_that_is_not_a_json_boolean_is_refused_before_anything_is_held(si
     before = site.money()
     messages = [{"role": "user", "content": "hi"}]
     for body, param in (({"stream": "false"}, "stream"), ({"stream": 0}, "stream"),
-                        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options")):
+                        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage")):
         response = site.call("POST", "/v1/chat/completions", site.key, json={"model": MODEL, "messages": messages, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert site.money() == before, "nothing charged, no hold left behind"
