@@ -71,11 +71,10 @@ def _start_agent_worker() -> ThreadedServer:
 
 
 def _embedding_worker() -> ThreadedServer | None:
-    """A simulated worker serving an embedding model, if the simulated worker knows that route."""
-    try:
-        server = sim_worker("instant", model=EMBEDDING_MODEL)
-    except TypeError:
+    """A simulated worker serving an embedding model, once workers have tasks and the simulated worker that route."""
+    if not hasattr(registry, "EMBEDDING"):
         return None
+    server = sim_worker("instant", model=EMBEDDING_MODEL)
     probe = httpx.post(server.url + "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "probe"})
     if probe.status_code != 200:
         server.stop()
@@ -100,10 +99,10 @@ class Served:
         return self.url + "/v1"
 
 
-def _add_model(fleet: Fleet, url: str, model: str, **worker_options) -> int:
+def _add_model(fleet: Fleet, url: str, model: str, **task) -> int:
     with fleet.engine.begin() as conn:
         owner = acc.create_account(conn, cmd.OWNER, f"owner of {model}")
-        registry.add_worker(conn, owner, url, model, "vllm", **worker_options)
+        registry.add_worker(conn, owner, url, model, "vllm", None, **task)
         prices.set_price(conn, model, "0.15", "0.60")
     return owner
 
@@ -136,7 +135,7 @@ def conformance_serve(request, tmp_path_factory):
         embedding_worker = _embedding_worker()
         if embedding_worker is not None:
             stack.callback(embedding_worker.stop)
-            fleet.owner_ids.append(_add_model(fleet, embedding_worker.url, EMBEDDING_MODEL))
+            fleet.owner_ids.append(_add_model(fleet, embedding_worker.url, EMBEDDING_MODEL, task=registry.EMBEDDING))
             models["embedding"] = EMBEDDING_MODEL
         broke_key, limited_key = _extra_keys(fleet)
         closing_pipe = stack.enter_context(ExitStack())  # runs after the serve stopped: its output pipe is closed
