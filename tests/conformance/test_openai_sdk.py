@@ -5,6 +5,7 @@ it received is checked against OpenAI's OpenAPI document (paralon.check())."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from decimal import Decimal
 
@@ -17,6 +18,7 @@ from tests.conformance.recording import usd_to_nano_usd_exact
 
 pytestmark = pytest.mark.filterwarnings("error")
 
+FLOAT32_BYTES = 4  # a base64 embedding is little-endian float32s
 HELLO = [{"role": "user", "content": "Say something."}]
 SEARCH_TOOL = {
     "type": "function",
@@ -195,14 +197,16 @@ def test_logprobs_and_reasoning(paralon):
 
 
 def test_several_choices(paralon):
+    """The agent worker answers `n` choices and prompt lists, as vLLM does."""
     client = paralon.openai()
-    answer = client.chat.completions.create(model=paralon.model(), messages=HELLO, max_tokens=3, n=2)
+    answer = client.chat.completions.create(model=paralon.model("agent"), messages=HELLO, max_tokens=3, n=2)
     assert sorted(c.index for c in answer.choices) == [0, 1]
+    assert all(c.finish_reason == "length" and c.message.content for c in answer.choices)
     assert answer.usage.completion_tokens == 6
     indexes = {c.choices[0].index for c in client.chat.completions.create(
-        model=paralon.model(), messages=HELLO, max_tokens=3, n=2, stream=True) if c.choices}
+        model=paralon.model("agent"), messages=HELLO, max_tokens=3, n=2, stream=True) if c.choices}
     assert indexes == {0, 1}
-    listed = client.completions.create(model=paralon.model(), prompt=["One", "Two"], max_tokens=2)
+    listed = client.completions.create(model=paralon.model("agent"), prompt=["One", "Two"], max_tokens=2)
     assert sorted(c.index for c in listed.choices) == [0, 1]
     paralon.check()
 
@@ -262,7 +266,8 @@ def test_embeddings(paralon):
     assert [d.index for d in answer.data] == [0, 1] and len(answer.data[0].embedding) > 0
     assert answer.usage.prompt_tokens > 0
     as_base64 = client.embeddings.create(model=paralon.model("embedding"), input="one", encoding_format="base64")
-    assert len(as_base64.data[0].embedding) == len(answer.data[0].embedding)
+    floats = len(base64.b64decode(as_base64.data[0].embedding)) // FLOAT32_BYTES
+    assert floats == len(answer.data[0].embedding)
     paralon.check()
 
 
