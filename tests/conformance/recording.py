@@ -44,6 +44,7 @@ class Exchange:
     headers: object  # httpx.Headers, or httpx2.Headers
     body: bytearray = field(default_factory=bytearray)
     read_to_end: bool = False
+    request_body: bytes = b""
 
     @property
     def streamed(self) -> bool:
@@ -158,7 +159,8 @@ class Recorder:
             return response
         if response.headers.get("content-encoding", "identity") != "identity":
             raise AssertionError(f"{url}: a compressed body ({response.headers['content-encoding']}) is not recorded")
-        exchange = Exchange(request.method, urlsplit(url).path, response.status_code, response.headers)
+        exchange = Exchange(request.method, urlsplit(url).path, response.status_code, response.headers,
+                            request_body=request.content)
         self.exchanges.append(exchange)
         if content is not None:  # send(stream=False) already read it
             exchange.body += content
@@ -190,7 +192,8 @@ def _schemas(exchange: Exchange) -> tuple[str, str | None]:
     if method == "POST" and path == "/v1/completions":
         return "CreateCompletionResponse", openai_spec.COMPLETION_STREAM_CHUNK
     if method == "POST" and path == "/v1/embeddings":
-        return "CreateEmbeddingResponse", None
+        asked = json.loads(exchange.request_body or b"{}").get("encoding_format")
+        return ("CreateEmbeddingResponse" if asked != "base64" else openai_spec.EMBEDDING_BASE64_RESPONSE), None
     if method == "POST" and path == "/v1/responses":
         return "Response", "ResponseStreamEvent"
     if method == "GET" and path.startswith("/v1/responses/"):

@@ -20,7 +20,11 @@ One schema is derived, by name, because the document is wrong about it:
 `CreateCompletionResponse` claims streamed and whole completions share one
 shape, with a non-null `finish_reason`; OpenAI (and vLLM) stream `null` there
 on every chunk but the last. `CompletionStreamChunk` is that schema with only
-`choices[].finish_reason` also allowing null."""
+`choices[].finish_reason` also allowing null. Likewise the document describes
+embeddings only as arrays of floats, while `encoding_format: "base64"` (which
+the openai SDK asks for by default) answers each as a base64 string:
+`CreateEmbeddingBase64Response` is `CreateEmbeddingResponse` with only
+`data[].embedding` a string."""
 from __future__ import annotations
 
 import copy
@@ -91,11 +95,24 @@ def _add_completion_stream_chunk(schemas: dict) -> None:
     schemas[COMPLETION_STREAM_CHUNK] = chunk
 
 
+EMBEDDING_BASE64_RESPONSE = "CreateEmbeddingBase64Response"
+
+
+def _add_embedding_base64_response(schemas: dict) -> None:
+    embedding = copy.deepcopy(schemas["Embedding"])
+    embedding["properties"]["embedding"] = {"type": "string", "contentEncoding": "base64"}
+    schemas["EmbeddingBase64"] = embedding
+    response = copy.deepcopy(schemas["CreateEmbeddingResponse"])
+    response["properties"]["data"]["items"] = {"$ref": "#/components/schemas/EmbeddingBase64"}
+    schemas[EMBEDDING_BASE64_RESPONSE] = response
+
+
 @functools.cache
 def document() -> dict:
     with spec_path().open("rb") as file:
         loaded = _rewrite_nullable(yaml.load(file, Loader=_Loader))
     _add_completion_stream_chunk(loaded["components"]["schemas"])
+    _add_embedding_base64_response(loaded["components"]["schemas"])
     return loaded
 
 
