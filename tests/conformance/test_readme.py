@@ -15,7 +15,7 @@ from tests.conformance.conftest import AGENT_MODEL
 pytestmark = [
     # The last filter wins; see test_litellm.py for this one warning of litellm's own types.
     pytest.mark.filterwarnings("error"),
-    pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '_\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
 ]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
