@@ -25,8 +25,10 @@ class ChoiceParts:
         self.tool_calls: dict[int, dict] = {}
         self.logprobs: dict[str, list] = {}
         self.finish_reason: str | None = None
+        self.received = False
 
     def add(self, choice: dict) -> None:
+        self.received = True
         if self.chat:
             self._add_delta(choice.get("delta") or {})
         elif isinstance(choice.get("text"), str):
@@ -100,4 +102,6 @@ class AnswerParts:
     def assembled(self, request_id: str, created: int, model: str, usage: dict) -> dict:
         object_name = "chat.completion" if self.chat else "text_completion"
         return {"id": request_id, "object": object_name, "created": created, "model": model,
-                "choices": [parts.assembled(index) for index, parts in enumerate(self.choices)], "usage": usage}
+                "choices": [parts.assembled(index) for index, parts in enumerate(self.choices)
+                            if index == 0 or parts.received],  # a worker that ignored n: only what it sent
+                "usage": usage}

@@ -172,6 +172,10 @@ class Generation:
                 self.first_token_at = time.perf_counter()
         if choice.get("finish_reason"):
             output.finished = True
+        logprobs = choice.get("logprobs")
+        if self.kind == CHAT and logprobs:  # vLLM omits what OpenAI's chunk schema requires
+            logprobs.setdefault("content", None)
+            logprobs.setdefault("refusal", None)
         return True
 
     @property

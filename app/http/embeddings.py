@@ -9,6 +9,7 @@ from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp
 
 from app.http.guards import GRANT, KeyHolder, requires_api_key
+from app.http.openapi import API_KEY
 from app.http.plumbing import json_body
 from proxy.embeddings import Embeddings
 
@@ -18,6 +19,7 @@ class EmbeddingsController(Controller):
     tags = ["inference"]
     guards = [requires_api_key]
     dependencies = GRANT
+    security = API_KEY
 
     @post("/embeddings", summary="Create embeddings (OpenAI API), billed per input token", status_code=200)
     async def create_embeddings(self, request: Request, grant: KeyHolder) -> ASGIApp:

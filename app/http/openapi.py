@@ -84,6 +84,7 @@ STATUSES_OF_ROUTE = {
     ("post", "/v1/chat/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/completions"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/embeddings"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+    ("post", "/v1/responses"): (HTTPStatus.PAYMENT_REQUIRED, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
     ("post", "/v1/workers/{worker_id}/resume"): (HTTPStatus.CONFLICT,),
 }
 READINESS = {"type": "object", "required": ["status", "checks"], "properties": {
@@ -132,6 +133,18 @@ COMPLETION_REQUEST = {
         {"type": "array", "minItems": 1, "items": {"type": "integer"}}]}},
     "example": {"model": "paralon-test", "prompt": "Once upon a time", "max_tokens": 16},
 }
+RESPONSE_REQUEST = {
+    "type": "object", "required": ["model", "input"],
+    "description": "OpenAI's Responses request: input as text or items (messages, function_call, function_call_output).",
+    "properties": {
+        "model": PROMPT_FIELDS["model"], "stream": PROMPT_FIELDS["stream"],
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": ["string", "null"]},
+        "previous_response_id": {"type": ["string", "null"], "description": "A response of this account, continued"},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
+        "tools": {"type": ["array", "null"]}},
+    "example": {"model": "paralon-test", "input": "Say hello", "max_output_tokens": 16},
+}
 STRIPE_EVENT = {
     "type": "object", "required": ["id", "type"],
     "description": "A Stripe event, verified against the `Stripe-Signature` header with the endpoint secret.",
@@ -155,13 +168,14 @@ REQUEST_BODIES = {
     ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},
     ("post", "/v1/completions"): {"$ref": "#/components/schemas/CompletionRequest"},
     ("post", "/webhooks/stripe"): {"$ref": "#/components/schemas/StripeEvent"},
+    ("post", "/v1/responses"): {"$ref": "#/components/schemas/ResponseRequest"},
     ("post", "/v1/embeddings"): {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string", "minLength": 1}, "input": EMBEDDING_INPUT,
         "encoding_format": {"enum": ["float", "base64"]},
         "dimensions": {"type": "integer", "minimum": 1, "maximum": EMBEDDING_DIMENSIONS_MAX}}},
 }
 NAMED_SCHEMAS = {"Error": ERROR_SCHEMA, "ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
-                 "StripeEvent": STRIPE_EVENT}
+                 "ResponseRequest": RESPONSE_REQUEST, "StripeEvent": STRIPE_EVENT}
 OPTIONAL_BODIES = {("post", "/v1/keys"), ("post", "/v1/workers/{worker_id}/resume")}
 BINARY = {"type": "string", "format": "binary"}
 # What a success answers when it is not JSON.
@@ -172,6 +186,7 @@ SUCCESS_CONTENT = {
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},
     ("post", "/v1/chat/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
     ("post", "/v1/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
+    ("post", "/v1/responses"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
 }
 
 

@@ -9,6 +9,7 @@ from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp
 
 from app.http.guards import GRANT, KeyHolder, requires_api_key
+from app.http.openapi import API_KEY
 from app.http.plumbing import json_body
 from app.http.relay_response import RelayResponse
 from proxy.responses.relay import ResponsesProxy
@@ -19,6 +20,7 @@ class ResponsesController(Controller):
     tags = ["inference"]
     guards = [requires_api_key]
     dependencies = GRANT
+    security = API_KEY
 
     @post("/responses", summary="Create a model response (OpenAI Responses API)", status_code=200)
     async def create_response(self, request: Request, grant: KeyHolder) -> ASGIApp:

@@ -182,10 +182,10 @@ def test_n_choices_are_all_relayed_and_all_billed(agent, streaming):
 def test_a_list_of_two_prompts_with_n_2_gives_four_choices(agent):
     fleet, worker, _, client = agent
     before = fleet.balance(fleet.customer_id).balance_nano_usd
-    answer = client.completions.create(model=MODEL, prompt=["The first prompt", [101, 102, 103]], n=2, max_tokens=4)
+    answer = client.completions.create(model=MODEL, prompt=["The first prompt", "The second one"], n=2, max_tokens=4)
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     assert all(len(c.text.split()) == 4 and c.finish_reason == "length" for c in answer.choices)
-    stream = client.completions.create(model=MODEL, prompt=["The first prompt", [101, 102, 103]], n=2, max_tokens=4,
+    stream = client.completions.create(model=MODEL, prompt=["The first prompt", "The second one"], n=2, max_tokens=4,
                                        stream=True, stream_options={"include_usage": True})
     texts: dict[int, str] = {}
     for chunk in stream:

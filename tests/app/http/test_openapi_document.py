@@ -16,9 +16,11 @@ from app.http.openapi import API_KEY_SCHEME, MANAGEMENT_TOKEN_SCHEME
 
 HTTP_DIR = Path(__file__).resolve().parents[3] / "app" / "http"
 API_KEY_ROUTES = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
-                  ("get", "/v1/generations/{request_id}")}
+                  ("get", "/v1/generations/{request_id}"), ("get", "/v1/models/{model}"),
+                  ("post", "/v1/responses"), ("post", "/v1/embeddings")}
 OPEN_ROUTES = {("get", "/health"), ("get", "/ready"), ("get", "/metrics"), ("post", "/webhooks/stripe")}
 BODIES = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("post", "/v1/keys"),
+          ("post", "/v1/responses"), ("post", "/v1/embeddings"),
           ("post", "/v1/credits/checkout"), ("post", "/v1/workers/{worker_id}/resume"), ("post", "/webhooks/stripe")}
 BODILESS_POSTS = {("post", "/v1/workers/{worker_id}/drain")}  # a POST that reads nothing of the request but its path
 NOT_ERRORS = {("get", "/ready", "503")}  # /ready names its failed checks
