@@ -103,6 +103,7 @@ READ_MODELS_INTERVAL_S = 1.0
 READ_MODELS_LAG_S_MAX = 5.0
 # Stopping the follower waits for the page it is applying (one transaction) this long at most.
 READ_MODELS_FOLLOWER_STOP_TIMEOUT_S = 30.0
+READ_MODELS_FAILURES_TO_YIELD = 30  # failed rounds in a row after which a replica gives up the applier lease
 # Each day at 00:30 UTC, after a month's close grace (invoices.limits.CLOSE_GRACE_S).
 STATEMENTS_DAILY_AT_HOUR = 0
 STATEMENTS_DAILY_AT_MINUTE = 30

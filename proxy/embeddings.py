@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import struct
 import uuid
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 ENCODINGS = ("float", "base64")
 ENGINES_WITH_TOKEN_IDS_AND_DIMENSIONS = ("vllm",)
 FLOAT32 = "<{}f"  # OpenAI's base64: the vector's little-endian float32 bytes
+FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]  # the largest finite float32
 
 
 # The request
@@ -167,8 +169,8 @@ def read_answer(raw: bytes, count: int, dimensions: int | None) -> Vectors:
         vector = item.get("embedding") if isinstance(item, dict) else None
         if type(index) is not int or not 0 <= index < count or vectors[index] is not None:
             raise Malformed("the vectors' indexes are not 0 to n-1, each once")
-        if type(vector) is not list or not vector or not all(type(x) is float or type(x) is int for x in vector):
-            raise Malformed(f"vector {index} is not a list of numbers")
+        if type(vector) is not list or not vector or not all(_float32(x) for x in vector):
+            raise Malformed(f"vector {index} is not a list of 32-bit float numbers")
         vectors[index] = vector
     width = dimensions or len(vectors[0])
     if any(len(v) != width for v in vectors):
@@ -176,6 +178,11 @@ def read_answer(raw: bytes, count: int, dimensions: int | None) -> Vectors:
     usage = answer.get("usage")
     reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     return Vectors(vectors, reported if type(reported) is int and reported >= 0 else None)
+
+
+def _float32(x: object) -> bool:
+    """A number a 32-bit float holds: base64 answers pack it, after the charge is written."""
+    return (type(x) is float or type(x) is int) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def encoded(vector: list[float], as_base64: bool) -> list[float] | str:

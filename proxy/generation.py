@@ -41,13 +41,14 @@ class Generation:
     model: str
     price: Price
     grant: KeyGrant
-    prompt_bound: int
+    prompt_bound: int  # the byte bound: what is held and billed at most
     max_tokens: int  # lowered to what the hold pays for (accept_hold)
     wants_usage: bool
     wants_continuous_usage: bool
     started_at: datetime
     streaming: bool  # the caller receives tokens as they come (what it has received is delivered)
     settle: Settle
+    context_bound: int = 0  # the context the prompt takes where the proxy routes it (a count near the limit), 0: prompt_bound
     choices_per_prompt: int = 1  # n: choice index = prompt_index * n + j
     choices: int = 1  # n times the prompts: every choice may use all of max_tokens
     # Its hold (accept_hold)

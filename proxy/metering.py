@@ -352,13 +352,17 @@ class ChoiceOutputs:
         return set().union(*(choice.tool_call_indexes for choice in self.choices))
 
     def finish_all(self) -> None:
+        """The stream ended: every choice that relayed output is finished."""
         for choice in self.choices:
-            choice.finished = True
+            if choice.relayed_chunks:
+                choice.finished = True
 
     def completion_bound(self) -> int:
+        """The sum of the choices' bounds; a choice the worker never sent
+        (one that ignored n) earns no allowance."""
         cap = self.max_tokens_per_choice
         return sum(choice.completion_bound() if cap is None else min(choice.completion_bound(), cap)
-                   for choice in self.choices)
+                   for choice in self.choices if choice.relayed_chunks or choice.finished)
 
 
 class BilledUsage(NamedTuple):

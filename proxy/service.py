@@ -143,16 +143,18 @@ class InferenceProxy:
         if not counted_asked and not routing.holds_everywhere(fleet, byte_bound + (asked_max_tokens or 1)) \
                 and tokenize.countable(kind, body):
             return None
-        prompt_bound = tokenize.bound_in_force(byte_bound, counted)
-        candidates = routing.candidates(fleet, prompt_bound + (asked_max_tokens or 1))
-        max_tokens = metering.planned_max_tokens(asked_max_tokens, prompt_bound, [w.context_length for w in candidates])
+        # A count comes from some worker of the model, maybe not the one that serves: it places
+        # the prompt (context, room for max_tokens), never what is held or billed (the byte bound).
+        context_bound = tokenize.bound_in_force(byte_bound, counted)
+        candidates = routing.candidates(fleet, context_bound + (asked_max_tokens or 1))
+        max_tokens = metering.planned_max_tokens(asked_max_tokens, context_bound, [w.context_length for w in candidates])
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
-        plan = metering.plan_hold(price, prompt_bound, max_tokens, choices)
+        plan = metering.plan_hold(price, byte_bound, max_tokens, choices)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)
         generation = Generation(
-            kind=kind, request_id=request_id, model=model, price=price, grant=grant, prompt_bound=prompt_bound,
-            max_tokens=max_tokens, wants_usage=wants_usage,
+            kind=kind, request_id=request_id, model=model, price=price, grant=grant, prompt_bound=byte_bound,
+            context_bound=context_bound, max_tokens=max_tokens, wants_usage=wants_usage,
             wants_continuous_usage=wants_continuous_usage, started_at=utc_now(),
             streaming=streaming, settle=self.settler.settle,
             choices_per_prompt=metering.choices_per_prompt(body), choices=choices,
@@ -231,7 +233,8 @@ class InferenceProxy:
     def _upstream_body(self, generation: Generation, forwarded: dict, worker: registry.WorkerView) -> dict:
         return {
             **forwarded, "model": worker.served_model or worker.model, "stream": True,
-            "max_tokens": routing.worker_max_tokens(generation.max_tokens, generation.prompt_bound, worker.context_length),
+            "max_tokens": routing.worker_max_tokens(generation.max_tokens, generation.context_bound or generation.prompt_bound,
+                                                worker.context_length),
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
 

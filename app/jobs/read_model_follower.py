@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from app.limits import READ_MODELS_FOLLOWER_STOP_TIMEOUT_S, READ_MODELS_INTERVAL_S
+from app.limits import READ_MODELS_FAILURES_TO_YIELD, READ_MODELS_FOLLOWER_STOP_TIMEOUT_S, READ_MODELS_INTERVAL_S
 from invoices import read_models
 
 log = logging.getLogger("paralon.read_models")
@@ -55,16 +55,20 @@ class ReadModelFollower:
         return applied
 
     def _run(self) -> None:
-        failing = False
+        failures = 0
         try:
             while not self._stopping.is_set():
                 try:
                     self.follow_once()
-                    failing = False
+                    failures = 0
                 except Exception:  # the database is away for a moment: the next round tries again
-                    if not failing:
+                    failures += 1
+                    if failures == 1:
                         log.warning("the read models could not follow the log; trying again", exc_info=True)
-                    failing = True
+                    if failures % READ_MODELS_FAILURES_TO_YIELD == 0:  # not a moment: let another replica try
+                        log.error("the read models failed %d times in a row; giving up the applier lease", failures,
+                                  exc_info=True)
+                        self._lease.release()
                 self._stopping.wait(self.interval_s)
         finally:
             self._lease.release()

@@ -53,7 +53,8 @@ class ResponsesProxy(InferenceProxy):
         if kind != RESPONSES:
             return super()._prepare(kind, body, grant, counted, counted_asked=counted_asked)
         request: ResponsesRequest = body
-        price, fleet = self.directory.prices.get(request.model), self.directory.fleet.get(request.model)
+        price = self.directory.prices.get(request.model)
+        fleet = registry.for_task(self.directory.fleet.get(request.model), registry.CHAT, request.model)
         if price is None or not fleet:
             raise UnknownModel(f"The model `{request.model}` does not exist")
         candidates = routing.candidates(fleet, request.prompt_bound + (request.max_output_tokens or 1))

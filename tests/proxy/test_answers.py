@@ -313,3 +313,14 @@ def test_out_of_range_duplicate_and_malformed_choices_are_dropped_and_counted():
     assert [c["delta"]["content"] for c in orjson.loads(event[6:])["choices"]] == [" a"]
     assert generation.output.dropped == 4 and generation.output.relayed_bytes == 2
     assert generation.transform(_token(2)) is None and generation.output.dropped == 5
+
+
+def test_choices_a_worker_never_sent_earn_no_allowance():
+    """A worker that ignores n sends one choice and [DONE]: the others were
+    never received, so they add nothing to what may be billed."""
+    asked_three = metering.ChoiceOutputs.of(3, stop_bytes=10)
+    sent = asked_three.choices[0]
+    sent.relayed_chunks, sent.relayed_bytes = 4, 20
+    asked_three.finish_all()
+    alone = metering.OutputCount(relayed_bytes=20, relayed_chunks=4, finished=True, stop_bytes=10)
+    assert asked_three.completion_bound() == alone.completion_bound()

@@ -340,6 +340,7 @@ def test_an_answer_is_usable_only_with_one_vector_of_numbers_per_input_all_as_lo
         (raw([{"index": 0, "embedding": ["1.0"]}]), 1, None),
         (raw([{"index": 0, "embedding": [True]}]), 1, None),
         (raw([{"index": 0, "embedding": []}]), 1, None),
+        (raw([{"index": 0, "embedding": [1e300]}]), 1, None),  # no float32 holds it: base64 could not pack it after the charge
     ]:
         with pytest.raises(Malformed):
             read_answer(bad, count, dimensions)
