@@ -39,7 +39,9 @@ INFERENCE_ROUTES = [
     ("POST", "/v1/chat/completions", {"model": "paralon-test", "messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/v1/completions", {"model": "paralon-test", "prompt": "hi"}),
     ("POST", "/v1/responses", {"model": "paralon-test", "input": "hi"}),
+    ("POST", "/v1/embeddings", {"model": "paralon-test", "input": "hi"}),
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/paralon-test", None),
     ("GET", "/v1/generations/req-settled", None),
 ]
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/webhooks/stripe"}  # the webhook is verified by its signature instead
