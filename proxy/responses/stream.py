@@ -134,7 +134,7 @@ class ResponsesGeneration(Generation):
 
     def _note_response_usage(self, usage: object) -> None:
         if isinstance(usage, dict):
-            self._note_usage({"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")})
+            self._note_usage({"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}, None)
 
     def _lifecycle(self, event: dict) -> bytes | None:
         if event["type"] == "response.created" and self.sequence:
