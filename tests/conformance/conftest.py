@@ -173,7 +173,7 @@ class Paralon:
 
     def model(self, kind: str = "text") -> str:
         if kind not in self.served.models:
-            pytest.skip(f"the serve has no {kind} model (the simulated worker does not serve it)")
+            pytest.fail(f"the serve has no {kind} model (the simulated worker does not serve it)")
         return self.served.models[kind]
 
     def openai(self, **options) -> openai.OpenAI:
@@ -186,7 +186,7 @@ class Paralon:
 
     def requires_route(self, path: str) -> None:
         if path not in documented_paths(self.served):
-            pytest.skip(f"this serve has no {path} route yet")
+            pytest.fail(f"this serve has no {path} route")
 
     def start(self) -> "Paralon":
         fleet = self.served.fleet
