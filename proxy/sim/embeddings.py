@@ -30,7 +30,7 @@ import orjson
 
 from proxy.limits import SIM_EMBEDDING_DIMENSIONS, SIM_EMBEDDING_TOKENS_PER_INPUT, SIM_PROMPT_BYTES_PER_TOKEN
 from proxy.sim.emitters import JSON_HEADERS, send_body
-from proxy.sim.requests import HttpError, bad_request
+from proxy.sim.requests import HttpError, bad_request, read_body_for_model
 
 PATH = "/v1/embeddings"
 FAULTS = ("fail", "wrong_count", "bad_json")
@@ -111,15 +111,7 @@ def route_of(worker: Any) -> EmbeddingRoute:
 
 
 def _request(body: bytes, model: str) -> dict:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    asked_model = data.get("model") or model
-    if asked_model != model:
-        raise HttpError(404, "NotFoundError", f"The model `{asked_model}` does not exist.")
+    data = read_body_for_model(body, model)
     value = data.get("input")
     if isinstance(value, str) and value:
         return data

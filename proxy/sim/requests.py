@@ -51,7 +51,8 @@ def count_prompt_tokens(contents: list[bytes]) -> int:
     return max(1, tokens)
 
 
-def parse_request(body: bytes, *, chat: bool, model: str, max_model_len: int, behaviour: Behaviour) -> GenerationRequest:
+def read_body_for_model(body: bytes, model: str) -> dict:
+    """The request body as a JSON object asking for this worker's model (or none), as vLLM checks it."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -61,6 +62,11 @@ def parse_request(body: bytes, *, chat: bool, model: str, max_model_len: int, be
     asked_model = data.get("model") or model
     if asked_model != model:
         raise HttpError(404, "NotFoundError", f"The model `{asked_model}` does not exist.")
+    return data
+
+
+def parse_request(body: bytes, *, chat: bool, model: str, max_model_len: int, behaviour: Behaviour) -> GenerationRequest:
+    data = read_body_for_model(body, model)
     contents, prompt_bytes = chat_prompt(data.get("messages")) if chat else _completion_prompt(data.get("prompt"))
     if chat and data.get("tools"):
         contents.append(orjson.dumps(data["tools"]))
