@@ -133,3 +133,6 @@ SIM_WORKER_PROBE_INTERVAL_S = 0.1
 GC_GEN0_THRESHOLD_ALLOCATIONS = 100_000
 GC_GEN1_THRESHOLD_COLLECTIONS = 50
 GC_GEN2_THRESHOLD_COLLECTIONS = 50
+
+# --- The served API document (app/http/openapi.py) ---------------------------
+DOCS_EXAMPLE_MAX_TOKENS = 16  # what the examples ask for: short, so trying one costs little

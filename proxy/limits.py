@@ -54,7 +54,9 @@ OPENAI_COMPLETION_LOGPROBS_MAX = 5  # /v1/completions' logprobs
 OPENAI_BEST_OF_MAX = 20
 OPENAI_CHOICES_MAX = 128  # n
 OPENAI_LOGIT_BIAS_MAX = 100  # each bias, from minus this to this
-OPENAI_SEED_BITS = 64  # a signed 64-bit integer
+OPENAI_SEED_MIN = -(2 ** 63)  # a signed 64-bit integer
+OPENAI_SEED_MAX = 2 ** 63 - 1
+SIM_TOOL_CALL_ID_HEX_CHARS = 24  # the simulated worker's call_ ids, as long as OpenAI's
 
 # --- The connections to workers (proxy/upstream.py) ----------------------------
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0

@@ -24,7 +24,8 @@ from proxy.limits import (
     OPENAI_COMPLETION_LOGPROBS_MAX,
     OPENAI_LOGIT_BIAS_MAX,
     OPENAI_PENALTY_MAX,
-    OPENAI_SEED_BITS,
+    OPENAI_SEED_MAX,
+    OPENAI_SEED_MIN,
     OPENAI_TEMPERATURE_MAX,
     OPENAI_TOP_LOGPROBS_MAX,
 )
@@ -191,7 +192,6 @@ def _stream_options(value: object, param: Where) -> None:
         _optional(value, param, name, _boolean)
 
 
-_seed_bound = 2 ** (OPENAI_SEED_BITS - 1)
 _penalty = _number(-OPENAI_PENALTY_MAX, OPENAI_PENALTY_MAX)
 
 COMMON_FIELDS: dict[str, Check] = {
@@ -205,7 +205,7 @@ COMMON_FIELDS: dict[str, Check] = {
     "top_p": _number(0, 1),
     "frequency_penalty": _penalty,
     "presence_penalty": _penalty,
-    "seed": _integer(-_seed_bound, _seed_bound - 1),
+    "seed": _integer(OPENAI_SEED_MIN, OPENAI_SEED_MAX),
     "stop": _stop,
     "logit_bias": _map_of(_number(-OPENAI_LOGIT_BIAS_MAX, OPENAI_LOGIT_BIAS_MAX)),
     "user": _string,

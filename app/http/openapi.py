@@ -17,6 +17,7 @@ from litestar import Litestar
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
+from app.limits import DOCS_EXAMPLE_MAX_TOKENS
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
 from proxy.limits import EMBEDDING_DIMENSIONS_MAX, EMBEDDING_INPUTS_MAX, MAX_TOKENS_LIMIT
 
@@ -123,7 +124,7 @@ CHAT_REQUEST = {
                    "messages": {"type": "array", "minItems": 1, "items": CHAT_MESSAGE},
                    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
                    "tools": {"type": ["array", "null"]}},
-    "example": {"model": "paralon-test", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16},
+    "example": {"model": "paralon-test", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": DOCS_EXAMPLE_MAX_TOKENS},
 }
 COMPLETION_REQUEST = {
     "type": "object", "required": ["model", "prompt"],
@@ -131,7 +132,7 @@ COMPLETION_REQUEST = {
     "properties": {**PROMPT_FIELDS, "prompt": {"anyOf": [
         {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
         {"type": "array", "minItems": 1, "items": {"type": "integer"}}]}},
-    "example": {"model": "paralon-test", "prompt": "Once upon a time", "max_tokens": 16},
+    "example": {"model": "paralon-test", "prompt": "Once upon a time", "max_tokens": DOCS_EXAMPLE_MAX_TOKENS},
 }
 RESPONSE_REQUEST = {
     "type": "object", "required": ["model", "input"],
@@ -143,7 +144,7 @@ RESPONSE_REQUEST = {
         "previous_response_id": {"type": ["string", "null"], "description": "A response of this account, continued"},
         "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
         "tools": {"type": ["array", "null"]}},
-    "example": {"model": "paralon-test", "input": "Say hello", "max_output_tokens": 16},
+    "example": {"model": "paralon-test", "input": "Say hello", "max_output_tokens": DOCS_EXAMPLE_MAX_TOKENS},
 }
 STRIPE_EVENT = {
     "type": "object", "required": ["id", "type"],

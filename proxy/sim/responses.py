@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX
+from proxy.limits import SIM_REQUEST_BODY_BYTES_MAX, SIM_TOOL_CALL_ID_HEX_CHARS
 from proxy.sim.emitters import JSON_HEADERS, SSE_HEADERS, Send, send_body
 from proxy.sim.engine import Call, GenerationRequest, SimulatedCrash
 from proxy.sim.requests import Behaviour, HttpError, bad_request, parse_request
@@ -98,7 +98,7 @@ class _ResponseShape:
         self.tool = calls_a_tool(data)
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"fc_{uuid.uuid4().hex}" if self.tool else f"msg_{uuid.uuid4().hex}"
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self.call_id = f"call_{uuid.uuid4().hex[:SIM_TOOL_CALL_ID_HEX_CHARS]}"
         self.response = {
             "id": self.response_id, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "in_progress", "output": [], "usage": None, "error": None, "incomplete_details": None,

@@ -29,6 +29,7 @@ from ledger.verify import verify
 from proxy import prices
 from proxy import workers as registry
 from proxy.embeddings import Malformed, Vectors, billed_usage, input_tokens_bound, read_answer, read_request
+from proxy.generations import generation_record
 from proxy.errors import InvalidRequest
 from proxy.limits import EMBEDDING_INPUTS_MAX, EMBEDDING_TOKENS_PER_INPUT
 from proxy.sim.embeddings import prompt_tokens_of, route_of, vector_of
@@ -68,7 +69,11 @@ class EmbeddingFleet:
         return openai.OpenAI(base_url=proxy.url + "/v1", api_key=self.fleet.key, max_retries=0, timeout=120)
 
     def generation(self, proxy, request_id: str) -> dict:
-        return httpx.get(f"{proxy.url}/v1/generations/{request_id}", headers={"authorization": f"Bearer {self.fleet.key}"}).json()
+        """The customer's view of a request, with the worker the ledger recorded (customers are not shown it)."""
+        shown = httpx.get(f"{proxy.url}/v1/generations/{request_id}", headers={"authorization": f"Bearer {self.fleet.key}"}).json()
+        assert "worker_id" not in shown
+        with self.fleet.engine.connect() as conn:
+            return {**shown, "worker_id": generation_record(conn, request_id)["worker_id"]}
 
 
 @pytest.fixture(autouse=True)

@@ -586,7 +586,7 @@ def test_a_non_streaming_answer_carries_the_reasoning_and_tool_calls_it_is_bille
         worker.stop()
     assert response.status_code == 200
     message = response.json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": None, "reasoning_content": "Weather needed.",
+    assert message == {"role": "assistant", "content": None, "refusal": None, "reasoning_content": "Weather needed.",
                        "tool_calls": [{"id": "call_1", "type": "function",
                                        "function": {"name": "get_weather", "arguments": arguments}}]}
     _assert_charged_once(fleet, 30, 20)
