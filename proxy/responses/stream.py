@@ -53,7 +53,7 @@ TEXT_DONES = {
 }
 # What a content part the worker adds may be, per item type, and its empty shape.
 EMPTY_PARTS = {
-    ("message", "output_text"): {"type": "output_text", "text": "", "annotations": []},
+    ("message", "output_text"): {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
     ("message", "refusal"): {"type": "refusal", "refusal": ""},
     ("reasoning", "reasoning_text"): {"type": "reasoning_text", "text": ""},
 }
@@ -143,7 +143,8 @@ class ResponsesGeneration(Generation):
         if not isinstance(response, dict):
             raise _Malformed("no response object")
         self.created = response.get("created_at") if type(response.get("created_at")) is int else self.created
-        self.shell = {**response, **self._echo(), "output": [], "usage": None}
+        # No usage until the end: OpenAI's document allows none rather than null
+        self.shell = {key: value for key, value in response.items() if key != "usage"} | self._echo() | {"output": []}
         event["response"] = {**self.shell, "status": "in_progress" if event["type"] != "response.queued" else "queued"}
         return self._emit(event)
 
@@ -295,13 +296,16 @@ class ResponsesGeneration(Generation):
     def _echo(self) -> dict:
         """What the response says of its request that the worker was not told (it keeps nothing)."""
         request = self.request
-        return {"id": self.request_id, "model": self.model, "store": request.store if request else True,
+        echo = {"id": self.request_id, "model": self.model, "store": request.store if request else True,
                 "previous_response_id": request.previous_response_id if request else None}
+        if request is not None:  # the tools as asked, with the fields OpenAI's answer always has
+            echo["tools"] = [{"parameters": None, "strict": None, **tool} for tool in request.upstream_fields.get("tools", [])]
+        return echo
 
     def _default_shell(self) -> dict:
         fields = self.request.upstream_fields if self.request else {}
         return {"object": "response", "created_at": self.created or int(time.time()), "status": "in_progress",
-                "output": [], "usage": None, "error": None, "incomplete_details": None,
+                "output": [], "error": None, "incomplete_details": None,
                 "instructions": fields.get("instructions"), "tools": fields.get("tools", []), "tool_choice": "auto",
                 "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}, **self._echo()}
 
@@ -357,7 +361,7 @@ class ResponsesGeneration(Generation):
     def billed_usage(self) -> dict:
         """The usage billed, in the Responses API's names, with its cost."""
         prompt, completion = self.usage.get("prompt_tokens", 0), self.usage.get("completion_tokens", 0)
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + completion, "cost": orjson.Fragment(nano_usd_to_usd_text(self.cost_nano_usd)),
                 "cost_details": {"nano_usd": self.cost_nano_usd}}

@@ -128,7 +128,7 @@ class _ResponseShape:
             output = [self.item(self.arguments(text) if self.tool else text, "completed")]
         return {**self.response, "status": "incomplete" if incomplete else "completed", "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                           "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": prompt_tokens + output_tokens}}
 

@@ -46,6 +46,7 @@ OWNER_SHARE_PERCENT = 80
 CREDITS_USD = "10"
 SPEND_LIMIT_USD = "0.000001"  # below the smallest hold: every request on this key meets its limit
 SETTLED_WAIT_S = 20.0
+TEXT_ANSWER_TOKENS = 12
 SERVE_START_TIMEOUT_S = 120.0
 
 
@@ -124,7 +125,8 @@ def conformance_serve(request, tmp_path_factory):
     request.addfinalizer(lambda: drop_postgres_database_soon(database_url))
     scratch = tmp_path_factory.mktemp("conformance-serve")
     with ExitStack() as stack:
-        text_worker = sim_worker("instant")
+        # Answers end by themselves after TEXT_ANSWER_TOKENS: below that, max_tokens cuts them ("length").
+        text_worker = sim_worker("instant", stop_after_tokens=TEXT_ANSWER_TOKENS)
         stack.callback(text_worker.stop)
         agent_worker = _start_agent_worker()
         stack.callback(agent_worker.stop)

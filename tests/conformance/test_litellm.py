@@ -13,10 +13,14 @@ import pytest
 
 # The last filter wins. litellm builds a pydantic schema of its own GitHub Copilot
 # types on its first call, whatever the server, and pydantic warns about some of
-# them (`_DeviceCode`, `ChatCompletionThinkingBlock`, …: TypedDicts with `ReadOnly` items); that warning says nothing about the answers, every other one fails.
+# them (`_DeviceCode`, `ChatCompletionThinkingBlock`, …: TypedDicts with `ReadOnly` items); and
+# its stream of a usage chunk reads `model_fields` and `model_computed_fields` off an instance, which pydantic 2.11
+# deprecates. Neither says anything about the answers; every other warning fails.
 pytestmark = [
     pytest.mark.filterwarnings("error"),
     pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:Accessing the 'model_(computed_)?fields' attribute on the instance is deprecated"
+                               r":pydantic.warnings.PydanticDeprecatedSince211"),
 ]
 
 HELLO = [{"role": "user", "content": "Say something."}]

@@ -218,18 +218,19 @@ def test_responses_create_and_follow_up(paralon):
     paralon.requires_route("/v1/responses")
     client = paralon.openai()
     # The simulated worker writes until max_output_tokens: an incomplete response, as vLLM answers.
-    first = client.responses.create(model=paralon.model(), input="Say something.", max_output_tokens=16)
-    assert first.status in ("completed", "incomplete") and first.output_text
+    first = client.responses.create(model=paralon.model(), input="Say something.", max_output_tokens=8)
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens" and first.output_text
     assert usd_to_nano_usd_exact(first.usage.model_extra["cost"]) > 0
     follow_up = client.responses.create(model=paralon.model(), previous_response_id=first.id, max_output_tokens=16,
                                         input=[{"role": "user", "content": "And again."}])
-    assert follow_up.output_text and follow_up.usage.input_tokens > first.usage.input_tokens
+    assert follow_up.status == "completed" and follow_up.output_text and follow_up.usage.input_tokens > first.usage.input_tokens
     paralon.check()
 
 
 def test_responses_stream(paralon):
     paralon.requires_route("/v1/responses")
     client = paralon.openai()
+    # The answer ends before max_output_tokens (conftest.TEXT_ANSWER_TOKENS): a completed response.
     with client.responses.stream(model=paralon.model(), input="Say something.", max_output_tokens=16) as stream:
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
@@ -243,12 +244,12 @@ def test_responses_function_tool(paralon):
     tool = {"type": "function", "name": "search", "description": "Search the catalogue.",
             "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}
     answer = client.responses.create(model=paralon.model(), input="Find me three warm mats.", tools=[tool],
-                                     max_output_tokens=8)
+                                     max_output_tokens=16)
     calls = [item for item in answer.output if item.type == "function_call"]
     assert calls and calls[0].name == "search" and calls[0].call_id
     assert set(json.loads(calls[0].arguments)) == {"input"}
     reply = client.responses.create(model=paralon.model(), previous_response_id=answer.id, tools=[tool],
-                                    max_output_tokens=8,
+                                    max_output_tokens=16,
                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                             "output": '{"results": ["mat 1"]}'}])
     assert reply.output_text
