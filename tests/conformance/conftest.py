@@ -3,12 +3,9 @@ traffic recorded, and the checks every conformance test ends with.
 
 The serve fronts three models:
 - `paralon-test`: a simulated vLLM worker (proxy/sim/), plain text;
-- `paralon-agent`: a worker that answers with tool calls (and, once
-  tests/support/agent_worker.py exists, logprobs, reasoning and JSON that
-  matches a requested schema); until then the honest hand-written worker of
-  tests/support/hostile_worker.py, which streams tool calls;
-- `paralon-embed`: an embedding model, when the simulated worker serves
-  `/v1/embeddings`.
+- `paralon-agent`: tests/support/agent_worker.py, which answers with tool
+  calls, logprobs, reasoning and JSON that matches a requested schema;
+- `paralon-embed`: a simulated worker serving `/v1/embeddings`.
 A test asks for `paralon` and ends with `paralon.check()`: every body and SSE
 event the clients received matches OpenAI's OpenAPI document, and the
 customer lost exactly what the answers said they cost (the sum of the
@@ -20,7 +17,6 @@ import os
 # litellm reads this when it is imported: its price list from the package, not from the internet.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
-import importlib  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
@@ -37,8 +33,8 @@ from proxy import workers as registry  # noqa: E402
 from tests.conformance.recording import Recorder, reported_cost_nano_usd  # noqa: E402
 from tests.conftest import drop_postgres_database_soon, new_postgres_database  # noqa: E402
 from tests.support import harness  # noqa: E402
-from tests.support.harness import MODEL, Fleet, ThreadedServer, make_fleet, serving, sim_worker, wait_for  # noqa: E402
-from tests.support.hostile_worker import HONEST, HostileWorker  # noqa: E402
+from tests.support.harness import MODEL, Fleet, make_fleet, serving, sim_worker, wait_for  # noqa: E402
+from tests.support.agent_worker import start_agent_worker  # noqa: E402
 
 AGENT_MODEL = "paralon-agent"
 EMBEDDING_MODEL = "paralon-embed"
@@ -48,39 +44,6 @@ SPEND_LIMIT_USD = "0.000001"  # below the smallest hold: every request on this k
 SETTLED_WAIT_S = 20.0
 TEXT_ANSWER_TOKENS = 12
 SERVE_START_TIMEOUT_S = 120.0
-
-
-def agent_worker_module():
-    """tests/support/agent_worker.py, the worker that answers with tool calls, logprobs and reasoning; None before it exists."""
-    try:
-        return importlib.import_module("tests.support.agent_worker")
-    except ModuleNotFoundError:
-        return None
-
-
-AGENT_WORKER = agent_worker_module()
-requires_agent_worker = pytest.mark.skipif(
-    AGENT_WORKER is None, reason="needs tests/support/agent_worker.py (a worker answering with logprobs, reasoning, JSON)")
-
-
-def _start_agent_worker() -> ThreadedServer:
-    if AGENT_WORKER is None:
-        return ThreadedServer(HostileWorker(HONEST, model=AGENT_MODEL)).start()
-    if hasattr(AGENT_WORKER, "start_agent_worker"):
-        return AGENT_WORKER.start_agent_worker(model=AGENT_MODEL)
-    return ThreadedServer(AGENT_WORKER.AgentWorker(model=AGENT_MODEL)).start()
-
-
-def _embedding_worker() -> ThreadedServer | None:
-    """A simulated worker serving an embedding model, once workers have tasks and the simulated worker that route."""
-    if not hasattr(registry, "EMBEDDING"):
-        return None
-    server = sim_worker("instant", model=EMBEDDING_MODEL)
-    probe = httpx.post(server.url + "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "probe"})
-    if probe.status_code != 200:
-        server.stop()
-        return None
-    return server
 
 
 @dataclass
@@ -128,17 +91,15 @@ def conformance_serve(request, tmp_path_factory):
         # Answers end by themselves after TEXT_ANSWER_TOKENS: below that, max_tokens cuts them ("length").
         text_worker = sim_worker("instant", stop_after_tokens=TEXT_ANSWER_TOKENS)
         stack.callback(text_worker.stop)
-        agent_worker = _start_agent_worker()
+        agent_worker = start_agent_worker(model=AGENT_MODEL)
         stack.callback(agent_worker.stop)
         fleet = make_fleet(database_url, [text_worker.url], credits_usd=CREDITS_USD)
         stack.callback(fleet.engine.dispose)
-        models = {"text": MODEL, "agent": AGENT_MODEL}
+        models = {"text": MODEL, "agent": AGENT_MODEL, "embedding": EMBEDDING_MODEL}
         fleet.owner_ids.append(_add_model(fleet, agent_worker.url, AGENT_MODEL))
-        embedding_worker = _embedding_worker()
-        if embedding_worker is not None:
-            stack.callback(embedding_worker.stop)
-            fleet.owner_ids.append(_add_model(fleet, embedding_worker.url, EMBEDDING_MODEL, task=registry.EMBEDDING))
-            models["embedding"] = EMBEDDING_MODEL
+        embedding_worker = sim_worker("instant", model=EMBEDDING_MODEL)
+        stack.callback(embedding_worker.stop)
+        fleet.owner_ids.append(_add_model(fleet, embedding_worker.url, EMBEDDING_MODEL, task=registry.EMBEDDING))
         broke_key, limited_key = _extra_keys(fleet)
         closing_pipe = stack.enter_context(ExitStack())  # runs after the serve stopped: its output pipe is closed
         with pytest.MonkeyPatch.context() as patch:  # only while it starts: a loaded CI machine is slow to import it

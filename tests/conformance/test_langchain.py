@@ -10,7 +10,6 @@ from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from tests.conformance.conftest import requires_agent_worker
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -97,7 +96,6 @@ def test_structured_output_by_function_calling(paralon):
     paralon.check()
 
 
-@requires_agent_worker
 def test_structured_output_by_json_schema(paralon):
     found = _chat(paralon, "agent").with_structured_output(Search, method="json_schema").invoke(
         "Three warm mats, as JSON.")

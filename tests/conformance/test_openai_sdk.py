@@ -13,7 +13,6 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.conformance.conftest import requires_agent_worker
 from tests.conformance.recording import usd_to_nano_usd_exact
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -170,7 +169,6 @@ def test_structured_output_with_parse_and_a_tool(paralon):
     paralon.check()
 
 
-@requires_agent_worker
 def test_structured_output_with_a_json_schema(paralon):
     client = paralon.openai()
     answer = client.chat.completions.parse(model=paralon.model("agent"), response_format=Search,
@@ -179,7 +177,6 @@ def test_structured_output_with_a_json_schema(paralon):
     paralon.check()
 
 
-@requires_agent_worker
 def test_logprobs_and_reasoning(paralon):
     client = paralon.openai()
     answer = client.chat.completions.create(model=paralon.model("agent"), max_tokens=8, logprobs=True, top_logprobs=2,
