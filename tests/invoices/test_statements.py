@@ -47,7 +47,10 @@ def at(text: str) -> datetime:
 class Clock:
     def __init__(self, monkeypatch) -> None:
         self.now = at("2026-09-15T12:00:00")
-        monkeypatch.setattr("ledger.store.utc_now", lambda: self.now)
+        # The ledger records at this time, and the statements in this process are made at it:
+        # November stays the open month whatever the date. A `serve` subprocess keeps the real clock.
+        for where in ("ledger.store.utc_now", "invoices.statements.utc_now", "app.cli.billing.utc_now"):
+            monkeypatch.setattr(where, lambda: self.now)
 
 
 def _settle(ledger: Ledger, fleet, name: str, model: str, charge: int) -> int:
@@ -280,7 +283,8 @@ def test_the_ledger_export_totals_match_the_statement(history):
         assert pdf.status_code == 200 and pdf.content.startswith(b"%PDF")
         listed = get("/v1/statements", tokens["accountant"]).json()["data"]
         assert [(s["month"], s["closing_balance_nano_usd"]) for s in listed] == [("2026-10", closing)], "a closed month is stored"
-        provisional = get("/v1/statements/2026-11.pdf", tokens["customer"])
+        open_month = datetime.now(UTC).strftime("%Y-%m")  # the serve's clock is the real one
+        provisional = get(f"/v1/statements/{open_month}.pdf", tokens["customer"])
         assert provisional.status_code == 200 and "provisional" in provisional.headers["content-disposition"]
         assert get("/v1/statements", tokens["accountant"]).json()["data"] == listed, "an open month is not stored"
         owner_statement = get("/v1/statements/2026-10.json", tokens["owner"]).json()
