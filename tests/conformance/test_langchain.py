@@ -11,7 +11,12 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
 
-pytestmark = pytest.mark.filterwarnings("error")
+pytestmark = [
+    pytest.mark.filterwarnings("error"),
+    # An event loop or socket that another test or a client library left behind may be collected during
+    # this test: its finaliser's warning says nothing about this test's answers.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 FIND_MATS = "Find me three warm mats."
 

@@ -18,6 +18,9 @@ import pytest
 # deprecates. Neither says anything about the answers; every other warning fails.
 pytestmark = [
     pytest.mark.filterwarnings("error"),
+    # An event loop or socket that another test or a client library left behind may be collected during
+    # this test: its finaliser's warning says nothing about this test's answers.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
     pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
     pytest.mark.filterwarnings(r"ignore:Accessing the 'model_(computed_)?fields' attribute on the instance is deprecated"
                                r":pydantic.warnings.PydanticDeprecatedSince211"),

@@ -15,6 +15,9 @@ from tests.conformance.conftest import AGENT_MODEL
 pytestmark = [
     # The last filter wins; see test_litellm.py for this one warning of litellm's own types.
     pytest.mark.filterwarnings("error"),
+    # An event loop or socket that another test or a client library left behind may be collected during
+    # this test: its finaliser's warning says nothing about this test's answers.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
     pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
 ]
 
