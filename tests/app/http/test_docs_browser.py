@@ -27,7 +27,7 @@ def _chromium_path() -> str:
         found = shutil.which(name)
         if found:
             return found
-    pytest.skip("Chromium is not installed (make dev-venv installs Debian's chromium)")
+    pytest.fail("Chromium is not installed: make dev-venv installs Debian's chromium")
 
 
 @pytest.fixture
