@@ -296,17 +296,17 @@ class ResponsesGeneration(Generation):
     def _echo(self) -> dict:
         """What the response says of its request that the worker was not told (it keeps nothing)."""
         request = self.request
-        echo = {"id": self.request_id, "model": self.model, "store": request.store if request else True,
-                "previous_response_id": request.previous_response_id if request else None}
-        if request is not None:  # the tools as asked, with the fields OpenAI's answer always has
-            echo["tools"] = [{"parameters": None, "strict": None, **tool} for tool in request.upstream_fields.get("tools", [])]
-        return echo
+        tools = request.upstream_fields.get("tools", []) if request else []
+        return {"id": self.request_id, "model": self.model, "store": request.store if request else True,
+                "previous_response_id": request.previous_response_id if request else None,
+                # the tools as asked, with the fields OpenAI's answer always has
+                "tools": [{"parameters": None, "strict": None, **tool} for tool in tools]}
 
     def _default_shell(self) -> dict:
         fields = self.request.upstream_fields if self.request else {}
         return {"object": "response", "created_at": self.created or int(time.time()), "status": "in_progress",
                 "output": [], "error": None, "incomplete_details": None,
-                "instructions": fields.get("instructions"), "tools": fields.get("tools", []), "tool_choice": "auto",
+                "instructions": fields.get("instructions"), "tool_choice": "auto",
                 "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}, **self._echo()}
 
     # The caller's stream

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
+from tests.conformance.conftest import CLIENT_WARNINGS_ARE_ERRORS
 
-pytestmark = [
-    pytest.mark.filterwarnings("error"),
-    # An event loop or socket that another test or a client library left behind may be collected during
-    # this test: its finaliser's warning says nothing about this test's answers.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+
+pytestmark = CLIENT_WARNINGS_ARE_ERRORS
 
 FIND_MATS = "Find me three warm mats."
 

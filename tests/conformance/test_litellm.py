@@ -11,17 +11,13 @@ import json
 import litellm
 import pytest
 
-# The last filter wins. litellm builds a pydantic schema of its own GitHub Copilot
-# types on its first call, whatever the server, and pydantic warns about some of
-# them (`_DeviceCode`, `ChatCompletionThinkingBlock`, …: TypedDicts with `ReadOnly` items); and
-# its stream of a usage chunk reads `model_fields` and `model_computed_fields` off an instance, which pydantic 2.11
-# deprecates. Neither says anything about the answers; every other warning fails.
+from tests.conformance.conftest import CLIENT_WARNINGS_ARE_ERRORS, LITELLM_SCHEMA_WARNING
+
+# Its stream of a usage chunk reads `model_fields` and `model_computed_fields` off an instance,
+# which pydantic 2.11 deprecates: litellm's own code, nothing about the answers.
 pytestmark = [
-    pytest.mark.filterwarnings("error"),
-    # An event loop or socket that another test or a client library left behind may be collected during
-    # this test: its finaliser's warning says nothing about this test's answers.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
+    *CLIENT_WARNINGS_ARE_ERRORS,
+    LITELLM_SCHEMA_WARNING,
     pytest.mark.filterwarnings(r"ignore:Accessing the 'model_(computed_)?fields' attribute on the instance is deprecated"
                                r":pydantic.warnings.PydanticDeprecatedSince211"),
 ]

@@ -13,14 +13,10 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.conformance.conftest import CLIENT_WARNINGS_ARE_ERRORS
 from tests.conformance.recording import usd_to_nano_usd_exact
 
-pytestmark = [
-    pytest.mark.filterwarnings("error"),
-    # An event loop or socket that another test or a client library left behind may be collected during
-    # this test: its finaliser's warning says nothing about this test's answers.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = CLIENT_WARNINGS_ARE_ERRORS
 
 FLOAT32_BYTES = 4  # a base64 embedding is little-endian float32s
 HELLO = [{"role": "user", "content": "Say something."}]

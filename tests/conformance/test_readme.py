@@ -10,16 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conformance.conftest import AGENT_MODEL
+from tests.conformance.conftest import AGENT_MODEL, CLIENT_WARNINGS_ARE_ERRORS, LITELLM_SCHEMA_WARNING
 
-pytestmark = [
-    # The last filter wins; see test_litellm.py for this one warning of litellm's own types.
-    pytest.mark.filterwarnings("error"),
-    # An event loop or socket that another test or a client library left behind may be collected during
-    # this test: its finaliser's warning says nothing about this test's answers.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.filterwarnings(r"ignore:Items? .* on TypedDict class '\w+' (is|are) using the `ReadOnly` qualifier:UserWarning"),
-]
+pytestmark = [*CLIENT_WARNINGS_ARE_ERRORS, LITELLM_SCHEMA_WARNING]  # the snippets run litellm too
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADING = "## Use it from your code"

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 
+from app.http.status import LAG_METRIC
 from invoices.schema import usage_daily
 from proxy.generations import generation_record
 from proxy.keys import revoke_key
@@ -170,9 +172,8 @@ def test_the_read_model_lag_is_exported_as_a_metric(one_worker):
     seen = []
 
     def lag_events() -> float:
-        text = httpx.get(proxy.url + "/metrics").text
-        seen.append(float(next(line for line in text.splitlines()
-                               if line.startswith("paralon_projection_lag_events{")).rsplit(" ", 1)[1]))
+        families = text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+        seen.append(next(f for f in families if f.name == LAG_METRIC).samples[0].value)
         return seen[-1]
 
     wait_for(lambda: lag_events() == 0)
