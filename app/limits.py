@@ -13,6 +13,7 @@ GROUP_COMMIT_BATCH_COMMANDS_MAX = 10_000  # the largest PARALON_GROUP_COMMIT_BAT
 GROUP_COMMIT_WAIT_MS_MAX = 100  # the largest PARALON_GROUP_COMMIT_WAIT_MS
 INTERVAL_MS_MIN = 50  # the shortest health-probe and hold-sweep intervals
 HEALTH_INTERVAL_MS_MAX = 60_000
+CAPACITY_PERIOD_MS_MAX = 3_600_000  # how rarely a worker's capacity may be measured
 KEY_CACHE_TTL_MS_MAX = 60_000  # a revoked key stops working within this long even if its notice is lost
 HOLD_TTL_S_MIN = 2  # the shortest hold lifetime a replica serves with
 # How often a replica closes the holds crashed replicas left behind: with the

@@ -25,6 +25,7 @@ from app.limits import (
     CRYPTO_START_BLOCK_MAX,
     GROUP_COMMIT_BATCH_COMMANDS_MAX,
     GROUP_COMMIT_WAIT_MS_MAX,
+    CAPACITY_PERIOD_MS_MAX,
     HEALTH_INTERVAL_MS_MAX,
     HOLD_SWEEP_INTERVAL_MS_MAX,
     HOLD_SWEEP_INTERVAL_S,
@@ -47,7 +48,8 @@ from ledger.limits import (
     MS_PER_S,
     REPLICA_ID_CHARS_MAX,
 )
-from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S
+from proxy.limits import CAPACITY_PERIOD_S, HEALTH_INTERVAL_S, KEY_CACHE_TTL_S
+from proxy.routing import AFFINITY, POLICIES
 
 DATABASE_URL_DEFAULT = "sqlite:///./var/paralon.db"
 PUBLIC_URL_DEFAULT = f"http://127.0.0.1:{SERVE_PORT_DEFAULT}"
@@ -103,6 +105,10 @@ class DatabaseConfig(_Group):
 class ProxyConfig(_Group):
     health_interval_ms: int = _env("PARALON_HEALTH_INTERVAL_MS", in_ms(HEALTH_INTERVAL_S),
                                    ge=INTERVAL_MS_MIN, le=HEALTH_INTERVAL_MS_MAX)
+    capacity_period_ms: int = _env("PARALON_CAPACITY_PERIOD_MS", in_ms(CAPACITY_PERIOD_S),
+                                   ge=INTERVAL_MS_MIN, le=CAPACITY_PERIOD_MS_MAX)
+    # `affinity` routes; `random` and `round_robin` are baselines to measure it against (benchmarks/fleet.py).
+    routing_policy: str = _env("PARALON_ROUTING_POLICY", AFFINITY)
     key_cache_ttl_ms: int = _env("PARALON_KEY_CACHE_TTL_MS", in_ms(KEY_CACHE_TTL_S), ge=0, le=KEY_CACHE_TTL_MS_MAX)
     hold_ttl_s: int = _env("PARALON_HOLD_TTL_S", HOLD_TTL_S_DEFAULT, ge=HOLD_TTL_S_MIN, le=HOLD_TTL_S_MAX)
     hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", in_ms(HOLD_SWEEP_INTERVAL_S),
@@ -116,6 +122,13 @@ class ProxyConfig(_Group):
     # Web pages that may call the API from a browser: origins, comma-separated (`*` for any).
     # Unset: no CORS headers at all, so browsers refuse cross-origin calls.
     cors_origins_text: str | None = _env("PARALON_CORS_ORIGINS")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(POLICIES)}")
+        return policy
 
     @field_validator("public_url")
     @classmethod

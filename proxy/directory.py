@@ -8,37 +8,53 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from proxy import keys, prices, workers
-from proxy.limits import DECODE_RATE_TOKENS_MIN, DIRECTORY_REFRESH_INTERVAL_S, KEY_CACHE_ENTRIES_MAX, KEY_CACHE_TTL_S
+from proxy import keys, prices, routing, workers
+from proxy.capacity import Scrape, WorkerMetrics
+from proxy.limits import (
+    DIRECTORY_REFRESH_INTERVAL_S,
+    KEY_CACHE_ENTRIES_MAX,
+    KEY_CACHE_TTL_S,
+    LONG_PROMPT_RESERVE_S,
+    LONG_PROMPT_TOKENS_MIN,
+    SCRAPES_KEPT_MAX,
+)
+from proxy.routing import WorkerLoadView
 from proxy.schema import api_keys
 
 
 @dataclass
 class WorkerLoad:
-    """This process's view of one worker's load and speed."""
+    """This process's view of one worker's load (proxy/capacity.py)."""
 
-    in_flight: int = 0
-    reported_busy: int = 0  # running + waiting, from the worker's /metrics
-    # Per-request decode rate x concurrency, the best seen since the last time
-    # it was recorded: what the worker has shown it can deliver in total.
-    peak_tokens_per_s: float = 0.0
-    completed: int = 0
-    recorded_at_s: float = field(default_factory=time.monotonic)  # start of the measuring period
+    in_flight: int = 0  # requests this replica has on it
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # the worker's last scrape
+    relayed_tokens: int = 0  # tokens this replica relayed from it: its delivery when its metrics have no counter
+    scrapes: deque[Scrape] = field(default_factory=lambda: deque(maxlen=SCRAPES_KEPT_MAX))
 
     def busy(self) -> int:
-        return max(self.in_flight, self.reported_busy)
+        return max(self.in_flight, self.metrics.busy or 0)
 
-    def observe(self, tokens: int, decode_s: float, concurrency: int) -> None:
-        self.completed += 1
-        if tokens >= DECODE_RATE_TOKENS_MIN and decode_s > 0:
-            self.peak_tokens_per_s = max(self.peak_tokens_per_s, tokens / decode_s * max(1, concurrency))
+    def view(self) -> WorkerLoadView:
+        return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens())
 
-    def start_new_period(self, now_s: float) -> None:
-        self.peak_tokens_per_s, self.completed, self.recorded_at_s = 0.0, 0, now_s
+    def scraped(self, metrics: WorkerMetrics, at_s: float) -> None:
+        """A new scrape: the worker's own counter, or what this replica relayed."""
+        self.metrics = metrics
+        delivered = metrics.generation_tokens if metrics.generation_tokens is not None else float(self.relayed_tokens)
+        running = metrics.running if metrics.running is not None else self.in_flight
+        self.scrapes.append(Scrape(at_s, delivered, running, metrics.waiting or 0))
+
+    def period(self, now_s: float, period_s: float) -> list[Scrape]:
+        """The scrapes of the last period, one before it included, so the
+        intervals cover the whole period."""
+        scrapes = list(self.scrapes)
+        inside = [i for i, s in enumerate(scrapes) if s.at_s >= now_s - period_s]
+        return scrapes[max(0, inside[0] - 1):] if inside else []
 
 
 @dataclass
@@ -48,6 +64,11 @@ class Directory:
     prices: dict[str, prices.Price] = field(default_factory=dict)
     fleet: dict[str, list[workers.WorkerView]] = field(default_factory=dict)  # by public model name
     loads: dict[int, WorkerLoad] = field(default_factory=dict)
+    routing_policy: str = routing.AFFINITY  # the others are baselines for benchmarks
+    spills: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, reason): requests sent past their affinity choice
+    # model -> the workers that alone held a recent long prompt, and until when they keep room for such prompts
+    _reserved: dict[str, tuple[frozenset[int], float]] = field(default_factory=dict)
+    _turn: int = 0  # round robin's
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
     _secret_of_key: dict[int, str] = field(default_factory=dict)  # key id -> the cached secret, for revocations
     # Bumped by every eviction: a lookup that was in flight meanwhile may have
@@ -130,7 +151,22 @@ class Directory:
         with self.engine.connect() as conn:
             return keys.find_key(conn, key)
 
-    def measured_tokens_per_s(self, worker: workers.WorkerView) -> int | None:
-        """The measurement every replica shares (from the database), so that
-        all of them weigh workers alike and agree on affinity."""
-        return worker.throughput_tokens_per_s
+    def load(self, worker_id: int) -> WorkerLoad:
+        return self.loads.setdefault(worker_id, WorkerLoad())
+
+    def place(self, model: str, key: bytes, candidates: list[workers.WorkerView], needed_tokens: int) -> list[workers.WorkerView]:
+        """The candidates in the order to try them (proxy/routing.py), from
+        this replica's view of their load; a spill is counted for /metrics. A
+        long prompt that only some workers hold reserves room on them."""
+        if self.routing_policy != routing.AFFINITY:
+            self._turn += 1
+            return routing.baseline_order(self.routing_policy, candidates, self._turn)
+        now_s = time.monotonic()
+        if needed_tokens >= LONG_PROMPT_TOKENS_MIN and not routing.holds_everywhere(self.fleet.get(model, []), needed_tokens):
+            self._reserved[model] = (frozenset(w.id for w in candidates), now_s + LONG_PROMPT_RESERVE_S)
+        reserved, until_s = self._reserved.get(model, (frozenset(), 0.0))
+        placement = routing.order(key, candidates, {w.id: self.load(w.id).view() for w in candidates},
+                                  needed_tokens=needed_tokens, reserved=reserved if until_s > now_s else frozenset())
+        if placement.spill is not None:
+            self.spills[(model, placement.spill)] += 1
+        return placement.workers

@@ -46,7 +46,6 @@ from ledger.money import nano_usd_to_usd_text
 from ledger.schema import utc_now
 from proxy import routing
 from proxy import workers as registry
-from proxy.directory import WorkerLoad
 from proxy.errors import (
     ContextTooLong,
     InvalidRequest,
@@ -308,11 +307,9 @@ class Embeddings:
     async def _ask_workers(self, ask: EmbeddingAsk, candidates: list[registry.WorkerView]) -> _Attempted:
         head = ask.inputs[0] if not ask.token_ids else ""
         key = routing.affinity_key(ask.model, {"prompt": head})
-        measured = {w.id: self.directory.measured_tokens_per_s(w) for w in candidates}
-        busy = {w.id: self._load(w).busy() for w in candidates}
         failures: list[str] = []
         malformed = False
-        for worker in routing.order(key, candidates, measured, busy)[:UPSTREAM_ATTEMPTS_MAX]:
+        for worker in self.directory.place(ask.model, key, candidates, 0)[:UPSTREAM_ATTEMPTS_MAX]:
             try:
                 return _Attempted(worker, await self._ask(worker, ask))
             except Malformed as exc:
@@ -324,14 +321,11 @@ class Embeddings:
             raise UpstreamFailed(f"no worker gave a usable answer ({'; '.join(failures)}); nothing was charged")
         raise NoWorkerAvailable(f"every worker tried failed ({'; '.join(failures)}); nothing was charged")
 
-    def _load(self, worker: registry.WorkerView) -> WorkerLoad:
-        return self.directory.loads.setdefault(worker.id, WorkerLoad())
-
     async def _ask(self, worker: registry.WorkerView, ask: EmbeddingAsk) -> Vectors:
         body = {"model": worker.served_model or worker.model, "input": ask.inputs, "encoding_format": "float"}
         if ask.dimensions:
             body["dimensions"] = ask.dimensions
-        load = self._load(worker)
+        load = self.directory.load(worker.id)
         load.in_flight += 1
         response = None
         try:

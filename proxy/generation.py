@@ -41,14 +41,16 @@ class Generation:
     model: str
     price: Price
     grant: KeyGrant
-    prompt_bound: int  # the byte bound: what is held and billed at most
+    prompt_bound: int  # the byte bound: what is billed at most
     max_tokens: int  # lowered to what the hold pays for (accept_hold)
     wants_usage: bool
     wants_continuous_usage: bool
     started_at: datetime
     streaming: bool  # the caller receives tokens as they come (what it has received is delivered)
     settle: Settle
-    context_bound: int = 0  # the context the prompt takes where the proxy routes it (a count near the limit), 0: prompt_bound
+    # The context the prompt takes where the proxy routes it, and what its hold is sized for:
+    # a count plus its margin for a long prompt, 0 for prompt_bound.
+    context_bound: int = 0
     choices_per_prompt: int = 1  # n: choice index = prompt_index * n + j
     choices: int = 1  # n times the prompts: every choice may use all of max_tokens
     # Its hold (accept_hold)
@@ -89,7 +91,8 @@ class Generation:
     def accept_hold(self, hold_id: int, amount_nano_usd: int) -> None:
         """The hold granted, perhaps less than planned: max_tokens falls to what it pays for."""
         self.hold_id, self.hold_nano_usd = hold_id, amount_nano_usd
-        affordable = metering.affordable_max_tokens(self.price, self.prompt_bound, amount_nano_usd, self.choices)
+        affordable = metering.affordable_max_tokens(self.price, self.context_bound or self.prompt_bound, amount_nano_usd,
+                                                    self.choices)
         self.max_tokens = min(self.max_tokens, affordable)
 
     def use_worker(self, worker: registry.WorkerView | None, upstream_body: dict) -> None:

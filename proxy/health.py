@@ -2,37 +2,21 @@
 
 A successful probe is the worker's heartbeat (health columns only: it never
 touches state, so it cannot undo a drain). A draining worker becomes `drained`
-once it reports nothing running or waiting, or at the 120 s deadline."""
+once it reports nothing running or waiting, or at the 120 s deadline. Each
+probe's scrape of the worker's /metrics is also what its load and its
+capacity are measured from (proxy/capacity.py)."""
 from __future__ import annotations
 
 import asyncio
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.schema import utc_now
+from proxy import capacity
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
-from proxy.limits import HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S, MEASURED_REQUESTS_MIN, WEIGHT_PERIOD_S
-from proxy.routing import quantise_tokens_per_s
-
-BUSY_METRICS = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
-
-
-def busy_from_metrics(text: str) -> int | None:
-    """Running plus waiting requests from vLLM's Prometheus text (summed over
-    their label sets), or None when the text has neither or does not parse."""
-    total, seen = 0.0, False
-    try:
-        for family in text_string_to_metric_families(text):
-            if family.name in BUSY_METRICS:
-                for sample in family.samples:
-                    total += sample.value
-                    seen = True
-    except ValueError:  # not Prometheus text: the load is unknown, not zero
-        return None
-    return int(total) if seen else None
+from proxy.limits import CAPACITY_PERIOD_S, CAPACITY_WINDOW_S_MIN, HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S
 
 
 def context_from_models(payload: dict) -> tuple[int | None, str | None]:
@@ -46,10 +30,12 @@ def context_from_models(payload: dict) -> tuple[int | None, str | None]:
 
 
 class HealthChecker:
-    def __init__(self, directory: Directory, client: httpx.AsyncClient, *, interval_s: float = HEALTH_INTERVAL_S) -> None:
+    def __init__(self, directory: Directory, client: httpx.AsyncClient, *, interval_s: float = HEALTH_INTERVAL_S,
+                 period_s: float = CAPACITY_PERIOD_S) -> None:
         self.directory = directory
         self.client = client
         self.interval_s = interval_s
+        self.period_s = period_s  # of capacity measurements
 
     async def run(self) -> None:
         while True:
@@ -75,8 +61,8 @@ class HealthChecker:
                 return {"healthy": False}
             context, served = context_from_models(models.json())
             metrics = await self.client.get(worker.url + "/metrics", timeout=HEALTH_PROBE_TIMEOUT_S)
-            busy = busy_from_metrics(metrics.text) if metrics.status_code == 200 else None
-            return {"healthy": True, "context_length": context, "served_model": served, "busy": busy}
+            scraped = capacity.parse_metrics(metrics.text) if metrics.status_code == 200 else capacity.WorkerMetrics()
+            return {"healthy": True, "context_length": context, "served_model": served, "metrics": scraped}
         except (httpx.HTTPError, ValueError):
             return {"healthy": False}
 
@@ -89,38 +75,33 @@ class HealthChecker:
         return {"healthy": response.status_code < 500}
 
     def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:
-        now = utc_now()
+        now, now_s = utc_now(), time.monotonic()
         with self.directory.engine.begin() as conn:
             for worker, probe in probes:
                 registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"],
                                           context_length=probe.get("context_length"), served_model=probe.get("served_model"))
-                load = self.directory.loads.setdefault(worker.id, WorkerLoad())
-                if probe.get("busy") is not None:
-                    load.reported_busy = probe["busy"]
+                load = self.directory.load(worker.id)
+                load.scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s)
                 if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
                     registry.mark_drained(conn, worker.id)
-                self._record_throughput(conn, worker, load)
+                self._measure(conn, worker, load, now, now_s)
 
-    @staticmethod
-    def _record_throughput(conn, worker: registry.WorkerView, load: WorkerLoad) -> None:
-        """Share a measurement once a new worker has served enough to be
-        measured (the first replica to do so wins), then at most once per
-        period and only when it moved by a step: every change of weight moves
-        some conversations off the worker holding their cache."""
-        if load.completed < MEASURED_REQUESTS_MIN or not load.peak_tokens_per_s:
+    def _measure(self, conn, worker: registry.WorkerView, load: WorkerLoad, now, now_s: float) -> None:
+        """Once per period, the worker's capacity from the period's scrapes;
+        whichever replica comes first writes it, and every replica reads it."""
+        if worker.capacity_measured_at is not None and (now - worker.capacity_measured_at).total_seconds() < self.period_s:
             return
-        now_s = time.monotonic()
-        measured = quantise_tokens_per_s(load.peak_tokens_per_s)
-        if worker.throughput_tokens_per_s is None:
-            registry.record_throughput(conn, worker.id, measured, only_if_unmeasured=True)
-        elif now_s - load.recorded_at_s >= WEIGHT_PERIOD_S and measured != worker.throughput_tokens_per_s:
-            registry.record_throughput(conn, worker.id, measured)
-        else:
+        scrapes = load.period(now_s, self.period_s)
+        if not scrapes or scrapes[-1].at_s - scrapes[0].at_s < min(CAPACITY_WINDOW_S_MIN, self.period_s / 2):
             return
-        load.start_new_period(now_s)
+        seen = capacity.observe(scrapes)
+        current = capacity.Capacity(worker.throughput_tokens_per_s, worker.capacity_saturated, worker.capacity_requests)
+        updated = capacity.next_capacity(current, seen) if seen is not None else None
+        if updated is not None:
+            registry.record_capacity(conn, worker, updated, now)
 
     def _idle(self, worker: registry.WorkerView, probe: dict) -> bool:
         local = self.directory.loads.get(worker.id)
         in_flight_here = local.in_flight if local else 0
-        reported = probe.get("busy")
+        reported = (probe.get("metrics") or capacity.WorkerMetrics()).busy
         return in_flight_here == 0 and (reported == 0 or (reported is None and probe["healthy"]))

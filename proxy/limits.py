@@ -66,14 +66,23 @@ UPSTREAM_READ_PAUSE_BYTES = 1024 * 1024  # stop reading from a worker whose call
 UPSTREAM_READ_RESUME_BYTES = UPSTREAM_READ_PAUSE_BYTES // 2  # and read again once it caught up this far
 SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it is complete
 
-# --- Health checks and measurement (proxy/health.py) ---------------------------
+# --- Health checks (proxy/health.py) ------------------------------------------
 HEALTH_INTERVAL_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
-MEASURED_REQUESTS_MIN = 5  # completed requests before a new worker's throughput is shared
-# A decode rate needs two tokens: it is timed from the first token, whose time is the prompt's.
-DECODE_RATE_TOKENS_MIN = 2
-WEIGHT_PERIOD_S = 60.0  # a measured throughput is shared again at most this often
 DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
+
+# --- Capacity: what each worker delivers, agreed by every replica (proxy/capacity.py)
+# One replica per period writes a worker's capacity, from the worker's own
+# counters over the period (every replica scrapes the same counters).
+CAPACITY_PERIOD_S = 10.0
+CAPACITY_WINDOW_S_MIN = 5.0  # scrapes must span this much of a period before it is measured
+# A period is a measurement at saturation when the worker queued requests at
+# both ends of intervals covering at least this share of it.
+CAPACITY_SATURATED_PERCENT_MIN = 50
+# Each saturated measurement moves the capacity this far towards itself: one
+# odd period does not swing the weights, a lasting change shows in a few.
+CAPACITY_SMOOTHING_PERCENT = 50
+SCRAPES_KEPT_MAX = 256  # per worker; a period at the fastest health interval fits
 
 # --- What the hot path reads from memory (proxy/directory.py) ------------------
 DIRECTORY_REFRESH_INTERVAL_S = 1.0
@@ -81,12 +90,16 @@ KEY_CACHE_TTL_S = 1.0  # the fallback for a revocation notice that never came
 KEY_CACHE_ENTRIES_MAX = 100_000
 
 # --- Routing (proxy/routing.py) -----------------------------------------------
-# Spill when a request on this worker would decode slower than this.
+# The batch of a worker measured only below saturation, for sharing the load
+# when every worker is full: its capacity over this rate per request.
 TOKENS_PER_S_PER_REQUEST_MIN = 20
-# A worker with no measurement yet gets this capacity and the fleet's median
-# weight, so it receives enough traffic to be measured (a probe period).
-PROBE_CAPACITY_REQUESTS = 8
 PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
+# A prompt this long is placed by free KV cache, not by decode capacity.
+LONG_PROMPT_TOKENS_MIN = 16_384
+# Workers that alone held a long prompt keep this share of their batch free
+# of short traffic for this long after it, so long prompts do not queue behind chats.
+LONG_PROMPT_RESERVE_PERCENT = 25
+LONG_PROMPT_RESERVE_S = 60.0
 AFFINITY_PREFIX_BYTES_MAX = 16_384  # of a conversation, hashed for affinity
 AFFINITY_PROMPT_HEAD_BYTES = 1024  # of a completion prompt: what a continued prompt shares
 AFFINITY_KEY_BYTES = 16  # the BLAKE2b digest of that prefix

@@ -7,17 +7,26 @@
 2. Affinity: weighted rendezvous hashing of the conversation prefix, so every
    proxy replica picks the same worker for a follow-up without talking to the
    others (the worker that holds its KV cache answers ~5x sooner).
-3. Spill: walk the rendezvous order past workers whose in-flight requests
-   exceed their measured capacity.
+3. Spill: walk the rendezvous order past workers that are full: their own
+   queue grows (vLLM's num_requests_waiting), or they run the batch they ran
+   when last saturated. Weights and batches are the capacity every replica
+   agreed on (proxy/capacity.py); a worker not measured yet is probed.
+4. Long prompts (LONG_PROMPT_TOKENS_MIN and more) are weighed by the KV
+   cache each worker has left, and the few workers that alone hold the
+   longest ones keep some room free of short traffic (`reserved`).
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import random
 import statistics
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
+
+from ledger.money import PERCENT
 
 from proxy import workers as registry
 from proxy.errors import ContextTooLong, NoWorkerAvailable
@@ -25,7 +34,8 @@ from proxy.limits import (
     AFFINITY_KEY_BYTES,
     AFFINITY_PREFIX_BYTES_MAX,
     AFFINITY_PROMPT_HEAD_BYTES,
-    PROBE_CAPACITY_REQUESTS,
+    LONG_PROMPT_RESERVE_PERCENT,
+    LONG_PROMPT_TOKENS_MIN,
     PROBE_WEIGHT_TOKENS_PER_S,
     RENDEZVOUS_HASH_BYTES,
     RENDEZVOUS_HASH_SPAN,
@@ -35,12 +45,58 @@ from proxy.limits import (
 )
 
 
+SPILL_QUEUE = "queue"  # the affinity choice reported requests waiting
+SPILL_BUSY = "busy"  # it runs as many requests as its measured batch
+SPILL_RESERVED = "reserved"  # short traffic left room on it for long prompts
+SPILL_ALL_FULL = "all_full"  # every candidate was full: the least loaded for its size won
+SPILL_REASONS = (SPILL_QUEUE, SPILL_BUSY, SPILL_RESERVED, SPILL_ALL_FULL)
+
+
+# The router, and two baselines it is measured against (benchmarks/fleet.py).
+AFFINITY, RANDOM, ROUND_ROBIN = "affinity", "random", "round_robin"
+POLICIES = (AFFINITY, RANDOM, ROUND_ROBIN)
+
+
+def baseline_order(policy: str, candidates: list[registry.WorkerView], turn: int) -> list[registry.WorkerView]:
+    """A baseline's order: uniformly random, or the next worker in turn."""
+    if policy == RANDOM:
+        return random.sample(candidates, len(candidates))
+    by_id = sorted(candidates, key=lambda w: w.id)
+    start = turn % len(by_id)
+    return by_id[start:] + by_id[:start]
+
+
+class WorkerLoadView(NamedTuple):
+    """What a replica knows of one worker's load at this moment."""
+    busy_requests: int  # running and waiting: the larger of this replica's count and the worker's last report
+    waiting_requests: int  # the worker's own queue at its last scrape
+    free_kv_tokens: int | None  # room left in its KV cache, when its metrics say
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     worker_id: int
-    weight: float  # measured total tokens/s, or the probe weight
-    capacity_requests: int
-    in_flight: int
+    weight: float  # rendezvous weight: capacity tokens/s (a probe when unmeasured), or free KV for a long prompt
+    capacity_requests: int | None  # the batch it runs at saturation; None: unknown, only its queue says it is full
+    size_requests: int  # its share of the load when everyone is full
+    busy: int
+    waiting: int = 0
+    reserved_requests: int = 0  # kept free for long prompts: a short request treats it as full this much earlier
+
+    def full(self) -> str | None:
+        """Why a new request should not go here, or None."""
+        if self.waiting > 0:
+            return SPILL_QUEUE
+        if self.capacity_requests is not None and self.busy >= self.capacity_requests:
+            return SPILL_BUSY
+        if self.reserved_requests and self.busy >= (self.capacity_requests or self.size_requests) - self.reserved_requests:
+            return SPILL_RESERVED
+        return None
+
+
+class Placement(NamedTuple):
+    workers: list[registry.WorkerView]  # in the order to try
+    spill: str | None  # why the first is not the affinity choice, None when it is
 
 
 def candidates(fleet: list[registry.WorkerView], tokens_needed: int) -> list[registry.WorkerView]:
@@ -82,14 +138,42 @@ def worker_max_tokens(max_tokens: int, prompt_bound: int, context_length: int | 
     return max(1, min(max_tokens, context_length - prompt_bound))
 
 
-def order(key: bytes, fleet: list[registry.WorkerView], measured_tokens_per_s: dict[int, int | None],
-          busy: dict[int, int]) -> list[registry.WorkerView]:
-    """The candidates in the order to try them (`choose`), from each one's
-    measured throughput and the requests it is busy with."""
-    sizes = weights(measured_tokens_per_s)
-    ranked = choose(key, [Candidate(w.id, sizes[w.id][0], sizes[w.id][1], busy[w.id]) for w in fleet])
+def order(key: bytes, fleet: list[registry.WorkerView], loads: dict[int, WorkerLoadView], *,
+          needed_tokens: int = 0, reserved: frozenset[int] = frozenset()) -> Placement:
+    """The candidates in the order to try them (`choose`). A long prompt is
+    placed by the room each worker's KV cache has left (`long_prompt_weights`);
+    other requests by measured capacity, and keep `reserved` workers' spare
+    room for the long prompts only they hold."""
+    sizes = weights(fleet)
+    long_prompt = needed_tokens >= LONG_PROMPT_TOKENS_MIN
+    kv = long_prompt_weights(fleet, loads, needed_tokens) if long_prompt else {}
+    ranked = choose(key, [
+        Candidate(w.id, kv.get(w.id, sizes[w.id].weight), sizes[w.id].capacity_requests, sizes[w.id].size_requests,
+                  loads[w.id].busy_requests, loads[w.id].waiting_requests,
+                  0 if long_prompt or w.id not in reserved else _reserve(sizes[w.id]))
+        for w in fleet])
     by_id = {w.id: w for w in fleet}
-    return [by_id[c.worker_id] for c in ranked]
+    return Placement([by_id[c.worker_id] for c in ranked.order], ranked.spill)
+
+
+def _reserve(size: "Size") -> int:
+    return max(1, (size.capacity_requests or size.size_requests) * LONG_PROMPT_RESERVE_PERCENT // PERCENT)
+
+
+def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, WorkerLoadView], needed_tokens: int) -> dict[int, float]:
+    """Rendezvous weights for a long prompt: the KV cache each worker would
+    have left after taking it, so it goes where it costs the fleet least and
+    its follow-ups still find it. A worker without that room (it would queue
+    the prompt or preempt others) is tried only after every worker with room."""
+    room = {}
+    for worker in fleet:
+        free = loads[worker.id].free_kv_tokens
+        if free is None:  # no KV metrics: a worker holding this context holds at least that much cache
+            free = worker.context_length or needed_tokens
+        room[worker.id] = free - needed_tokens
+    if any(left >= 0 for left in room.values()):
+        return {worker_id: float(left) if left >= 0 else 0.0 for worker_id, left in room.items()}
+    return {worker_id: float(max(1, left + needed_tokens)) for worker_id, left in room.items()}
 
 
 def affinity_key(model: str, body: dict) -> bytes:
@@ -128,14 +212,25 @@ def rendezvous_order(key: bytes, candidates: list[Candidate]) -> list[Candidate]
     return sorted(candidates, key=lambda c: -c.weight / math.log(_unit_hash(key, c.worker_id)), reverse=True)
 
 
-def choose(key: bytes, candidates: list[Candidate]) -> list[Candidate]:
+class Ranked(NamedTuple):
+    order: list[Candidate]
+    spill: str | None
+
+
+def choose(key: bytes, candidates: list[Candidate]) -> Ranked:
     """Candidates in the order to try: the affinity choice first unless it is
-    over capacity, then the rest of the rendezvous order (for retries)."""
-    ordered = rendezvous_order(key, candidates)
-    free = [c for c in ordered if c.in_flight < c.capacity_requests]
-    if not free:  # everyone is busy: the least loaded for its size first
-        return sorted(ordered, key=lambda c: c.in_flight / c.capacity_requests)
-    return free + [c for c in ordered if c not in free]
+    full (its queue grows, it runs its measured batch, or its spare room is
+    kept for long prompts), then the rest of the rendezvous order (for
+    retries). A worker of weight 0 (a long prompt would not fit its free KV
+    cache) comes after every other."""
+    ordered = rendezvous_order(key, [c for c in candidates if c.weight > 0])
+    ordered += sorted((c for c in candidates if c.weight <= 0), key=lambda c: c.busy / c.size_requests)
+    free = [c for c in ordered if c.full() is None and c.weight > 0]
+    if not free:  # everyone is full: the least loaded for its size first
+        ranked = sorted(ordered, key=lambda c: (c.weight <= 0, c.busy / c.size_requests))
+        return Ranked(ranked, None if ranked[0] is ordered[0] else SPILL_ALL_FULL)
+    ranked = free + [c for c in ordered if c not in free]
+    return Ranked(ranked, None if ranked[0] is ordered[0] else ordered[0].full() or SPILL_ALL_FULL)
 
 
 def quantise_tokens_per_s(tokens_per_s: float) -> int:
@@ -146,15 +241,29 @@ def quantise_tokens_per_s(tokens_per_s: float) -> int:
     return int(round(THROUGHPUT_STEP_RATIO ** round(math.log(tokens_per_s, THROUGHPUT_STEP_RATIO))))
 
 
-def weights(measured: dict[int, int | None]) -> dict[int, tuple[float, int]]:
-    """(weight, capacity in requests) per worker from measured tokens/s; a
-    worker without a measurement is probed at the fleet's median."""
-    known = [v for v in measured.values() if v]
-    probe = statistics.median(known) if known else PROBE_WEIGHT_TOKENS_PER_S
+class Size(NamedTuple):
+    weight: float  # tokens/s, quantised
+    capacity_requests: int | None
+    size_requests: int
+
+
+def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
+    """Each worker's rendezvous weight and batch, from the capacity the
+    replicas agreed on (proxy/capacity.py). A worker not yet measured at
+    saturation is probed: weighed at least at the fleet's median capacity, so
+    it gets enough traffic to show what it can do, and trusted to say itself
+    (its queue) when it is full rather than cut off at a guessed batch."""
+    saturated = [w.throughput_tokens_per_s for w in fleet if w.capacity_saturated and w.throughput_tokens_per_s]
+    floors = [w.throughput_tokens_per_s for w in fleet if w.throughput_tokens_per_s]
+    probe = statistics.median(saturated or floors) if (saturated or floors) else PROBE_WEIGHT_TOKENS_PER_S
     out = {}
-    for worker_id, tokens_per_s in measured.items():
-        if tokens_per_s:
-            out[worker_id] = (float(tokens_per_s), max(1, tokens_per_s // TOKENS_PER_S_PER_REQUEST_MIN))
+    for w in fleet:
+        measured = w.throughput_tokens_per_s or 0
+        if w.capacity_saturated and measured:
+            tokens_per_s, capacity = measured, w.capacity_requests
         else:
-            out[worker_id] = (float(probe), PROBE_CAPACITY_REQUESTS)
+            tokens_per_s, capacity = max(measured, probe), None
+        weight = quantise_tokens_per_s(tokens_per_s)
+        size = capacity or max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN)
+        out[w.id] = Size(float(weight), capacity, size)
     return out

@@ -1,7 +1,7 @@
 """The proxy's tables: API keys, model prices, workers, stored responses. Money stays in the ledger."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, String, Table, Text, text
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey, Index, Integer, String, Table, Text, false, text
 
 from ledger.limits import IDEMPOTENCY_KEY_CHARS_MAX, REASON_CHARS_MAX
 from ledger.schema import BigId, Sha256, UTCDateTime, metadata
@@ -58,11 +58,17 @@ workers = Table(
     Column("usage_strikes", Integer, nullable=False, server_default=text("0")),
     Column("suspended_at", UTCDateTime),
     Column("suspension_reason", String(REASON_CHARS_MAX)),
-    # Measured total decode rate, shared so every proxy replica weighs alike.
+    # Measured capacity (proxy/capacity.py), written by one replica per period
+    # so that every replica weighs workers alike: output tokens/s delivered,
+    # at saturation when `capacity_saturated` (else only a floor), and the
+    # batch of requests the worker ran then.
     Column("throughput_tokens_per_s", Integer),
     Column("created_at", UTCDateTime, nullable=False),
     Column("task", String(STATE_CHARS_MAX), CheckConstraint("task IN ('chat', 'embedding')", name="ck_workers_task"),
            nullable=False, server_default=text("'chat'")),
+    Column("capacity_saturated", Boolean, nullable=False, server_default=false()),
+    Column("capacity_requests", Integer),
+    Column("capacity_measured_at", UTCDateTime),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are

@@ -144,12 +144,14 @@ class InferenceProxy:
                 and tokenize.countable(kind, body):
             return None
         # A count comes from some worker of the model, maybe not the one that serves: it places
-        # the prompt (context, room for max_tokens), never what is held or billed (the byte bound).
+        # the prompt (context, room for max_tokens) and sizes the hold, so a customer is not refused
+        # for four times the prompt; the bound a worker's report is billed at and judged by stays
+        # the byte bound, which no worker can move (a charge never exceeds its hold).
         context_bound = tokenize.bound_in_force(byte_bound, counted)
         candidates = routing.candidates(fleet, context_bound + (asked_max_tokens or 1))
         max_tokens = metering.planned_max_tokens(asked_max_tokens, context_bound, [w.context_length for w in candidates])
         request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
-        plan = metering.plan_hold(price, byte_bound, max_tokens, choices)
+        plan = metering.plan_hold(price, context_bound, max_tokens, choices)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)
         generation = Generation(
@@ -187,17 +189,13 @@ class InferenceProxy:
             await generation.close_upstream()
             self._forget_attempt(generation)
 
-    def _route(self, body: dict, model: str, fleet: list[registry.WorkerView]) -> list[registry.WorkerView]:
-        measured = {w.id: self.directory.measured_tokens_per_s(w) for w in fleet}
-        busy = {w.id: self.directory.loads[w.id].busy() for w in fleet}
-        return routing.order(routing.affinity_key(model, body), fleet, measured, busy)
-
     async def _start_upstream(self, generation: Generation, body: dict, candidates: list[registry.WorkerView]) -> None:
         last_error: Exception | None = None
         too_long: _TooLong | None = None  # the last worker's own "too long": only larger ones are tried after it
         forwarded = self._forwarded_fields(body)  # once per request, whichever worker answers
         attempts = 0
-        for worker in self._route(body, generation.model, candidates):
+        key = routing.affinity_key(generation.model, body)
+        for worker in self.directory.place(generation.model, key, candidates, generation.context_bound or generation.prompt_bound):
             if attempts == UPSTREAM_ATTEMPTS_MAX:
                 break
             if too_long is not None and not routing.larger(worker, too_long.context_length):

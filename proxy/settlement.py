@@ -74,8 +74,7 @@ class Settler:
         load = self.directory.loads.get(generation.worker.id)
         if load is not None:
             load.in_flight -= 1
-            decode_s = time.perf_counter() - generation.first_token_at if generation.first_token_at else 0.0
-            load.observe(generation.counted_tokens, decode_s, load.busy() + 1)
+            load.relayed_tokens += generation.counted_tokens
         if generation.reported_prompt is None and generation.counted_tokens:
             await self._ask_prompt_tokens(generation)
         billed = generation.delivered_usage()

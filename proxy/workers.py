@@ -24,6 +24,7 @@ from ledger.errors import InvalidInput
 from ledger.schema import utc_now
 from ledger.store import CREATED, AppendResult, append_one
 from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
+from proxy.capacity import Capacity
 from proxy.errors import InvalidRequest
 from proxy.schema import WORKER_TASKS, usage_evidence, workers
 
@@ -60,10 +61,13 @@ class WorkerView(NamedTuple):
     suspended_at: datetime | None
     suspension_reason: str | None
     task: str = CHAT  # what it serves: chat (and completions) or embeddings
+    capacity_saturated: bool = False  # throughput_tokens_per_s was measured while it queued (proxy/capacity.py)
+    capacity_requests: int | None = None  # the batch it ran then
+    capacity_measured_at: datetime | None = None
 
     def as_dict(self) -> dict:
         data = self._asdict()
-        for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at"):
+        for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at", "capacity_measured_at"):
             data[name] = data[name].isoformat() if data[name] else None
         return data
 
@@ -170,11 +174,17 @@ def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context
     conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
 
 
-def record_throughput(conn: Connection, worker_id: int, tokens_per_s: int, *, only_if_unmeasured: bool = False) -> None:
-    statement = update(workers).where(workers.c.id == worker_id)
-    if only_if_unmeasured:
-        statement = statement.where(workers.c.throughput_tokens_per_s.is_(None))
-    conn.execute(statement.values(throughput_tokens_per_s=tokens_per_s))
+def record_capacity(conn: Connection, worker: WorkerView, capacity: Capacity, now: datetime) -> bool:
+    """Store a worker's capacity unless another replica stored one since this
+    replica read the row: one writer per period, and each new value built on
+    the one before it. False when another replica was first."""
+    measured_at = workers.c.capacity_measured_at
+    unchanged = measured_at.is_(None) if worker.capacity_measured_at is None else measured_at == worker.capacity_measured_at
+    return bool(conn.execute(
+        update(workers).where(workers.c.id == worker.id, unchanged)
+        .values(throughput_tokens_per_s=capacity.tokens_per_s, capacity_saturated=capacity.saturated,
+                capacity_requests=capacity.requests, capacity_measured_at=now)
+    ).rowcount)
 
 
 class StrikeOutcome(NamedTuple):

@@ -21,7 +21,7 @@ from app.http.inference import InferenceController, browser_cors
 from app.http.management import MANAGEMENT_CONTROLLERS
 from app.http.openapi import ASSETS_PATH, complete_openapi, openapi_config, swagger_ui_assets
 from app.http.responses import ResponsesController
-from app.http.status import health, metrics, metrics_registry, ready
+from app.http.status import RoutingState, health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
 from app.payments.crypto import CryptoSettings
@@ -41,9 +41,10 @@ from ledger.limits import HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
 from proxy.directory import Directory
 from proxy.health import HealthChecker
-from proxy.limits import HEALTH_INTERVAL_S, KEY_CACHE_TTL_S, UPSTREAM_CONNECT_TIMEOUT_S
+from proxy.limits import CAPACITY_PERIOD_S, HEALTH_INTERVAL_S, KEY_CACHE_TTL_S, UPSTREAM_CONNECT_TIMEOUT_S
 from proxy.responses.relay import ResponsesProxy
 from proxy.revocations import follow_revocations
+from proxy.routing import AFFINITY
 from proxy.withheld import WithheldJournal
 from proxy.upstream import UpstreamPool
 
@@ -59,11 +60,12 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                stripe_settings: StripeSettings | None = None, crypto_settings: CryptoSettings | None = None,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
                worker_ca_bundle_path: str | None = None, replica_id: str | None = None,
-               withheld_journal_path: str | None = None) -> Litestar:
+               withheld_journal_path: str | None = None, capacity_period_s: float = CAPACITY_PERIOD_S,
+               routing_policy: str = AFFINITY) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py). The
     holds this replica places carry `replica_id`; as it starts, it settles those
     its crashed run left under it (none when None)."""
-    directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s)
+    directory = Directory(ledger.engine, key_cache_ttl_s=key_cache_ttl_s, routing_policy=routing_policy)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -73,7 +75,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                                                        max_keepalive_connections=UPSTREAM_CONNECTIONS_MAX))
         orphans = await asyncio.to_thread(ledger.holds_of_replica, replica_id) if replica_id else {}
         await directory.refresh_async()
-        checker = HealthChecker(directory, client, interval_s=health_interval_s)
+        checker = HealthChecker(directory, client, interval_s=health_interval_s, period_s=capacity_period_s)
         await checker.check_all()
         app.state.directory = directory
         app.state.proxy = ResponsesProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id,
@@ -111,6 +113,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
     app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
     app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
     app.state.metrics = metrics_registry(ledger.engine)
+    app.state.metrics.register(RoutingState(directory))
     app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured
     app.state.background = set()  # webhook processing in flight: kept so the tasks are not collected mid-way
     return app

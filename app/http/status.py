@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 import redis
 from sqlalchemy import Engine, select, text
@@ -20,6 +20,7 @@ from app.payments.stripe import parked_count
 from invoices import read_models
 from ledger.limits import MS_PER_S
 from ledger.schema import ledger_verifications
+from proxy.directory import Directory
 from proxy.limits import DATABASE_RETRY_AFTER_S
 
 LAG_METRIC = "paralon_projection_lag_events"
@@ -85,6 +86,34 @@ class StripeParked(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(self.NAME, self.HELP, value=parked_count(self.engine))
+
+
+SPILLS_METRIC = "paralon_route_spills"  # exposed as paralon_route_spills_total
+CAPACITY_METRIC = "paralon_worker_capacity_tokens_per_s"
+
+
+class RoutingState(Collector):
+    """This replica's spills, and the capacity every replica routes on (proxy/capacity.py)."""
+
+    def __init__(self, directory: Directory) -> None:
+        self.directory = directory
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        spills = CounterMetricFamily(SPILLS_METRIC, "Requests this replica sent past their affinity choice, by reason.",
+                                     labels=["model", "reason"])
+        for (model, reason), count in sorted(self.directory.spills.items()):
+            spills.add_metric([model, reason], count)
+        yield spills
+        measured = GaugeMetricFamily(CAPACITY_METRIC, "Output tokens per second a worker delivered: at saturation when "
+                                     "saturated is 1, else the most it delivered so far.", labels=["worker_id", "saturated"])
+        for workers in self.directory.fleet.values():
+            for worker in workers:
+                if worker.throughput_tokens_per_s:
+                    measured.add_metric([str(worker.id), str(int(worker.capacity_saturated))], worker.throughput_tokens_per_s)
+        yield measured
 
 
 def metrics_registry(engine: Engine) -> CollectorRegistry:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from proxy.limits import SIM_KV_BLOCK_TOKENS
 from proxy.sim.engine import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format vLLM serves
@@ -29,6 +30,11 @@ class EngineCollector:
                            state.requests_waiting)
         yield self._metric(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                            self.engine.kv_cache_usage())
+        cache_config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                                         labels=["block_size", "num_gpu_blocks"])
+        profile = self.engine.profile
+        cache_config.add_metric([str(SIM_KV_BLOCK_TOKENS), str(profile.kv_cache_capacity_tokens // SIM_KV_BLOCK_TOKENS)], 1.0)
+        yield cache_config
         yield self._metric(CounterMetricFamily, "vllm:prefix_cache_queries",
                            "Prefix cache queries, in terms of number of queried tokens.", state.prefix_cache_queries_tokens)
         yield self._metric(CounterMetricFamily, "vllm:prefix_cache_hits",

@@ -83,7 +83,8 @@ def test_a_heartbeat_never_undoes_a_drain(engine):
 def test_two_proxy_replicas_send_a_conversations_follow_ups_to_the_same_worker(database_url):
     sims = [sim_worker("h200", time_scale=20.0) for _ in range(3)]
     fleet = make_fleet(database_url, [s.url for s in sims])
-    with serving(database_url) as one, serving(database_url) as two:
+    with serving(database_url, PARALON_CAPACITY_PERIOD_MS="1000") as one, \
+            serving(database_url, PARALON_CAPACITY_PERIOD_MS="1000") as two:
         clients = [openai.OpenAI(base_url=p.url + "/v1", api_key=fleet.key, max_retries=0) for p in (one, two)]
         for i in range(45):  # a probe period: every worker is measured, and the measurement shared
             clients[0].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"warm {i}"}], max_tokens=20)

@@ -18,7 +18,8 @@ from ledger.schema import utc_now
 from proxy import limits
 from proxy import workers as registry
 from proxy.directory import Directory
-from proxy.health import HealthChecker, busy_from_metrics
+from proxy.capacity import WorkerMetrics, parse_metrics
+from proxy.health import HealthChecker
 from proxy.schema import workers
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -36,29 +37,53 @@ vllm:prompt_tokens_total{{engine="0",model_name="m"}} 12345.0
 # --- the Prometheus reader -----------------------------------------------------------
 
 
+def _busy(text: str) -> int | None:
+    return parse_metrics(text).busy
+
+
 def test_running_and_waiting_are_summed():
-    assert busy_from_metrics(VLLM_METRICS.format(running="3.0", waiting="2.0")) == 5
+    metrics = parse_metrics(VLLM_METRICS.format(running="3.0", waiting="2.0"))
+    assert (metrics.busy, metrics.running, metrics.waiting) == (5, 3, 2)
 
 
 def test_a_sample_with_a_timestamp_is_read_by_its_value():
     text = ('vllm:num_requests_running{model_name="m"} 3 1700000000000\n'
             'vllm:num_requests_waiting{model_name="m"} 1 1700000000000\n')
-    assert busy_from_metrics(text) == 4
+    assert _busy(text) == 4
 
 
 def test_every_label_set_counts():
     text = 'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 5\n'
-    assert busy_from_metrics(text) == 7
+    assert _busy(text) == 7
 
 
 def test_metrics_without_the_busy_gauges_or_not_prometheus_text_say_nothing():
-    assert busy_from_metrics('vllm:prompt_tokens_total{model_name="m"} 3\n') is None
-    assert busy_from_metrics("") is None
-    assert busy_from_metrics("<html>not found</html>") is None
+    assert _busy('vllm:prompt_tokens_total{model_name="m"} 3\n') is None
+    assert _busy("") is None
+    assert parse_metrics("<html>not found</html>") == WorkerMetrics()
 
 
 def test_a_similar_name_is_not_mistaken_for_a_busy_gauge():
-    assert busy_from_metrics("vllm:num_requests_running_total 9\nvllm:num_requests_waiting 1\n") == 1
+    assert _busy("vllm:num_requests_running_total 9\nvllm:num_requests_waiting 1\n") == 1
+
+
+def test_generated_tokens_and_the_kv_cache_are_read_from_vllms_names():
+    text = VLLM_METRICS.format(running=1, waiting=0) + (
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 4200.0\n'
+        'vllm:generation_tokens_created{model_name="m"} 1700000000.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')
+    metrics = parse_metrics(text)
+    assert (metrics.generation_tokens, metrics.kv_capacity_tokens, metrics.free_kv_tokens()) == (4200.0, 16_000, 12_000)
+
+
+def test_llamacpps_names_count_too():
+    text = ("llamacpp:tokens_predicted_total 300\nllamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n")
+    metrics = parse_metrics(text)
+    assert (metrics.generation_tokens, metrics.running, metrics.waiting) == (300.0, 2, 1)
 
 
 # --- the probe and the registry ---------------------------------------------------------
@@ -126,7 +151,7 @@ def test_a_healthy_worker_records_its_heartbeat_context_served_name_and_load(reg
     stored = _stored(registry_engine, worker_id)
     assert (stored.healthy, stored.context_length, stored.served_model) == (True, 8192, "served-m")
     assert stored.last_heartbeat_at is not None and stored.state == "active"
-    assert directory.loads[worker_id].reported_busy == 5
+    assert directory.loads[worker_id].busy() == 5
 
 
 def test_a_failing_worker_becomes_unhealthy_and_back(registry_engine):
@@ -183,26 +208,3 @@ def test_a_draining_worker_still_busy_is_drained_at_the_deadline(registry_engine
     fake.busy[url] = (4, 4)
     _check(registry_engine, fake.handle)
     assert _stored(registry_engine, worker_id).state == "drained"
-
-
-def test_a_new_workers_throughput_is_shared_once_measured(registry_engine):
-    worker_id, url = _add_worker(registry_engine, 9007)
-    fake = FakeWorkers()
-    directory = Directory(registry_engine)
-
-    async def rounds() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)) as client:
-            checker = HealthChecker(directory, client)
-            await directory.refresh_async()
-            load = directory.loads[worker_id]
-            for _ in range(limits.MEASURED_REQUESTS_MIN - 1):
-                load.observe(tokens=100, decode_s=1.0, concurrency=10)
-            await checker.check_all()
-            assert _stored(registry_engine, worker_id).throughput_tokens_per_s is None, "not measured enough yet"
-            load.observe(tokens=100, decode_s=1.0, concurrency=10)
-            await checker.check_all()
-
-    asyncio.run(rounds())
-    measured = _stored(registry_engine, worker_id).throughput_tokens_per_s
-    assert measured is not None and 900 <= measured <= 1100  # about 100 tokens/s x 10, rounded to a step
-    assert directory.loads[worker_id].completed == 0, "a new measuring period starts"

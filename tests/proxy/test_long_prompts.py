@@ -90,9 +90,8 @@ def mixed(database_url):
 def _first_choice_is_small(mixed: MixedFleet, messages: list[dict]) -> bool:
     """Would rendezvous routing try a small worker first for these messages?"""
     views = mixed.views()
-    order = routing.order(routing.affinity_key(MODEL, {"messages": messages}), views,
-                          {v.id: v.throughput_tokens_per_s for v in views}, {v.id: 0 for v in views})
-    return order[0].id != mixed.large_id
+    idle = {v.id: routing.WorkerLoadView(0, 0, None) for v in views}
+    return routing.order(routing.affinity_key(MODEL, {"messages": messages}), views, idle).workers[0].id != mixed.large_id
 
 
 def _deltas(now: list[int], before: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ from proxy.prices import Price, nano_usd_per_token
 
 def _candidates(*weights, capacity=8, busy=None):
     busy = busy or [0] * len(weights)
-    return [routing.Candidate(i + 1, float(w), capacity, b) for i, (w, b) in enumerate(zip(weights, busy))]
+    return [routing.Candidate(i + 1, float(w), capacity, capacity, b) for i, (w, b) in enumerate(zip(weights, busy))]
 
 
 def test_a_follow_up_has_the_same_affinity_key_as_its_first_turn():
@@ -48,19 +48,49 @@ def test_a_busy_affinity_choice_spills_to_the_next_in_rendezvous_order():
     key = routing.affinity_key("m", {"prompt": "hello"})
     idle = _candidates(100, 100, 100)
     preferred = routing.choose(key, idle)
-    first = preferred[0].worker_id
-    busy = [routing.Candidate(c.worker_id, c.weight, 8, 8 if c.worker_id == first else 0) for c in idle]
+    assert preferred.spill is None
+    first = preferred.order[0].worker_id
+    busy = [routing.Candidate(c.worker_id, c.weight, 8, 8, 8 if c.worker_id == first else 0) for c in idle]
     spilled = routing.choose(key, busy)
-    assert spilled[0].worker_id == preferred[1].worker_id and spilled[-1].worker_id == first
-    all_busy = [routing.Candidate(c.worker_id, c.weight, 8, 9 + c.worker_id) for c in idle]
-    assert routing.choose(key, all_busy)[0].worker_id == 1, "everyone full: the least loaded first"
+    assert spilled.order[0].worker_id == preferred.order[1].worker_id and spilled.order[-1].worker_id == first
+    assert spilled.spill == routing.SPILL_BUSY
+    all_busy = [routing.Candidate(c.worker_id, c.weight, 8, 8, 9 + c.worker_id) for c in idle]
+    assert routing.choose(key, all_busy).order[0].worker_id == 1, "everyone full: the least loaded first"
 
 
-def test_a_new_worker_is_probed_at_the_fleets_median_weight():
-    weights = routing.weights({1: 435, 2: 1342, 3: None})
-    assert weights[3] == (888.5, limits.PROBE_CAPACITY_REQUESTS)
-    assert weights[2] == (1342.0, 1342 // limits.TOKENS_PER_S_PER_REQUEST_MIN)
-    assert routing.weights({7: None})[7][0] == limits.PROBE_WEIGHT_TOKENS_PER_S
+def test_a_worker_whose_queue_grows_is_spilled_off_even_below_its_batch():
+    key = routing.affinity_key("m", {"prompt": "hello"})
+    idle = _candidates(100, 100, 100)
+    first = routing.choose(key, idle).order[0].worker_id
+    queued = [routing.Candidate(c.worker_id, c.weight, 8, 8, 1, waiting=2 if c.worker_id == first else 0) for c in idle]
+    placed = routing.choose(key, queued)
+    assert placed.order[0].worker_id != first and placed.spill == routing.SPILL_QUEUE
+
+
+def test_an_unmeasured_worker_is_never_spilled_off_for_its_count_only_for_its_queue():
+    """At start-up no worker is measured: a conversation stays on its
+    rendezvous winner however many requests it runs, until the worker queues."""
+    key = routing.affinity_key("m", {"prompt": "hello"})
+    unmeasured = [routing.Candidate(i, 100.0, None, 5, 500) for i in (1, 2, 3)]
+    placed = routing.choose(key, unmeasured)
+    assert placed.spill is None and placed.order[0].worker_id == routing.rendezvous_order(key, unmeasured)[0].worker_id
+
+
+def test_a_new_worker_is_probed_at_the_fleets_median_capacity():
+    fleet = [_worker(1, throughput_tokens_per_s=435, saturated=True, capacity_requests=32),
+             _worker(2, throughput_tokens_per_s=1342, saturated=True, capacity_requests=64), _worker(3)]
+    sizes = routing.weights(fleet)
+    assert sizes[3].weight == routing.quantise_tokens_per_s(888.5) and sizes[3].capacity_requests is None
+    assert sizes[2] == routing.Size(routing.quantise_tokens_per_s(1342), 64, 64)
+    assert routing.weights([_worker(7)])[7].weight == routing.quantise_tokens_per_s(limits.PROBE_WEIGHT_TOKENS_PER_S)
+
+
+def test_a_floor_below_the_median_is_raised_to_it_until_the_worker_saturates():
+    fleet = [_worker(1, throughput_tokens_per_s=1000, saturated=True, capacity_requests=50),
+             _worker(2, throughput_tokens_per_s=40), _worker(3, throughput_tokens_per_s=3000)]
+    sizes = routing.weights(fleet)
+    assert sizes[2].weight == routing.quantise_tokens_per_s(1000), "a quiet worker is probed, not starved"
+    assert sizes[3].weight == routing.quantise_tokens_per_s(3000), "a floor above the probe is its own"
 
 
 def test_quantised_throughput_is_stable_under_small_differences():
@@ -94,10 +124,16 @@ def test_prices_per_million_tokens_are_whole_nano_usd_per_token():
 
 
 def _worker(worker_id: int, *, state: str = "active", healthy: bool = True, context_length: int | None = None,
-            throughput_tokens_per_s: int | None = None) -> registry.WorkerView:
+            throughput_tokens_per_s: int | None = None, saturated: bool = False,
+            capacity_requests: int | None = None) -> registry.WorkerView:
     return registry.WorkerView(worker_id, 100 + worker_id, f"http://127.0.0.1:{8000 + worker_id}", "m", "vllm", state,
                                context_length, None, healthy, throughput_tokens_per_s, datetime.now(UTC), None, None, 0,
-                               None, None)
+                               None, None, capacity_saturated=saturated, capacity_requests=capacity_requests)
+
+
+def _loads(fleet, busy=None, free_kv=None):
+    busy, free_kv = busy or {}, free_kv or {}
+    return {w.id: routing.WorkerLoadView(busy.get(w.id, 0), 0, free_kv.get(w.id)) for w in fleet}
 
 
 def test_only_active_healthy_workers_whose_context_holds_the_request_are_candidates():
@@ -123,24 +159,35 @@ def test_max_tokens_is_what_was_asked_within_the_room_every_known_context_leaves
 
 
 def test_the_order_follows_affinity_and_spills_off_a_busy_worker():
-    fleet = [_worker(i, throughput_tokens_per_s=1000) for i in (1, 2, 3)]
-    measured = {w.id: w.throughput_tokens_per_s for w in fleet}
+    fleet = [_worker(i, throughput_tokens_per_s=1000, saturated=True, capacity_requests=50) for i in (1, 2, 3)]
     key = routing.affinity_key("m", {"messages": [{"role": "user", "content": "hello"}]})
-    idle = routing.order(key, fleet, measured, {1: 0, 2: 0, 3: 0})
-    assert routing.order(key, list(reversed(fleet)), measured, {1: 0, 2: 0, 3: 0}) == idle, "every replica agrees"
-    capacity = 1000 // limits.TOKENS_PER_S_PER_REQUEST_MIN
-    busy = routing.order(key, fleet, measured, {idle[0].id: capacity, idle[1].id: 0, idle[2].id: 0})
-    assert [w.id for w in busy] == [idle[1].id, idle[2].id, idle[0].id]
+    idle = routing.order(key, fleet, _loads(fleet)).workers
+    assert routing.order(key, list(reversed(fleet)), _loads(fleet)).workers == idle, "every replica agrees"
+    busy = routing.order(key, fleet, _loads(fleet, {idle[0].id: 50}))
+    assert [w.id for w in busy.workers] == [idle[1].id, idle[2].id, idle[0].id] and busy.spill == routing.SPILL_BUSY
 
 
-def test_an_unmeasured_worker_is_probed_with_the_probe_capacity():
-    fleet = [_worker(1), _worker(2, throughput_tokens_per_s=2000)]
-    measured = {1: None, 2: 2000}
-    key = next(k for k in (routing.affinity_key("m", {"prompt": f"p{i}"}) for i in range(100))
-               if routing.order(k, fleet, measured, {1: 0, 2: 0})[0].id == 1)
-    below, full = limits.PROBE_CAPACITY_REQUESTS - 1, limits.PROBE_CAPACITY_REQUESTS
-    assert routing.order(key, fleet, measured, {1: below, 2: 0})[0].id == 1
-    assert routing.order(key, fleet, measured, {1: full, 2: 0})[0].id == 2
+def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves_room_on_reserved_workers():
+    fleet = [_worker(1, context_length=262_144, throughput_tokens_per_s=3000, saturated=True, capacity_requests=200),
+             *(_worker(i, context_length=65_536, throughput_tokens_per_s=400, saturated=True, capacity_requests=32)
+               for i in (2, 3, 4))]
+    keys = [routing.affinity_key("m", {"prompt": f"document {i}"}) for i in range(400)]
+    free = {1: 1_500_000, 2: 150_000, 3: 150_000, 4: 20_000}
+    firsts = [routing.order(k, fleet, _loads(fleet, free_kv=free), needed_tokens=40_000).workers[0].id for k in keys]
+    assert set(firsts) == {1, 2, 3}, "every worker with room takes some; worker 4 has too little KV left"
+    assert firsts.count(1) > firsts.count(2), "in proportion to the room left after it"
+    short = routing.affinity_key("m", {"prompt": next(f"chat {i}" for i in range(1000) if routing.order(
+        routing.affinity_key("m", {"prompt": f"chat {i}"}), fleet, _loads(fleet)).workers[0].id == 1)})
+    assert routing.order(short, fleet, _loads(fleet, {1: 100}), reserved=frozenset({1})).workers[0].id == 1
+    kept = routing.order(short, fleet, _loads(fleet, {1: 150}), reserved=frozenset({1}))
+    assert kept.workers[0].id != 1 and kept.spill == routing.SPILL_RESERVED, "a quarter of its batch stays free"
+    assert routing.order(short, fleet, _loads(fleet, {1: 150})).workers[0].id == 1, "without a long prompt, no reserve"
+
+
+def test_the_baselines_spread_requests_without_affinity():
+    fleet = [_worker(i) for i in (3, 1, 2)]
+    assert [routing.baseline_order(routing.ROUND_ROBIN, fleet, turn)[0].id for turn in range(4)] == [1, 2, 3, 1]
+    assert {routing.baseline_order(routing.RANDOM, fleet, 0)[0].id for _ in range(200)} == {1, 2, 3}
 
 
 # --- long prompts: the count, the room per worker, the retry on a larger one ----

@@ -1,0 +1,34 @@
+"""A worker's measured capacity, agreed by every proxy replica.
+
+`throughput_tokens_per_s` keeps its name and now holds the output tokens per
+second the worker delivered, from its own counters (proxy/capacity.py):
+`capacity_saturated` says it was measured while the worker queued requests
+(its capacity, not only a floor), `capacity_requests` is the batch it ran
+then, and `capacity_measured_at` lets one replica per period write it.
+
+Revision ID: 0019
+Revises: 0018
+Create Date: 2026-12-01
+"""
+import sqlalchemy as sa
+from alembic import op
+
+from ledger.schema import UTCDateTime
+
+revision = "0019"
+down_revision = "0018"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("workers", sa.Column("capacity_saturated", sa.Boolean, nullable=False, server_default=sa.false()))
+    op.add_column("workers", sa.Column("capacity_requests", sa.Integer))
+    op.add_column("workers", sa.Column("capacity_measured_at", UTCDateTime))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("workers") as batch:
+        batch.drop_column("capacity_measured_at")
+        batch.drop_column("capacity_requests")
+        batch.drop_column("capacity_saturated")
