@@ -1,0 +1,168 @@
+"""A worker's capacity: measured from what it delivered (its own counters),
+smoothed, raised but never erased by quiet periods, and written once per
+period by one replica so that every replica routes on the same weights."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.migrate import migrate
+from app.http.status import CAPACITY_METRIC
+from ledger import accounts as acc
+from ledger import commands as cmd
+from ledger.db import make_engine
+from ledger.schema import utc_now
+from proxy import workers as registry
+from proxy.capacity import Capacity, Observation, Scrape, next_capacity, observe
+from proxy.sim.profiles import get_profile
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+
+# --- one period's measurement ---------------------------------------------------------
+
+
+def _scrapes(*points: tuple[float, float, int, int]) -> list[Scrape]:
+    return [Scrape(*point) for point in points]
+
+
+def test_a_period_spent_queueing_measures_the_capacity_and_the_batch():
+    seen = observe(_scrapes((0, 0, 32, 5), (2, 870, 32, 7), (4, 1740, 32, 6), (6, 2610, 32, 9)))
+    assert seen == Observation(435.0, True, 32)
+
+
+def test_a_period_without_a_queue_is_only_a_floor():
+    seen = observe(_scrapes((0, 0, 4, 0), (2, 300, 4, 0), (4, 600, 4, 1), (6, 900, 4, 0)))
+    assert seen == Observation(150.0, False, None)
+
+
+def test_a_short_burst_of_queueing_does_not_count_as_saturation():
+    """Queued at both ends of one interval in three: the period's rate, not the burst's, and only a floor."""
+    seen = observe(_scrapes((0, 0, 1, 0), (2, 100, 8, 3), (4, 900, 8, 2), (6, 1000, 1, 0)))
+    assert seen == Observation(1000 / 6, False, None)
+
+
+def test_a_restarted_worker_or_a_single_scrape_measures_nothing():
+    assert observe(_scrapes((0, 5000, 1, 0), (2, 10, 1, 0))) is None
+    assert observe(_scrapes((0, 0, 1, 0))) is None
+
+
+# --- from one measurement to the next ---------------------------------------------------
+
+
+def test_the_first_saturated_measurement_is_the_capacity_and_later_ones_are_smoothed():
+    unknown = Capacity(None, False, None)
+    first = next_capacity(unknown, Observation(435.0, True, 32))
+    assert first == Capacity(435, True, 32)
+    assert next_capacity(first, Observation(235.0, True, 30)) == Capacity(335, True, 31), "half way: one odd period does not swing it"
+
+
+def test_a_floor_only_raises_and_a_quiet_period_erases_nothing():
+    measured = Capacity(1300, True, 64)
+    assert next_capacity(measured, Observation(0.0, False, None)) is None, "a quiet period"
+    assert next_capacity(measured, Observation(900.0, False, None)) is None, "below saturation it delivered less: nothing learnt"
+    assert next_capacity(measured, Observation(1500.0, False, None)) == Capacity(1500, True, 64), "it did more without queueing"
+    assert next_capacity(Capacity(None, False, None), Observation(80.4, False, None)) == Capacity(80, False, None)
+
+
+# --- one writer per period --------------------------------------------------------------
+
+
+@pytest.fixture
+def registry_engine(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path}/capacity.db")
+    migrate(engine)
+    yield engine
+    engine.dispose()
+
+
+def test_of_two_replicas_that_read_the_same_row_only_the_first_writes(registry_engine):
+    with registry_engine.begin() as conn:
+        owner = acc.create_account(conn, cmd.OWNER, "owner")
+        worker_id = registry.add_worker(conn, owner, "http://127.0.0.1:9100", "m")
+        read_by_both = registry.get_worker(conn, worker_id)
+    now = utc_now()
+    with registry_engine.begin() as conn:
+        assert registry.record_capacity(conn, read_by_both, Capacity(435, True, 32), now)
+    with registry_engine.begin() as conn:
+        assert not registry.record_capacity(conn, read_by_both, Capacity(999, True, 99), now), "the other replica was first"
+        stored = registry.get_worker(conn, worker_id)
+    assert (stored.throughput_tokens_per_s, stored.capacity_saturated, stored.capacity_requests) == (435, True, 32)
+    with registry_engine.begin() as conn:  # the next period, built on the row as stored
+        assert registry.record_capacity(conn, stored, Capacity(400, True, 32), now + timedelta(seconds=10))
+
+
+# --- two replicas and a saturated worker -------------------------------------------------
+
+PERIOD_MS = 2000
+CALLERS = 48  # more than the simulated RTX 4090 pair runs at once (32): it queues
+ANSWER_TOKENS = 48
+
+
+def _capacity_seen_by(proxy_url: str) -> dict[str, tuple[float, str]]:
+    text = httpx.get(proxy_url + "/metrics", timeout=10).text
+    return {sample.labels["worker_id"]: (sample.value, sample.labels["saturated"])
+            for family in text_string_to_metric_families(text) if family.name == CAPACITY_METRIC
+            for sample in family.samples}
+
+
+def test_two_replicas_measure_a_saturated_worker_alike_and_write_once_per_period(database_url):
+    """Callers of both replicas saturate one simulated pair of RTX 4090s (435
+    tokens/s at its batch of 32). Both replicas come to route on the same
+    measured capacity, near the profile's, and the stored value changes at
+    most once per period, whichever replica writes it."""
+    profile = get_profile("2x4090")
+    sim = sim_worker("2x4090", time_scale=1.0, stop_after_tokens=ANSWER_TOKENS)
+    fleet = make_fleet(database_url, [sim.url], credits_usd="1000")
+    worker_id = fleet.worker_ids[0]
+    stop = threading.Event()
+    writes: list = []
+
+    def watch_writes() -> None:
+        while not stop.is_set():
+            measured_at = fleet.worker(worker_id).capacity_measured_at
+            if measured_at is not None and (not writes or writes[-1] != measured_at):
+                writes.append(measured_at)
+            time.sleep(0.1)
+
+    env = {"PARALON_CAPACITY_PERIOD_MS": str(PERIOD_MS), "PARALON_HEALTH_INTERVAL_MS": "200"}
+    try:
+        with serving(database_url, **env) as one, serving(database_url, **env) as two:
+            watcher = threading.Thread(target=watch_writes)
+            watcher.start()
+            load = threading.Thread(target=lambda: asyncio.run(_saturate([one.url, two.url], fleet.key, stop)))
+            load.start()
+            try:
+                wait_for(lambda: fleet.worker(worker_id).capacity_saturated, timeout_s=60)
+                time.sleep(PERIOD_MS / 1000)  # a period later: both replicas have read the latest write
+                seen = [_capacity_seen_by(p.url)[str(worker_id)] for p in (one, two)]
+            finally:
+                stop.set()
+                load.join(60)
+                watcher.join(10)
+    finally:
+        sim.stop()
+    assert seen[0] == seen[1], f"both replicas route on one value: {seen}"
+    assert seen[0][1] == "1", "measured at saturation"
+    stored = fleet.worker(worker_id)
+    assert 0.8 * profile.reference_total_tok_s <= stored.throughput_tokens_per_s <= 1.2 * profile.reference_total_tok_s
+    assert stored.capacity_requests == profile.max_num_seqs, "the batch it ran while requests queued"
+    gaps_s = [(b - a).total_seconds() for a, b in zip(writes, writes[1:])]
+    assert all(gap >= PERIOD_MS / 1000 * 0.9 for gap in gaps_s), f"one write per period at most: {gaps_s}"
+
+
+async def _saturate(proxy_urls: list[str], key: str, stop: threading.Event) -> None:
+    headers = {"authorization": f"Bearer {key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": ANSWER_TOKENS}
+
+    async def caller(index: int) -> None:
+        async with httpx.AsyncClient(base_url=proxy_urls[index % len(proxy_urls)], headers=headers, timeout=120) as client:
+            while not stop.is_set():
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+
+    await asyncio.gather(*(caller(i) for i in range(CALLERS)))
