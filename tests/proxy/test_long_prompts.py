@@ -17,8 +17,11 @@ from datetime import UTC, datetime
 import openai
 import pytest
 
+from ledger import accounts as acc
+from ledger import commands as cmd
 from ledger.money import PERCENT
-from proxy import metering, routing, tokenize
+from ledger.service import append_now
+from proxy import keys, metering, routing, tokenize
 from proxy import workers as registry
 from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, SIM_PROMPT_BYTES_PER_TOKEN, SIM_PROMPT_TOKENS_PER_MESSAGE
 from proxy.keys import KeyGrant
@@ -241,3 +244,29 @@ def test_the_counter_asks_the_largest_worker_once_per_prompt_and_another_once_di
         assert (tokenize_route(large.app).calls, tokenize_route(small.app).calls) == (1, 1)
     finally:
         large.stop(), small.stop()
+
+
+def test_a_long_prompts_hold_is_sized_by_the_count_so_a_balance_that_covers_it_is_not_refused(mixed):
+    """A customer with $0.02 sends a 90,000-token prompt: held at the count
+    (about $0.0136), it is served and charged exactly; held at the byte bound
+    (about four times that) it was refused with 402."""
+    fleet, client = mixed
+    engine = fleet.fleet.engine
+    credits_nano_usd = 20_000_000
+    with engine.begin() as conn:
+        customer = acc.create_account(conn, cmd.CUSTOMER, "small balance", "small@example.com")
+        _, key = keys.create_key(conn, customer)
+    append_now(engine, cmd.GrantCredits(customer, credits_nano_usd, "test credits", f"grant:{customer}"))
+    messages = _messages(90_000, "small balance")
+    byte_bound = metering.prompt_tokens_bound("chat", {"messages": messages})
+    assert byte_bound * INPUT_NANO_USD_PER_TOKEN > credits_nano_usd, "the byte bound alone is more than the balance"
+    small = openai.OpenAI(base_url=str(client.base_url), api_key=key, max_retries=0, timeout=120)
+    owners_before = fleet.balances()[2]
+    answer = small.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+    assert answer.usage.prompt_tokens == 90_000
+    charge = _charge(90_000)
+    balance = fleet.fleet.balance(customer)
+    assert (balance.balance_nano_usd, balance.held_nano_usd) == (credits_nano_usd - charge, 0)
+    owners_gain = sum(after - before for after, before in zip(fleet.balances()[2], owners_before))
+    assert owners_gain == charge * OWNER_SHARE_PERCENT // PERCENT
+    fleet.fleet.assert_books_close()
