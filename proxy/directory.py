@@ -33,18 +33,21 @@ class WorkerLoad:
 
     in_flight: int = 0  # requests this replica has on it
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # the worker's last scrape
+    in_flight_at_scrape: int = 0
     relayed_tokens: int = 0  # tokens this replica relayed from it: its delivery when its metrics have no counter
     scrapes: deque[Scrape] = field(default_factory=lambda: deque(maxlen=SCRAPES_KEPT_MAX))
 
     def busy(self) -> int:
-        return max(self.in_flight, self.metrics.busy or 0)
+        """Running and waiting: the worker's last report (all replicas' requests)
+        moved by what this replica started and finished since."""
+        return max(self.in_flight, (self.metrics.busy or 0) + self.in_flight - self.in_flight_at_scrape)
 
     def view(self) -> WorkerLoadView:
         return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens())
 
     def scraped(self, metrics: WorkerMetrics, at_s: float) -> None:
         """A new scrape: the worker's own counter, or what this replica relayed."""
-        self.metrics = metrics
+        self.metrics, self.in_flight_at_scrape = metrics, self.in_flight
         delivered = metrics.generation_tokens if metrics.generation_tokens is not None else float(self.relayed_tokens)
         running = metrics.running if metrics.running is not None else self.in_flight
         self.scrapes.append(Scrape(at_s, delivered, running, metrics.waiting or 0))

@@ -48,7 +48,10 @@ class HealthChecker:
     async def check_all(self) -> None:
         fleet = [w for ws in self.directory.fleet.values() for w in ws if w.state != "drained"]
         results = await asyncio.gather(*(self.probe(w) for w in fleet))
-        await asyncio.to_thread(self._record, list(zip(fleet, results)))
+        now_s = time.monotonic()
+        for worker, probe in zip(fleet, results):  # on the loop's thread, like every change of a load
+            self.directory.load(worker.id).scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s)
+        await asyncio.to_thread(self._record, list(zip(fleet, results)), now_s)
         await self.directory.refresh_async()
 
     async def probe(self, worker: registry.WorkerView) -> dict:
@@ -74,14 +77,13 @@ class HealthChecker:
         response = await self.client.get(worker.url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S)
         return {"healthy": response.status_code < 500}
 
-    def _record(self, probes: list[tuple[registry.WorkerView, dict]]) -> None:
-        now, now_s = utc_now(), time.monotonic()
+    def _record(self, probes: list[tuple[registry.WorkerView, dict]], now_s: float) -> None:
+        now = utc_now()
         with self.directory.engine.begin() as conn:
             for worker, probe in probes:
                 registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"],
                                           context_length=probe.get("context_length"), served_model=probe.get("served_model"))
                 load = self.directory.load(worker.id)
-                load.scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s)
                 if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
                     registry.mark_drained(conn, worker.id)
                 self._measure(conn, worker, load, now, now_s)

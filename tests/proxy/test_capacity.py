@@ -10,17 +10,21 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.http.status import CAPACITY_METRIC, RoutingState
 from app.migrate import migrate
-from app.http.status import CAPACITY_METRIC
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.db import make_engine
 from ledger.schema import utc_now
+from proxy import routing
 from proxy import workers as registry
-from proxy.capacity import Capacity, Observation, Scrape, next_capacity, observe
+from proxy.capacity import Capacity, Observation, Scrape, WorkerMetrics, next_capacity, observe
+from proxy.directory import Directory, WorkerLoad
 from proxy.sim.profiles import get_profile
+from tests.proxy.test_routing import _worker
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
 
 # --- one period's measurement ---------------------------------------------------------
@@ -166,3 +170,33 @@ async def _saturate(proxy_urls: list[str], key: str, stop: threading.Event) -> N
                 assert response.status_code == 200, response.text
 
     await asyncio.gather(*(caller(i) for i in range(CALLERS)))
+
+
+# --- spills, as /metrics shows them -------------------------------------------------------
+
+
+def test_a_spill_is_counted_by_reason_and_shown_on_metrics():
+    fleet = [_worker(i, throughput_tokens_per_s=1000, saturated=True, capacity_requests=50) for i in (1, 2, 3)]
+    directory = Directory(engine=None)
+    directory.fleet = {"m": fleet}
+    key = routing.affinity_key("m", {"messages": [{"role": "user", "content": "hello"}]})
+    first = directory.place("m", key, fleet, 0)[0]
+    assert not directory.spills
+    directory.load(first.id).scraped(WorkerMetrics(running=3, waiting=2), at_s=0.0)  # its queue grows
+    assert directory.place("m", key, fleet, 0)[0].id != first.id
+    assert directory.spills == {("m", routing.SPILL_QUEUE): 1}
+    metrics = CollectorRegistry(auto_describe=False)
+    metrics.register(RoutingState(directory))
+    text = generate_latest(metrics).decode()
+    assert 'paralon_route_spills_total{model="m",reason="queue"} 1.0' in text
+    assert f'{CAPACITY_METRIC}{{saturated="1",worker_id="{first.id}"}} 1000.0' in text
+
+
+def test_the_load_a_replica_sees_is_the_workers_report_moved_by_its_own_requests_since():
+    load = WorkerLoad()
+    load.in_flight = 2
+    load.scraped(WorkerMetrics(running=10, waiting=0), at_s=0.0)  # 10 running, 2 of them this replica's
+    load.in_flight += 3
+    assert load.busy() == 13, "three more started here since the report"
+    load.in_flight -= 5
+    assert load.busy() == 8
