@@ -190,12 +190,20 @@ class Settler:
         """Charge the hold. A settlement never depends on its hold still being
         there: if the sweeper closed it (this process could not renew it in
         time), it settled what was recorded as delivered, and the rest is
-        charged now, under a hold of its own."""
+        charged now, under a hold of its own. So is the part of a long prompt
+        above its hold, when the worker that served it counted more than the
+        worker whose count sized the hold."""
         meta = _settlement_meta(generation, billed)
+        covered = _covered_by_hold(generation, billed)
         try:
-            await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id, generation.cost_nano_usd,
-                                                 generation.request_id, settlement_key(generation.request_id), meta))
+            await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id,
+                                                 generation.price.charge_nano_usd(covered.prompt_tokens, covered.completion_tokens),
+                                                 generation.request_id, settlement_key(generation.request_id),
+                                                 _settlement_meta(generation, covered)))
         except (HoldNotActive, IdempotencyConflict):
+            await self._settle_rest(generation, meta)
+            return
+        if covered != billed:
             await self._settle_rest(generation, meta)
 
     async def _settle_rest(self, generation: Generation, meta: dict) -> None:
@@ -339,6 +347,18 @@ class Settler:
 
 def _database_away(exc: BaseException) -> bool:
     return isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc)
+
+
+def _covered_by_hold(generation: Generation, billed: metering.BilledUsage) -> metering.BilledUsage:
+    """The part of the bill its hold pays for: all of it, unless a count below
+    the serving worker's report sized the hold; then the completion and as
+    much of the prompt as the hold covers (whole tokens, each part priced alike)."""
+    price, held = generation.price, generation.hold_nano_usd
+    if price.charge_nano_usd(billed.prompt_tokens, billed.completion_tokens) <= held:
+        return billed
+    completion = min(billed.completion_tokens, held // max(1, price.output_nano_usd_per_token))
+    prompt = min(billed.prompt_tokens, (held - completion * price.output_nano_usd_per_token) // max(1, price.input_nano_usd_per_token))
+    return billed._replace(prompt_tokens=prompt, completion_tokens=completion)
 
 
 def _settlement_meta(generation: Generation, billed: metering.BilledUsage) -> dict:

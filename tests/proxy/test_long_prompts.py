@@ -163,10 +163,11 @@ def test_too_long_for_every_worker_is_400_with_no_money_moved_and_a_high_count_b
 def test_a_count_that_lies_low_is_retried_on_a_larger_worker_and_charged_once(mixed):
     """The large worker (asked first) counts a quarter of the prompt, so the
     proxy tries a small worker, whose own "too long" is retried on the large
-    one, which is paid for the prompt it reports: a count places a prompt, it
-    never lowers what is billed (the byte bound does), so no worker's count can
-    cut another owner's pay. The count is then distrusted, and an honest worker
-    counts the same prompt next time."""
+    one, which is paid for the prompt it reports: a count places a prompt and
+    sizes its hold, it never lowers what is billed (the byte bound does), so no
+    worker's count can cut another owner's pay: the part of the prompt above
+    the hold is charged under a hold of its own. The count is then distrusted,
+    and an honest worker counts the same prompt next time."""
     fleet, client = mixed
     tokenize_route(fleet.sims[0].app).count_percent = PERCENT // 4
     messages = next(m for m in (_messages(40_000, f"try {i}") for i in range(64)) if _first_choice_is_small(fleet, m))
@@ -176,7 +177,11 @@ def test_a_count_that_lies_low_is_retried_on_a_larger_worker_and_charged_once(mi
     assert fleet.served() == [1, 0, 0, 0]
     charge = _charge(40_000)
     settled = fleet.fleet.settlements()
-    assert len(settled) == 1 and settled[0]["charge_nano_usd"] == charge, "charged once, for the prompt as counted by its worker"
+    assert sum(s["charge_nano_usd"] for s in settled) == charge, "charged once, for the prompt as counted by its worker"
+    assert [(s["meta"]["prompt_tokens"], s["meta"]["completion_tokens"]) for s in settled] == [
+        (settled[0]["meta"]["prompt_tokens"], COMPLETION_TOKENS), (40_000 - settled[0]["meta"]["prompt_tokens"], 0)], \
+        "the hold covered the completion and the prompt as the low count sized it; the rest had a hold of its own"
+    assert all(s["charge_nano_usd"] == _charge(s["meta"]["prompt_tokens"], s["meta"]["completion_tokens"]) for s in settled)
     after, held, owners = fleet.balances()
     assert (after, held) == (before - charge, 0)
     assert owners == [owners_before[0] + charge * OWNER_SHARE_PERCENT // PERCENT, *owners_before[1:]]
