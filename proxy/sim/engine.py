@@ -1,7 +1,8 @@
 """The simulated GPU: which requests run, how long each token takes, what the
 prefix cache holds, and the words it generates.
 
-Timing (see proxy/sim/profiles.py): requests beyond max_num_seqs wait; a
+Timing (see proxy/sim/profiles.py): requests beyond max_num_seqs, or whose
+prompt and answer the KV cache cannot hold next to the running ones, wait; a
 running request pays prefill for its uncached prompt tokens, then decodes at a
 rate that depends on how many requests are running. Deadlines are absolute so
 pacing does not drift; `time_scale` divides every delay. A client disconnect
@@ -14,6 +15,7 @@ same seed.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -73,33 +75,53 @@ def chat_cache_bytes(role: bytes, content: bytes) -> bytes:
 
 
 class SlotQueue:
-    """At most max_running requests run; the rest wait in arrival order."""
+    """At most max_running requests run, and only while the KV cache holds
+    what they reserve (prompt and answer, as vLLM's scheduler admits a
+    request only when its blocks fit); the rest wait in arrival order."""
 
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, kv_capacity_tokens: float = math.inf) -> None:
         self.max_running = max_running
+        self.kv_capacity_tokens = kv_capacity_tokens
         self.running = 0
         self.waiting = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self.kv_reserved_tokens = 0
+        self._waiters: deque[tuple[asyncio.Future, int]] = deque()
 
-    def try_acquire(self) -> bool:
-        # Waiters exist only while all slots are taken, so this keeps FIFO order.
-        if self.running < self.max_running:
-            self.running += 1
+    def _fits(self, kv_tokens: int) -> bool:
+        """A request alone always runs: the worker refused what its context cannot hold."""
+        if self.running >= self.max_running:
+            return False
+        return self.running == 0 or self.kv_reserved_tokens + kv_tokens <= self.kv_capacity_tokens
+
+    def _take(self, kv_tokens: int) -> None:
+        self.running += 1
+        self.kv_reserved_tokens += kv_tokens
+
+    def try_acquire(self, kv_tokens: int = 0) -> bool:
+        if not self._waiters and self._fits(kv_tokens):  # nobody overtakes a waiting request
+            self._take(kv_tokens)
             return True
         return False
 
-    def enqueue(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def enqueue(self, loop: asyncio.AbstractEventLoop, kv_tokens: int = 0) -> asyncio.Future:
         waiter = loop.create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((waiter, kv_tokens))
         return waiter
 
-    def release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():  # skip waiters whose client left
-                waiter.set_result(True)  # the slot passes on; running is unchanged
-                return
+    def release(self, kv_tokens: int = 0) -> None:
+        """A request ended: admit the waiters at the head that now fit."""
         self.running -= 1
+        self.kv_reserved_tokens -= kv_tokens
+        while self._waiters:
+            waiter, wanted = self._waiters[0]
+            if waiter.done():  # its client left
+                self._waiters.popleft()
+            elif self._fits(wanted):
+                self._waiters.popleft()
+                self._take(wanted)
+                waiter.set_result(True)
+            else:
+                return
 
 
 class PrefixCache:
@@ -131,8 +153,8 @@ class PrefixCache:
 class EngineState:
     """Counters a test or the /metrics endpoint reads."""
 
-    def __init__(self, max_running: int) -> None:
-        self.slots = SlotQueue(max_running)
+    def __init__(self, max_running: int, kv_capacity_tokens: float = math.inf) -> None:
+        self.slots = SlotQueue(max_running, kv_capacity_tokens)
         self.requests_started = 0
         self.requests_finished = 0
         self.requests_aborted = 0
@@ -204,7 +226,7 @@ class Engine:
             raise ValueError("time_scale must be positive")
         self.profile = profile
         self.time_scale = time_scale
-        self.state = EngineState(profile.max_num_seqs)
+        self.state = EngineState(profile.max_num_seqs, profile.kv_cache_capacity_tokens)
         self._prefix_cache = PrefixCache(min(SIM_PREFIX_CACHE_BLOCKS_MAX, profile.kv_cache_capacity_tokens // SIM_KV_BLOCK_TOKENS))
         self._words = [" " + WORDS[(seed + i * SIM_WORD_STEP) % len(WORDS)] for i in range(len(WORDS))]
         self._words_json = [orjson.dumps(w)[1:-1] for w in self._words]
@@ -224,8 +246,8 @@ class Engine:
     async def generate(self, request: GenerationRequest, call: Call, emitter: Emitter) -> None:
         """Wait for a slot, prefill, decode on schedule, then finish the answer
         (unless the client left)."""
-        slots = self.state.slots
-        if not slots.try_acquire() and not await self._wait_for_slot(call):
+        slots, kv_tokens = self.state.slots, request.prompt_tokens + request.completion_tokens
+        if not slots.try_acquire(kv_tokens) and not await self._wait_for_slot(call, kv_tokens):
             return
         self.state.kv_tokens_in_use += request.prompt_tokens
         try:
@@ -233,14 +255,14 @@ class Engine:
         finally:
             generated = call.tokens_generated
             self.state.kv_tokens_in_use -= request.prompt_tokens + generated
-            slots.release()
+            slots.release(kv_tokens)
             self._prefix_cache.insert(request.prompt_bytes + self._output_cache_bytes(request, generated))
         if not call.disconnected:
             await emitter.finish(generated, self.text_of(generated))
 
-    async def _wait_for_slot(self, call: Call) -> bool:
+    async def _wait_for_slot(self, call: Call, kv_tokens: int) -> bool:
         slots = self.state.slots
-        waiter = slots.enqueue(call.loop)
+        waiter = slots.enqueue(call.loop, kv_tokens)
         slots.waiting += 1
         granted = False
         try:
@@ -249,7 +271,7 @@ class Engine:
             slots.waiting -= 1
             holds_slot = waiter.done() and not waiter.cancelled() and waiter.result() is True
             if holds_slot and (call.disconnected or not granted):
-                slots.release()  # handed a slot just as the client left
+                slots.release(kv_tokens)  # handed a slot just as the client left
         return granted and not call.disconnected
 
     def _prefill_s(self, request: GenerationRequest) -> float:
