@@ -157,4 +157,4 @@ def next_capacity(current: Capacity, seen: Observation) -> Capacity | None:
 def _smooth(current: int, seen: int | None) -> int:
     if seen is None:
         return current
-    return max(1, (current * (PERCENT - CAPACITY_SMOOTHING_PERCENT) + seen * CAPACITY_SMOOTHING_PERCENT + PERCENT // 2) // PERCENT)
+    return max(1, (current * (PERCENT - CAPACITY_SMOOTHING_PERCENT) + seen * CAPACITY_SMOOTHING_PERCENT) // PERCENT)

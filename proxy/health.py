@@ -12,11 +12,12 @@ import time
 
 import httpx
 
+from ledger.money import PERCENT
 from ledger.schema import utc_now
 from proxy import capacity
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
-from proxy.limits import CAPACITY_PERIOD_S, CAPACITY_WINDOW_S_MIN, HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S
+from proxy.limits import CAPACITY_PERIOD_S, CAPACITY_WINDOW_PERCENT_MIN, HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S
 
 
 def context_from_models(payload: dict) -> tuple[int | None, str | None]:
@@ -94,7 +95,7 @@ class HealthChecker:
         if worker.capacity_measured_at is not None and (now - worker.capacity_measured_at).total_seconds() < self.period_s:
             return
         scrapes = load.period(now_s, self.period_s)
-        if not scrapes or scrapes[-1].at_s - scrapes[0].at_s < min(CAPACITY_WINDOW_S_MIN, self.period_s / 2):
+        if not scrapes or (scrapes[-1].at_s - scrapes[0].at_s) * PERCENT < self.period_s * CAPACITY_WINDOW_PERCENT_MIN:
             return
         seen = capacity.observe(scrapes)
         current = capacity.Capacity(worker.throughput_tokens_per_s, worker.capacity_saturated, worker.capacity_requests)

@@ -75,7 +75,7 @@ DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
 # One replica per period writes a worker's capacity, from the worker's own
 # counters over the period (every replica scrapes the same counters).
 CAPACITY_PERIOD_S = 10.0
-CAPACITY_WINDOW_S_MIN = 5.0  # scrapes must span this much of a period before it is measured
+CAPACITY_WINDOW_PERCENT_MIN = 50  # scrapes must span this much of a period before it is measured
 # A period is a measurement at saturation when the worker queued requests at
 # both ends of intervals covering at least this share of it.
 CAPACITY_SATURATED_PERCENT_MIN = 50

@@ -194,7 +194,7 @@ class InferenceProxy:
         too_long: _TooLong | None = None  # the last worker's own "too long": only larger ones are tried after it
         forwarded = self._forwarded_fields(body)  # once per request, whichever worker answers
         attempts = 0
-        key = routing.affinity_key(generation.model, body)
+        key = self._affinity_key(generation.model, body)
         for worker in self.directory.place(generation.model, key, candidates, generation.context_bound or generation.prompt_bound):
             if attempts == UPSTREAM_ATTEMPTS_MAX:
                 break
@@ -218,6 +218,9 @@ class InferenceProxy:
         if too_long is not None and last_error is too_long:  # no larger worker left: the caller's prompt is too long
             raise too_long.refusal
         raise NoWorkerAvailable(f"every worker tried failed before its first token ({last_error})")
+
+    def _affinity_key(self, model: str, body: dict) -> bytes:
+        return routing.affinity_key(model, body)
 
     def _forget_attempt(self, generation: Generation) -> None:
         worker = generation.forget_attempt()

@@ -71,8 +71,8 @@ class ResponsesProxy(InferenceProxy):
         )
         return generation, candidates, hold_request
 
-    def _route(self, body: object, model: str, fleet: list[registry.WorkerView]) -> list[registry.WorkerView]:
-        return super()._route(body.chat_view if isinstance(body, ResponsesRequest) else body, model, fleet)
+    def _affinity_key(self, model: str, body: object) -> bytes:
+        return super()._affinity_key(model, body.chat_view if isinstance(body, ResponsesRequest) else body)
 
     def _forwarded_fields(self, body: object) -> dict:
         return body.upstream_fields if isinstance(body, ResponsesRequest) else super()._forwarded_fields(body)

@@ -143,7 +143,7 @@ def test_a_request_is_charged_its_usage_and_the_owner_gets_80_percent(books):
     assert (settled["charge_nano_usd"], settled["owner_nano_usd"]) == (charge, owner_share)
     assert settled["meta"]["worker_id"] == books.worker.id and settled["meta"]["completion_tokens"] == 10
     assert books.evidence() == []
-    assert (books.load.in_flight, books.load.completed) == (0, 1)
+    assert (books.load.in_flight, books.load.relayed_tokens) == (0, 10)
 
 
 def test_an_empty_completion_costs_nothing_and_releases_the_hold(books):
