@@ -36,6 +36,7 @@ class WorkerLoad:
     in_flight_at_scrape: int = 0
     relayed_tokens: int = 0  # tokens this replica relayed from it: its delivery when its metrics have no counter
     scrapes: deque[Scrape] = field(default_factory=lambda: deque(maxlen=SCRAPES_KEPT_MAX))
+    counted_by_worker: bool = False  # the scrapes hold the worker's own counter, not this replica's relayed tokens
 
     def busy(self) -> int:
         """Running and waiting: the worker's last report (all replicas' requests)
@@ -45,10 +46,19 @@ class WorkerLoad:
     def view(self) -> WorkerLoadView:
         return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens())
 
-    def scraped(self, metrics: WorkerMetrics, at_s: float) -> None:
-        """A new scrape: the worker's own counter, or what this replica relayed."""
+    def scraped(self, metrics: WorkerMetrics, at_s: float, *, answered: bool = True) -> None:
+        """A new scrape: the worker's own counter, or what this replica relayed.
+        A worker that did not answer adds nothing to measure; one whose source
+        of counts changed starts its measurements again (two counters are
+        never subtracted from each other)."""
         self.metrics, self.in_flight_at_scrape = metrics, self.in_flight
-        delivered = metrics.generation_tokens if metrics.generation_tokens is not None else float(self.relayed_tokens)
+        if not answered:
+            return
+        counted_by_worker = metrics.generation_tokens is not None
+        if counted_by_worker != self.counted_by_worker:
+            self.scrapes.clear()
+            self.counted_by_worker = counted_by_worker
+        delivered = metrics.generation_tokens if counted_by_worker else float(self.relayed_tokens)
         running = metrics.running if metrics.running is not None else self.in_flight
         self.scrapes.append(Scrape(at_s, delivered, running, metrics.waiting or 0))
 

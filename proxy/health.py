@@ -51,7 +51,8 @@ class HealthChecker:
         results = await asyncio.gather(*(self.probe(w) for w in fleet))
         now_s = time.monotonic()
         for worker, probe in zip(fleet, results):  # on the loop's thread, like every change of a load
-            self.directory.load(worker.id).scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s)
+            self.directory.load(worker.id).scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s,
+                                                   answered=probe["healthy"])
         await asyncio.to_thread(self._record, list(zip(fleet, results)), now_s)
         await self.directory.refresh_async()
 

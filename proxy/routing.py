@@ -27,7 +27,6 @@ from typing import NamedTuple
 import orjson
 
 from ledger.money import PERCENT
-
 from proxy import workers as registry
 from proxy.errors import ContextTooLong, NoWorkerAvailable
 from proxy.limits import (
@@ -49,7 +48,6 @@ SPILL_QUEUE = "queue"  # the affinity choice reported requests waiting
 SPILL_BUSY = "busy"  # it runs as many requests as its measured batch
 SPILL_RESERVED = "reserved"  # short traffic left room on it for long prompts
 SPILL_ALL_FULL = "all_full"  # every candidate was full: the least loaded for its size won
-SPILL_REASONS = (SPILL_QUEUE, SPILL_BUSY, SPILL_RESERVED, SPILL_ALL_FULL)
 
 
 # The router, and two baselines it is measured against (benchmarks/fleet.py).
@@ -92,6 +90,12 @@ class Candidate:
         if self.reserved_requests and self.busy >= (self.capacity_requests or self.size_requests) - self.reserved_requests:
             return SPILL_RESERVED
         return None
+
+
+class Size(NamedTuple):
+    weight: float  # tokens/s, quantised
+    capacity_requests: int | None
+    size_requests: int
 
 
 class Placement(NamedTuple):
@@ -156,7 +160,7 @@ def order(key: bytes, fleet: list[registry.WorkerView], loads: dict[int, WorkerL
     return Placement([by_id[c.worker_id] for c in ranked.order], ranked.spill)
 
 
-def _reserve(size: "Size") -> int:
+def _reserve(size: Size) -> int:
     return max(1, (size.capacity_requests or size.size_requests) * LONG_PROMPT_RESERVE_PERCENT // PERCENT)
 
 
@@ -239,12 +243,6 @@ def quantise_tokens_per_s(tokens_per_s: float) -> int:
     if tokens_per_s <= 1:
         return 1
     return int(round(THROUGHPUT_STEP_RATIO ** round(math.log(tokens_per_s, THROUGHPUT_STEP_RATIO))))
-
-
-class Size(NamedTuple):
-    weight: float  # tokens/s, quantised
-    capacity_requests: int | None
-    size_requests: int
 
 
 def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:

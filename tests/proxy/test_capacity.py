@@ -204,3 +204,13 @@ def test_the_load_a_replica_sees_is_the_workers_report_moved_by_its_own_requests
     assert load.busy() == 13, "three more started here since the report"
     load.in_flight -= 5
     assert load.busy() == 8
+
+
+def test_a_worker_that_did_not_answer_or_changed_its_source_of_counts_is_not_measured_across_it():
+    load = WorkerLoad()
+    load.relayed_tokens = 3_000
+    load.scraped(WorkerMetrics(running=1), at_s=0.0)  # no counter in its metrics: this replica's relayed tokens
+    load.scraped(WorkerMetrics(), at_s=1.0, answered=False)
+    assert [s.generation_tokens for s in load.scrapes] == [3_000.0], "a probe that failed adds nothing"
+    load.scraped(WorkerMetrics(running=1, generation_tokens=50_000.0), at_s=2.0)
+    assert [s.generation_tokens for s in load.scrapes] == [50_000.0], "the worker's own counter starts a new series"
