@@ -6,8 +6,10 @@ Every replica scrapes every worker's /metrics at each health check
 whichever replica sent it, so every replica sees the same numbers:
 
 - output tokens delivered: vLLM's `vllm:generation_tokens` (llama.cpp's
-  `llamacpp:tokens_predicted`), or without either the tokens this replica
-  relayed from it (only a floor);
+  `llamacpp:tokens_predicted`), believed up to a margin above what every
+  replica relayed from the worker (`relayed_tokens_total`, added at each
+  health check), so an owner cannot win traffic by inflating the counter;
+  without a counter, what the replicas relayed;
 - requests running and waiting: `num_requests_running`, `num_requests_waiting`;
 - the KV cache: `kv_cache_usage_perc` and `cache_config_info`'s blocks.
 
@@ -29,7 +31,7 @@ from typing import NamedTuple
 from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.money import PERCENT
-from proxy.limits import CAPACITY_SATURATED_PERCENT_MIN, CAPACITY_SMOOTHING_PERCENT
+from proxy.limits import CAPACITY_SATURATED_PERCENT_MIN, CAPACITY_SMOOTHING_PERCENT, RELAYED_TOKENS_MARGIN_PERCENT
 
 RUNNING = frozenset({"vllm:num_requests_running", "llamacpp:requests_processing"})
 WAITING = frozenset({"vllm:num_requests_waiting", "llamacpp:requests_deferred"})
@@ -104,7 +106,8 @@ def _kv_capacity_tokens(samples) -> int | None:
 
 class Scrape(NamedTuple):
     at_s: float  # monotonic time of the scrape
-    generation_tokens: float  # the worker's counter (or this replica's relayed tokens)
+    generation_tokens: float | None  # the worker's own counter; None when its metrics have none
+    relayed_tokens: float  # what every replica relayed from it, as far as this replica knows
     running: int
     waiting: int
 
@@ -122,23 +125,41 @@ class Capacity(NamedTuple):
 
 
 def observe(scrapes: Sequence[Scrape]) -> Observation | None:
-    """A period's scrapes, in order, as one measurement; None when they are too
-    few or the counter went back (the worker restarted)."""
-    total_tokens = total_s = queued_tokens = queued_s = 0.0
+    """A period's scrapes, in order, as one measurement; None when they are too few."""
+    everything, queued = _Delivery(), _Delivery()
     batch = 0
     for before, after in pairwise(scrapes):
-        tokens, seconds = after.generation_tokens - before.generation_tokens, after.at_s - before.at_s
-        if tokens < 0:
-            return None
-        total_tokens, total_s = total_tokens + tokens, total_s + seconds
+        everything.add(before, after)
         if before.waiting > 0 and after.waiting > 0:  # queued from end to end: running its full batch
-            queued_tokens, queued_s = queued_tokens + tokens, queued_s + seconds
+            queued.add(before, after)
             batch = max(batch, before.running, after.running)
-    if total_s <= 0:
+    if everything.seconds <= 0:
         return None
-    if queued_s > 0 and queued_s * PERCENT >= total_s * CAPACITY_SATURATED_PERCENT_MIN:
-        return Observation(queued_tokens / queued_s, True, batch or None)
-    return Observation(total_tokens / total_s, False, None)
+    if queued.seconds > 0 and queued.seconds * PERCENT >= everything.seconds * CAPACITY_SATURATED_PERCENT_MIN:
+        return Observation(queued.tokens_per_s(), True, batch or None)
+    return Observation(everything.tokens_per_s(), False, None)
+
+
+class _Delivery:
+    """Tokens delivered over some intervals: by the worker's own count, and by the proxies'."""
+
+    def __init__(self) -> None:
+        self.counted = self.relayed = self.seconds = 0.0
+
+    def add(self, before: Scrape, after: Scrape) -> None:
+        relayed = max(0.0, after.relayed_tokens - before.relayed_tokens)
+        counted = None
+        if before.generation_tokens is not None and after.generation_tokens is not None:
+            counted = after.generation_tokens - before.generation_tokens
+        self.relayed += relayed
+        self.counted += counted if counted is not None and counted >= 0 else relayed  # a restarted worker counts again from 0
+        self.seconds += after.at_s - before.at_s
+
+    def tokens_per_s(self) -> float:
+        """The worker's count, but never more than a margin above what the
+        proxies relayed: a worker cannot talk itself into more traffic."""
+        believed = min(self.counted, self.relayed * (PERCENT + RELAYED_TOKENS_MARGIN_PERCENT) / PERCENT)
+        return believed / self.seconds
 
 
 def next_capacity(current: Capacity, seen: Observation) -> Capacity | None:

@@ -34,9 +34,9 @@ class WorkerLoad:
     in_flight: int = 0  # requests this replica has on it
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # the worker's last scrape
     in_flight_at_scrape: int = 0
-    relayed_tokens: int = 0  # tokens this replica relayed from it: its delivery when its metrics have no counter
+    relayed_tokens: int = 0  # output tokens this replica relayed from it (booked each second)
+    relayed_flushed: int = 0  # of those, added to the worker's total of every replica
     scrapes: deque[Scrape] = field(default_factory=lambda: deque(maxlen=SCRAPES_KEPT_MAX))
-    counted_by_worker: bool = False  # the scrapes hold the worker's own counter, not this replica's relayed tokens
 
     def busy(self) -> int:
         """Running and waiting: the worker's last report (all replicas' requests)
@@ -46,21 +46,19 @@ class WorkerLoad:
     def view(self) -> WorkerLoadView:
         return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens())
 
-    def scraped(self, metrics: WorkerMetrics, at_s: float, *, answered: bool = True) -> None:
-        """A new scrape: the worker's own counter, or what this replica relayed.
-        A worker that did not answer adds nothing to measure; one whose source
-        of counts changed starts its measurements again (two counters are
-        never subtracted from each other)."""
+    def unflushed(self) -> int:
+        return self.relayed_tokens - self.relayed_flushed
+
+    def scraped(self, metrics: WorkerMetrics, at_s: float, *, answered: bool = True, relayed_by_all: int = 0) -> None:
+        """A new scrape, with what every replica relayed from the worker as far
+        as this one knows: their shared total, and its own not added to it yet.
+        A worker that did not answer adds nothing to measure."""
         self.metrics, self.in_flight_at_scrape = metrics, self.in_flight
         if not answered:
             return
-        counted_by_worker = metrics.generation_tokens is not None
-        if counted_by_worker != self.counted_by_worker:
-            self.scrapes.clear()
-            self.counted_by_worker = counted_by_worker
-        delivered = metrics.generation_tokens if counted_by_worker else float(self.relayed_tokens)
         running = metrics.running if metrics.running is not None else self.in_flight
-        self.scrapes.append(Scrape(at_s, delivered, running, metrics.waiting or 0))
+        self.scrapes.append(Scrape(at_s, metrics.generation_tokens, float(relayed_by_all + self.unflushed()), running,
+                                   metrics.waiting or 0))
 
     def period(self, now_s: float, period_s: float) -> list[Scrape]:
         """The scrapes of the last period, one before it included, so the

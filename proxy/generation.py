@@ -74,6 +74,7 @@ class Generation:
     _reported_by_prompt: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _reported_total: bool = field(default=False, init=False, repr=False)
     overran: bool = field(default=False, init=False)  # the worker sent more tokens than the hold pays for
+    relayed_booked: int = field(default=0, init=False)  # of counted_tokens, booked as its worker's delivery
     created: int = field(default=0, init=False)
     # Settlement (proxy/settlement.py reports through the methods below)
     hold_lost: bool = field(default=False, init=False)  # the sweeper closed the hold while this ran

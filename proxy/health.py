@@ -52,7 +52,7 @@ class HealthChecker:
         now_s = time.monotonic()
         for worker, probe in zip(fleet, results):  # on the loop's thread, like every change of a load
             self.directory.load(worker.id).scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s,
-                                                   answered=probe["healthy"])
+                                                   answered=probe["healthy"], relayed_by_all=worker.relayed_tokens_total)
         await asyncio.to_thread(self._record, list(zip(fleet, results)), now_s)
         await self.directory.refresh_async()
 
@@ -81,14 +81,17 @@ class HealthChecker:
 
     def _record(self, probes: list[tuple[registry.WorkerView, dict]], now_s: float) -> None:
         now = utc_now()
+        relayed = {worker.id: self.directory.load(worker.id).unflushed() for worker, _ in probes}
         with self.directory.engine.begin() as conn:
             for worker, probe in probes:
-                registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"],
-                                          context_length=probe.get("context_length"), served_model=probe.get("served_model"))
+                registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"], context_length=probe.get("context_length"),
+                                          served_model=probe.get("served_model"), relayed_tokens=relayed[worker.id])
                 load = self.directory.load(worker.id)
                 if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
                     registry.mark_drained(conn, worker.id)
                 self._measure(conn, worker, load, now, now_s)
+        for worker, _ in probes:  # committed: those tokens are in every replica's total now
+            self.directory.load(worker.id).relayed_flushed += relayed[worker.id]
 
     def _measure(self, conn, worker: registry.WorkerView, load: WorkerLoad, now, now_s: float) -> None:
         """Once per period, the worker's capacity from the period's scrapes;

@@ -82,6 +82,10 @@ CAPACITY_SATURATED_PERCENT_MIN = 50
 # Each saturated measurement moves the capacity this far towards itself: one
 # odd period does not swing the weights, a lasting change shows in a few.
 CAPACITY_SMOOTHING_PERCENT = 50
+# A worker's own count of its output is believed up to this much above what
+# the replicas relayed from it (tokens it generated for callers who left, and
+# relayed tokens booked a little later than generated).
+RELAYED_TOKENS_MARGIN_PERCENT = 50
 SCRAPES_KEPT_MAX = 256  # per worker; a period at the fastest health interval fits
 
 # --- What the hot path reads from memory (proxy/directory.py) ------------------

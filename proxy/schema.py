@@ -69,6 +69,9 @@ workers = Table(
     Column("capacity_saturated", Boolean, nullable=False, server_default=false()),
     Column("capacity_requests", Integer),
     Column("capacity_measured_at", UTCDateTime),
+    # Output tokens every replica relayed from it, added at each health check:
+    # the worker's own counter is believed only this far (proxy/capacity.py).
+    Column("relayed_tokens_total", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are

@@ -74,7 +74,7 @@ class Settler:
         load = self.directory.loads.get(generation.worker.id)
         if load is not None:
             load.in_flight -= 1
-            load.relayed_tokens += generation.counted_tokens
+        self._book_relayed(generation)
         if generation.reported_prompt is None and generation.counted_tokens:
             await self._ask_prompt_tokens(generation)
         billed = generation.delivered_usage()
@@ -286,7 +286,10 @@ class Settler:
         interval_s = min(HOLD_RENEW_INTERVAL_S_MAX, self.hold_ttl_s / HOLD_RENEWALS_PER_TTL_MIN)
         while True:
             await asyncio.sleep(interval_s)
-            renewals = [self.renewal(g) for g in list(self._live.values()) if not g.finished]
+            live = [g for g in list(self._live.values()) if not g.finished]
+            for generation in live:
+                self._book_relayed(generation)
+            renewals = [self.renewal(g) for g in live]
             if not renewals:
                 continue
             try:
@@ -299,6 +302,14 @@ class Settler:
                     lost = self._live.pop(renewal.hold_id, None)
                     if lost is not None:
                         lost.lose_hold()
+
+    def _book_relayed(self, generation: Generation) -> None:
+        """What a request relayed since it was last booked counts as its
+        worker's delivery (proxy/capacity.py): each second, not per chunk."""
+        load = self.directory.loads.get(generation.worker.id) if generation.worker is not None else None
+        if load is not None:
+            load.relayed_tokens += generation.counted_tokens - generation.relayed_booked
+            generation.relayed_booked = generation.counted_tokens
 
     def renewal(self, generation: Generation, billed: metering.BilledUsage | None = None) -> HoldRenewal:
         """What a stream's caller has received is delivered; a non-streaming

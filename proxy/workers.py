@@ -64,6 +64,7 @@ class WorkerView(NamedTuple):
     capacity_saturated: bool = False  # throughput_tokens_per_s was measured while it queued (proxy/capacity.py)
     capacity_requests: int | None = None  # the batch it ran then
     capacity_measured_at: datetime | None = None
+    relayed_tokens_total: int = 0  # by every replica
 
     def as_dict(self) -> dict:
         data = self._asdict()
@@ -162,9 +163,12 @@ def drain_overdue(worker: WorkerView, now: datetime) -> bool:
 
 
 def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context_length: int | None = None,
-                     served_model: str | None = None) -> None:
-    """Health only: this statement has no `state` in it, on purpose."""
+                     served_model: str | None = None, relayed_tokens: int = 0) -> None:
+    """Health, and the tokens this replica relayed since its last heartbeat
+    (added to every replica's): this statement has no `state` in it, on purpose."""
     values: dict = {"healthy": healthy}
+    if relayed_tokens:
+        values["relayed_tokens_total"] = workers.c.relayed_tokens_total + relayed_tokens
     if healthy:
         values["last_heartbeat_at"] = utc_now()
     if context_length is not None:

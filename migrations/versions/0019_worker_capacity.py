@@ -5,6 +5,9 @@ second the worker delivered, from its own counters (proxy/capacity.py):
 `capacity_saturated` says it was measured while the worker queued requests
 (its capacity, not only a floor), `capacity_requests` is the batch it ran
 then, and `capacity_measured_at` lets one replica per period write it.
+`relayed_tokens_total` is what every replica relayed from the worker, added
+at each health check: a worker's own counter is believed only up to a
+margin above it.
 
 Revision ID: 0019
 Revises: 0018
@@ -25,10 +28,12 @@ def upgrade() -> None:
     op.add_column("workers", sa.Column("capacity_saturated", sa.Boolean, nullable=False, server_default=sa.false()))
     op.add_column("workers", sa.Column("capacity_requests", sa.Integer))
     op.add_column("workers", sa.Column("capacity_measured_at", UTCDateTime))
+    op.add_column("workers", sa.Column("relayed_tokens_total", sa.BigInteger, nullable=False, server_default=sa.text("0")))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("workers") as batch:
+        batch.drop_column("relayed_tokens_total")
         batch.drop_column("capacity_measured_at")
         batch.drop_column("capacity_requests")
         batch.drop_column("capacity_saturated")

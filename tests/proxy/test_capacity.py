@@ -18,9 +18,10 @@ from app.migrate import migrate
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.db import make_engine
+from ledger.money import PERCENT
 from ledger.schema import utc_now
 from proxy import routing
-from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S
+from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, RELAYED_TOKENS_MARGIN_PERCENT
 from proxy import workers as registry
 from proxy.capacity import Capacity, Observation, Scrape, WorkerMetrics, next_capacity, observe
 from proxy.directory import Directory, WorkerLoad
@@ -32,7 +33,8 @@ from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_f
 
 
 def _scrapes(*points: tuple[float, float, int, int]) -> list[Scrape]:
-    return [Scrape(*point) for point in points]
+    """(time, tokens, running, waiting): an honest worker, whose count is what the proxies relayed."""
+    return [Scrape(at_s, tokens, tokens, running, waiting) for at_s, tokens, running, waiting in points]
 
 
 def test_a_period_spent_queueing_measures_the_capacity_and_the_batch():
@@ -51,9 +53,18 @@ def test_a_short_burst_of_queueing_does_not_count_as_saturation():
     assert seen == Observation(1000 / 6, False, None)
 
 
-def test_a_restarted_worker_or_a_single_scrape_measures_nothing():
-    assert observe(_scrapes((0, 5000, 1, 0), (2, 10, 1, 0))) is None
+def test_a_single_scrape_measures_nothing_and_a_restarted_worker_is_measured_by_what_was_relayed():
     assert observe(_scrapes((0, 0, 1, 0))) is None
+    restarted = [Scrape(0, 5000, 100, 1, 0), Scrape(2, 10, 300, 1, 0)]
+    assert observe(restarted) == Observation(100.0, False, None)
+
+
+def test_a_worker_inflating_its_own_counter_is_believed_only_a_margin_above_what_was_relayed():
+    inflated = [Scrape(0, 0, 0, 32, 5), Scrape(2, 87_000, 870, 32, 5), Scrape(4, 174_000, 1740, 32, 5)]
+    seen = observe(inflated)
+    assert seen.saturated and seen.tokens_per_s == 435 * (PERCENT + RELAYED_TOKENS_MARGIN_PERCENT) / PERCENT
+    without_counter = [Scrape(0, None, 0, 2, 0), Scrape(2, None, 400, 2, 0)]
+    assert observe(without_counter) == Observation(200.0, False, None), "llama-cpp-python: what the proxies relayed"
 
 
 # --- from one measurement to the next ---------------------------------------------------
@@ -206,11 +217,10 @@ def test_the_load_a_replica_sees_is_the_workers_report_moved_by_its_own_requests
     assert load.busy() == 8
 
 
-def test_a_worker_that_did_not_answer_or_changed_its_source_of_counts_is_not_measured_across_it():
+def test_a_scrape_adds_what_this_replica_relayed_and_has_not_added_to_every_replicas_total():
     load = WorkerLoad()
-    load.relayed_tokens = 3_000
-    load.scraped(WorkerMetrics(running=1), at_s=0.0)  # no counter in its metrics: this replica's relayed tokens
+    load.relayed_tokens, load.relayed_flushed = 3_000, 2_500
+    load.scraped(WorkerMetrics(running=1, generation_tokens=9_000.0), at_s=0.0, relayed_by_all=7_000)
     load.scraped(WorkerMetrics(), at_s=1.0, answered=False)
-    assert [s.generation_tokens for s in load.scrapes] == [3_000.0], "a probe that failed adds nothing"
-    load.scraped(WorkerMetrics(running=1, generation_tokens=50_000.0), at_s=2.0)
-    assert [s.generation_tokens for s in load.scrapes] == [50_000.0], "the worker's own counter starts a new series"
+    assert [(s.generation_tokens, s.relayed_tokens) for s in load.scrapes] == [(9_000.0, 7_500.0)], \
+        "a probe that failed adds nothing"

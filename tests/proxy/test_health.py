@@ -208,3 +208,23 @@ def test_a_draining_worker_still_busy_is_drained_at_the_deadline(registry_engine
     fake.busy[url] = (4, 4)
     _check(registry_engine, fake.handle)
     assert _stored(registry_engine, worker_id).state == "drained"
+
+
+def test_what_a_replica_relayed_is_added_to_every_replicas_total_once(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9008)
+    fake = FakeWorkers()
+    directory = Directory(registry_engine)
+
+    async def rounds() -> list[int]:
+        totals = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)) as client:
+            checker = HealthChecker(directory, client)
+            await directory.refresh_async()
+            for relayed in (120, 0, 30):
+                directory.load(worker_id).relayed_tokens += relayed
+                await checker.check_all()
+                totals.append(_stored(registry_engine, worker_id).relayed_tokens_total)
+        return totals
+
+    assert asyncio.run(rounds()) == [120, 120, 150]
+    assert directory.load(worker_id).unflushed() == 0
