@@ -250,7 +250,10 @@ def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
     replicas agreed on (proxy/capacity.py). A worker not yet measured at
     saturation is probed: weighed at least at the fleet's median capacity, so
     it gets enough traffic to show what it can do, and trusted to say itself
-    (its queue) when it is full rather than cut off at a guessed batch."""
+    (its queue) when it is full rather than cut off at a guessed batch. A
+    batch is never more requests than would each decode at
+    TOKENS_PER_S_PER_REQUEST_MIN: a worker cannot claim (in its metrics) a
+    batch its delivery does not show."""
     saturated = [w.throughput_tokens_per_s for w in fleet if w.capacity_saturated and w.throughput_tokens_per_s]
     floors = [w.throughput_tokens_per_s for w in fleet if w.throughput_tokens_per_s]
     probe = statistics.median(saturated or floors) if (saturated or floors) else PROBE_WEIGHT_TOKENS_PER_S
@@ -262,6 +265,7 @@ def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
         else:
             tokens_per_s, capacity = max(measured, probe), None
         weight = quantise_tokens_per_s(tokens_per_s)
-        size = capacity or max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN)
-        out[w.id] = Size(float(weight), capacity, size)
+        by_rate = max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN)
+        capacity = min(capacity, by_rate) if capacity else None
+        out[w.id] = Size(float(weight), capacity, capacity or by_rate)
     return out

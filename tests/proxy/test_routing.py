@@ -85,6 +85,11 @@ def test_a_new_worker_is_probed_at_the_fleets_median_capacity():
     assert routing.weights([_worker(7)])[7].weight == routing.quantise_tokens_per_s(limits.PROBE_WEIGHT_TOKENS_PER_S)
 
 
+def test_a_batch_is_never_more_than_the_delivery_shows_at_the_slowest_acceptable_rate():
+    claimed = [_worker(1, throughput_tokens_per_s=435, saturated=True, capacity_requests=10_000)]
+    assert routing.weights(claimed)[1].capacity_requests == routing.quantise_tokens_per_s(435) // limits.TOKENS_PER_S_PER_REQUEST_MIN
+
+
 def test_a_floor_below_the_median_is_raised_to_it_until_the_worker_saturates():
     fleet = [_worker(1, throughput_tokens_per_s=1000, saturated=True, capacity_requests=50),
              _worker(2, throughput_tokens_per_s=40), _worker(3, throughput_tokens_per_s=3000)]
@@ -168,7 +173,7 @@ def test_the_order_follows_affinity_and_spills_off_a_busy_worker():
 
 
 def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves_room_on_reserved_workers():
-    fleet = [_worker(1, context_length=262_144, throughput_tokens_per_s=3000, saturated=True, capacity_requests=200),
+    fleet = [_worker(1, context_length=262_144, throughput_tokens_per_s=3000, saturated=True, capacity_requests=128),
              *(_worker(i, context_length=65_536, throughput_tokens_per_s=400, saturated=True, capacity_requests=32)
                for i in (2, 3, 4))]
     keys = [routing.affinity_key("m", {"prompt": f"document {i}"}) for i in range(400)]
@@ -178,10 +183,10 @@ def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves
     assert firsts.count(1) > firsts.count(2), "in proportion to the room left after it"
     short = routing.affinity_key("m", {"prompt": next(f"chat {i}" for i in range(1000) if routing.order(
         routing.affinity_key("m", {"prompt": f"chat {i}"}), fleet, _loads(fleet)).workers[0].id == 1)})
-    assert routing.order(short, fleet, _loads(fleet, {1: 100}), reserved=frozenset({1})).workers[0].id == 1
-    kept = routing.order(short, fleet, _loads(fleet, {1: 150}), reserved=frozenset({1}))
-    assert kept.workers[0].id != 1 and kept.spill == routing.SPILL_RESERVED, "a quarter of its batch stays free"
-    assert routing.order(short, fleet, _loads(fleet, {1: 150})).workers[0].id == 1, "without a long prompt, no reserve"
+    assert routing.order(short, fleet, _loads(fleet, {1: 95}), reserved=frozenset({1})).workers[0].id == 1
+    kept = routing.order(short, fleet, _loads(fleet, {1: 96}), reserved=frozenset({1}))
+    assert kept.workers[0].id != 1 and kept.spill == routing.SPILL_RESERVED, "a quarter of its batch of 128 stays free"
+    assert routing.order(short, fleet, _loads(fleet, {1: 96})).workers[0].id == 1, "without a long prompt, no reserve"
 
 
 def test_the_baselines_spread_requests_without_affinity():
