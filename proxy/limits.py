@@ -100,6 +100,9 @@ TOKENS_PER_S_PER_REQUEST_MIN = 20
 PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
 # A prompt this long is placed by free KV cache, not by decode capacity.
 LONG_PROMPT_TOKENS_MIN = 16_384
+# The KV cache a worker reports is believed up to this many of its contexts
+# (an H200 serving 262,144 tokens holds about 5.7 of them, an RTX 4090 pair 2.3).
+LONG_PROMPT_KV_CONTEXTS_MAX = 8
 # Workers that alone held a long prompt keep this share of their batch free
 # of short traffic for this long after it, so long prompts do not queue behind chats.
 LONG_PROMPT_RESERVE_PERCENT = 25

@@ -33,6 +33,7 @@ from proxy.limits import (
     AFFINITY_KEY_BYTES,
     AFFINITY_PREFIX_BYTES_MAX,
     AFFINITY_PROMPT_HEAD_BYTES,
+    LONG_PROMPT_KV_CONTEXTS_MAX,
     LONG_PROMPT_RESERVE_PERCENT,
     LONG_PROMPT_TOKENS_MIN,
     PROBE_WEIGHT_TOKENS_PER_S,
@@ -168,12 +169,16 @@ def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, Worke
     """Rendezvous weights for a long prompt: the KV cache each worker would
     have left after taking it, so it goes where it costs the fleet least and
     its follow-ups still find it. A worker without that room (it would queue
-    the prompt or preempt others) is tried only after every worker with room."""
+    the prompt or preempt others) is tried only after every worker with room.
+    What a worker says of its cache counts up to LONG_PROMPT_KV_CONTEXTS_MAX
+    of its contexts, so a claim of a huge cache wins it only so many long prompts."""
     room = {}
     for worker in fleet:
         free = loads[worker.id].free_kv_tokens
         if free is None:  # no KV metrics: a worker holding this context holds at least that much cache
             free = worker.context_length or needed_tokens
+        elif worker.context_length:
+            free = min(free, worker.context_length * LONG_PROMPT_KV_CONTEXTS_MAX)
         room[worker.id] = free - needed_tokens
     if any(left >= 0 for left in room.values()):
         return {worker_id: float(left) if left >= 0 else 0.0 for worker_id, left in room.items()}

@@ -189,6 +189,13 @@ def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves
     assert routing.order(short, fleet, _loads(fleet, {1: 96})).workers[0].id == 1, "without a long prompt, no reserve"
 
 
+def test_a_worker_claiming_a_huge_kv_cache_is_believed_only_so_many_of_its_contexts():
+    fleet = [_worker(1, context_length=65_536), _worker(2, context_length=65_536)]
+    claims = {1: 10_000_000_000, 2: 150_000}
+    weights = routing.long_prompt_weights(fleet, _loads(fleet, free_kv=claims), 40_000)
+    assert weights == {1: 65_536 * limits.LONG_PROMPT_KV_CONTEXTS_MAX - 40_000, 2: 110_000}
+
+
 def test_the_baselines_spread_requests_without_affinity():
     fleet = [_worker(i) for i in (3, 1, 2)]
     assert [routing.baseline_order(routing.ROUND_ROBIN, fleet, turn)[0].id for turn in range(4)] == [1, 2, 3, 1]
