@@ -23,9 +23,9 @@ from ledger.accounts import require_kind
 from ledger.errors import InvalidInput
 from ledger.schema import utc_now
 from ledger.store import CREATED, AppendResult, append_one
-from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
 from proxy.capacity import Capacity
 from proxy.errors import InvalidRequest
+from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
 from proxy.schema import WORKER_TASKS, usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
