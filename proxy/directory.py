@@ -10,15 +10,18 @@ import asyncio
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
 
+from ledger.schema import utc_now
 from proxy import keys, prices, routing, workers
 from proxy.capacity import Scrape, WorkerMetrics
 from proxy.limits import (
     DIRECTORY_REFRESH_INTERVAL_S,
     KEY_CACHE_ENTRIES_MAX,
     KEY_CACHE_TTL_S,
+    LONG_PROMPT_RESERVE_RENEW_S,
     LONG_PROMPT_RESERVE_S,
     LONG_PROMPT_TOKENS_MIN,
     SCRAPES_KEPT_MAX,
@@ -78,7 +81,8 @@ class Directory:
     routing_policy: str = routing.AFFINITY  # the others are baselines for benchmarks
     spills: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, reason): requests sent past their affinity choice
     # model -> the workers that alone held a recent long prompt, and until when they keep room for such prompts
-    _reserved: dict[str, tuple[frozenset[int], float]] = field(default_factory=dict)
+    _reserved: dict[str, tuple[frozenset[int], datetime]] = field(default_factory=dict)
+    _writing_room: bool = False  # a write of long_prompts_until is under way
     _turn: int = 0  # round robin's
     _keys: dict[str, tuple[float, keys.KeyGrant | None]] = field(default_factory=dict)
     _secret_of_key: dict[int, str] = field(default_factory=dict)  # key id -> the cached secret, for revocations
@@ -162,22 +166,45 @@ class Directory:
         with self.engine.connect() as conn:
             return keys.find_key(conn, key)
 
+    def _keep_room(self, model: str, holders: list[workers.WorkerView], now: datetime) -> None:
+        """Room on the workers that alone hold a long prompt: here at once, and
+        written for the other replicas unless what they read still has a while to run."""
+        until = now + timedelta(seconds=LONG_PROMPT_RESERVE_S)
+        self._reserved[model] = (frozenset(w.id for w in holders), until)
+        renew_after = now + timedelta(seconds=LONG_PROMPT_RESERVE_RENEW_S)
+        if self._writing_room or all(w.long_prompts_until and w.long_prompts_until > renew_after for w in holders):
+            return
+        self._writing_room = True
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._write_room, [w.id for w in holders], until))
+        task.add_done_callback(self._room_written)
+
+    def _write_room(self, worker_ids: list[int], until: datetime) -> None:
+        with self.engine.begin() as conn:
+            workers.keep_room_for_long_prompts(conn, worker_ids, until)
+
+    def _room_written(self, task: asyncio.Task) -> None:
+        self._writing_room = False
+        if not task.cancelled():
+            task.exception()  # a database blip: the other replicas learn of the next long prompt instead
+
     def load(self, worker_id: int) -> WorkerLoad:
         return self.loads.setdefault(worker_id, WorkerLoad())
 
     def place(self, model: str, key: bytes, candidates: list[workers.WorkerView], needed_tokens: int) -> list[workers.WorkerView]:
         """The candidates in the order to try them (proxy/routing.py), from
         this replica's view of their load; a spill is counted for /metrics. A
-        long prompt that only some workers hold reserves room on them."""
+        long prompt that only some workers hold keeps room on them, at once
+        here and, through the database, on every replica."""
         if self.routing_policy != routing.AFFINITY:
             self._turn += 1
             return routing.baseline_order(self.routing_policy, candidates, self._turn)
-        now_s = time.monotonic()
+        now = utc_now()
         if needed_tokens >= LONG_PROMPT_TOKENS_MIN and not routing.holds_everywhere(self.fleet.get(model, []), needed_tokens):
-            self._reserved[model] = (frozenset(w.id for w in candidates), now_s + LONG_PROMPT_RESERVE_S)
-        reserved, until_s = self._reserved.get(model, (frozenset(), 0.0))
+            self._keep_room(model, candidates, now)
+        here, until = self._reserved.get(model, (frozenset(), now))
+        reserved = frozenset(w.id for w in candidates if (w.long_prompts_until or now) > now or (w.id in here and until > now))
         placement = routing.order(key, candidates, {w.id: self.load(w.id).view() for w in candidates},
-                                  needed_tokens=needed_tokens, reserved=reserved if until_s > now_s else frozenset())
+                                  needed_tokens=needed_tokens, reserved=reserved)
         if placement.spill is not None:
             self.spills[(model, placement.spill)] += 1
         return placement.workers

@@ -107,6 +107,7 @@ LONG_PROMPT_KV_CONTEXTS_MAX = 8
 # of short traffic for this long after it, so long prompts do not queue behind chats.
 LONG_PROMPT_RESERVE_PERCENT = 25
 LONG_PROMPT_RESERVE_S = 60.0
+LONG_PROMPT_RESERVE_RENEW_S = 30.0  # written again for the other replicas once less than this is left
 AFFINITY_PREFIX_BYTES_MAX = 16_384  # of a conversation, hashed for affinity
 AFFINITY_PROMPT_HEAD_BYTES = 1024  # of a completion prompt: what a continued prompt shares
 AFFINITY_KEY_BYTES = 16  # the BLAKE2b digest of that prefix

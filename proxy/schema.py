@@ -72,6 +72,8 @@ workers = Table(
     # Output tokens every replica relayed from it, added at each health check:
     # the worker's own counter is believed only this far (proxy/capacity.py).
     Column("relayed_tokens_total", BigInteger, nullable=False, server_default=text("0")),
+    # It alone held a recent long prompt: every replica keeps room on it for such prompts until then.
+    Column("long_prompts_until", UTCDateTime),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are

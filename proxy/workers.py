@@ -65,10 +65,12 @@ class WorkerView(NamedTuple):
     capacity_requests: int | None = None  # the batch it ran then
     capacity_measured_at: datetime | None = None
     relayed_tokens_total: int = 0  # by every replica
+    long_prompts_until: datetime | None = None  # room is kept on it for long prompts until then
 
     def as_dict(self) -> dict:
         data = self._asdict()
-        for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at", "capacity_measured_at"):
+        for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at", "capacity_measured_at",
+                     "long_prompts_until"):
             data[name] = data[name].isoformat() if data[name] else None
         return data
 
@@ -189,6 +191,11 @@ def record_capacity(conn: Connection, worker: WorkerView, capacity: Capacity, no
         .values(throughput_tokens_per_s=capacity.tokens_per_s, capacity_saturated=capacity.saturated,
                 capacity_requests=capacity.requests, capacity_measured_at=now)
     ).rowcount)
+
+
+def keep_room_for_long_prompts(conn: Connection, worker_ids: list[int], until: datetime) -> None:
+    """These workers alone held a long prompt: every replica keeps room on them until then."""
+    conn.execute(update(workers).where(workers.c.id.in_(worker_ids)).values(long_prompts_until=until))
 
 
 class StrikeOutcome(NamedTuple):

@@ -7,7 +7,8 @@ second the worker delivered, from its own counters (proxy/capacity.py):
 then, and `capacity_measured_at` lets one replica per period write it.
 `relayed_tokens_total` is what every replica relayed from the worker, added
 at each health check: a worker's own counter is believed only up to a
-margin above it.
+margin above it. `long_prompts_until`: the worker alone held a recent long
+prompt, and every replica keeps room on it for such prompts until then.
 
 Revision ID: 0019
 Revises: 0018
@@ -29,10 +30,12 @@ def upgrade() -> None:
     op.add_column("workers", sa.Column("capacity_requests", sa.Integer))
     op.add_column("workers", sa.Column("capacity_measured_at", UTCDateTime))
     op.add_column("workers", sa.Column("relayed_tokens_total", sa.BigInteger, nullable=False, server_default=sa.text("0")))
+    op.add_column("workers", sa.Column("long_prompts_until", UTCDateTime))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("workers") as batch:
+        batch.drop_column("long_prompts_until")
         batch.drop_column("relayed_tokens_total")
         batch.drop_column("capacity_measured_at")
         batch.drop_column("capacity_requests")

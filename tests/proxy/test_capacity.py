@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from sqlalchemy import update
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +26,7 @@ from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, RELAYED_TOKENS_MARGIN_PER
 from proxy import workers as registry
 from proxy.capacity import Capacity, Observation, Scrape, WorkerMetrics, next_capacity, observe
 from proxy.directory import Directory, WorkerLoad
+from proxy.schema import workers
 from proxy.sim.profiles import get_profile
 from tests.proxy.test_routing import _worker
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
@@ -224,3 +226,34 @@ def test_a_scrape_adds_what_this_replica_relayed_and_has_not_added_to_every_repl
     load.scraped(WorkerMetrics(), at_s=1.0, answered=False)
     assert [(s.generation_tokens, s.relayed_tokens) for s in load.scrapes] == [(9_000.0, 7_500.0)], \
         "a probe that failed adds nothing"
+
+
+# --- room kept for long prompts, on every replica ------------------------------------------
+
+
+def test_room_kept_for_a_long_prompt_on_one_replica_is_kept_by_the_others(registry_engine):
+    with registry_engine.begin() as conn:
+        owner = acc.create_account(conn, cmd.OWNER, "owner")
+        large = registry.add_worker(conn, owner, "http://127.0.0.1:9201", "m", context_length=262_144)
+        small = [registry.add_worker(conn, owner, f"http://127.0.0.1:{9202 + i}", "m", context_length=32_768) for i in range(2)]
+        conn.execute(update(workers).values(healthy=True, throughput_tokens_per_s=3000, capacity_saturated=True,
+                                            capacity_requests=128))
+    one, two = Directory(registry_engine), Directory(registry_engine)
+
+    async def long_prompt_on_one() -> None:
+        await one.refresh_async()
+        fleet = one.fleet["m"]
+        assert [w.id for w in one.place("m", b"k" * 16, [w for w in fleet if w.id == large], 180_000)] == [large]
+        while one._writing_room:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(long_prompt_on_one())
+    asyncio.run(two.refresh_async())
+    fleet = two.fleet["m"]
+    stored = next(w for w in fleet if w.id == large)
+    assert stored.long_prompts_until is not None and stored.long_prompts_until > utc_now()
+    key = next(k for k in (routing.affinity_key("m", {"prompt": f"chat {i}"}) for i in range(1000))
+               if two.place("m", k, fleet, 0)[0].id == large)
+    two.load(large).in_flight = 100  # three quarters of its batch of 128, and more
+    assert two.place("m", key, fleet, 0)[0].id in small, "the other replica leaves the large worker's room to long prompts"
+    assert two.spills == {("m", routing.SPILL_RESERVED): 1}
