@@ -97,6 +97,9 @@ KEY_CACHE_ENTRIES_MAX = 100_000
 # The batch of a worker measured only below saturation, for sharing the load
 # when every worker is full: its capacity over this rate per request.
 TOKENS_PER_S_PER_REQUEST_MIN = 20
+# A measured batch is believed up to the requests that would each decode at
+# this rate (an H200 at 3,300 tok/s: 660, above its 256; a pair of RTX 4090s: 87).
+BATCH_TOKENS_PER_S_PER_REQUEST_MIN = 5
 PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
 # A prompt this long is placed by free KV cache, not by decode capacity.
 LONG_PROMPT_TOKENS_MIN = 16_384

@@ -33,6 +33,7 @@ from proxy.limits import (
     AFFINITY_KEY_BYTES,
     AFFINITY_PREFIX_BYTES_MAX,
     AFFINITY_PROMPT_HEAD_BYTES,
+    BATCH_TOKENS_PER_S_PER_REQUEST_MIN,
     LONG_PROMPT_KV_CONTEXTS_MAX,
     LONG_PROMPT_RESERVE_PERCENT,
     LONG_PROMPT_TOKENS_MIN,
@@ -80,7 +81,7 @@ class Candidate:
     size_requests: int  # its share of the load when everyone is full
     busy: int
     waiting: int = 0
-    reserved_requests: int = 0  # kept free for long prompts: a short request treats it as full this much earlier
+    reserved_requests: int = 0  # of its measured batch, kept free for long prompts: short requests see it full this much earlier
 
     def full(self) -> str | None:
         """Why a new request should not go here, or None."""
@@ -88,7 +89,7 @@ class Candidate:
             return SPILL_QUEUE
         if self.capacity_requests is not None and self.busy >= self.capacity_requests:
             return SPILL_BUSY
-        if self.reserved_requests and self.busy >= (self.capacity_requests or self.size_requests) - self.reserved_requests:
+        if self.reserved_requests and self.busy >= self.capacity_requests - self.reserved_requests:
             return SPILL_RESERVED
         return None
 
@@ -155,14 +156,18 @@ def order(key: bytes, fleet: list[registry.WorkerView], loads: dict[int, WorkerL
     ranked = choose(key, [
         Candidate(w.id, kv.get(w.id, sizes[w.id].weight), sizes[w.id].capacity_requests, sizes[w.id].size_requests,
                   loads[w.id].busy_requests, loads[w.id].waiting_requests,
-                  0 if long_prompt or w.id not in reserved else _reserve(sizes[w.id]))
+                  _reserve(sizes[w.id]) if w.id in reserved and not long_prompt else 0)
         for w in fleet])
     by_id = {w.id: w for w in fleet}
     return Placement([by_id[c.worker_id] for c in ranked.order], ranked.spill)
 
 
 def _reserve(size: Size) -> int:
-    return max(1, (size.capacity_requests or size.size_requests) * LONG_PROMPT_RESERVE_PERCENT // PERCENT)
+    """A share of a measured batch; a worker whose batch is not known yet is
+    not held back (a guess would hold it back far below what it can run)."""
+    if size.capacity_requests is None:
+        return 0
+    return max(1, size.capacity_requests * LONG_PROMPT_RESERVE_PERCENT // PERCENT)
 
 
 def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, WorkerLoadView], needed_tokens: int) -> dict[int, float]:
@@ -257,8 +262,8 @@ def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
     it gets enough traffic to show what it can do, and trusted to say itself
     (its queue) when it is full rather than cut off at a guessed batch. A
     batch is never more requests than would each decode at
-    TOKENS_PER_S_PER_REQUEST_MIN: a worker cannot claim (in its metrics) a
-    batch its delivery does not show."""
+    BATCH_TOKENS_PER_S_PER_REQUEST_MIN: a worker cannot claim (in its
+    metrics) a batch its delivery does not show."""
     saturated = [w.throughput_tokens_per_s for w in fleet if w.capacity_saturated and w.throughput_tokens_per_s]
     floors = [w.throughput_tokens_per_s for w in fleet if w.throughput_tokens_per_s]
     probe = statistics.median(saturated or floors) if (saturated or floors) else PROBE_WEIGHT_TOKENS_PER_S
@@ -270,7 +275,6 @@ def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
         else:
             tokens_per_s, capacity = max(measured, probe), None
         weight = quantise_tokens_per_s(tokens_per_s)
-        by_rate = max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN)
-        capacity = min(capacity, by_rate) if capacity else None
-        out[w.id] = Size(float(weight), capacity, capacity or by_rate)
+        capacity = min(capacity, max(1, int(weight) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN)) if capacity else None
+        out[w.id] = Size(float(weight), capacity, capacity or max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN))
     return out

@@ -87,7 +87,9 @@ def test_a_new_worker_is_probed_at_the_fleets_median_capacity():
 
 def test_a_batch_is_never_more_than_the_delivery_shows_at_the_slowest_acceptable_rate():
     claimed = [_worker(1, throughput_tokens_per_s=435, saturated=True, capacity_requests=10_000)]
-    assert routing.weights(claimed)[1].capacity_requests == routing.quantise_tokens_per_s(435) // limits.TOKENS_PER_S_PER_REQUEST_MIN
+    assert routing.weights(claimed)[1].capacity_requests == routing.quantise_tokens_per_s(435) // limits.BATCH_TOKENS_PER_S_PER_REQUEST_MIN
+    honest = [_worker(1, throughput_tokens_per_s=3300, saturated=True, capacity_requests=256)]
+    assert routing.weights(honest)[1].capacity_requests == 256, "an H200's batch is believed"
 
 
 def test_a_floor_below_the_median_is_raised_to_it_until_the_worker_saturates():
@@ -187,6 +189,11 @@ def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves
     kept = routing.order(short, fleet, _loads(fleet, {1: 96}), reserved=frozenset({1}))
     assert kept.workers[0].id != 1 and kept.spill == routing.SPILL_RESERVED, "a quarter of its batch of 128 stays free"
     assert routing.order(short, fleet, _loads(fleet, {1: 96})).workers[0].id == 1, "without a long prompt, no reserve"
+    unmeasured = [_worker(w.id, context_length=w.context_length) for w in fleet]
+    on_1 = next(k for k in (routing.affinity_key("m", {"prompt": f"chat {i}"}) for i in range(1000))
+                if routing.order(k, unmeasured, _loads(unmeasured)).workers[0].id == 1)
+    assert routing.order(on_1, unmeasured, _loads(unmeasured, {1: 500}), reserved=frozenset({1})).workers[0].id == 1, \
+        "a worker whose batch is not known is not held back"
 
 
 def test_a_worker_claiming_a_huge_kv_cache_is_believed_only_so_many_of_its_contexts():
