@@ -9,16 +9,13 @@ import time
 from datetime import timedelta
 
 import httpx
-import pytest
 from sqlalchemy import update
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.http.status import CAPACITY_METRIC, RoutingState
-from app.migrate import migrate
 from ledger import accounts as acc
 from ledger import commands as cmd
-from ledger.db import make_engine
 from ledger.money import PERCENT
 from ledger.schema import utc_now
 from proxy import routing
@@ -88,14 +85,6 @@ def test_a_floor_only_raises_and_a_quiet_period_erases_nothing():
 
 
 # --- one writer per period --------------------------------------------------------------
-
-
-@pytest.fixture
-def registry_engine(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/capacity.db")
-    migrate(engine)
-    yield engine
-    engine.dispose()
 
 
 def test_of_two_replicas_that_read_the_same_row_only_the_first_writes(registry_engine):

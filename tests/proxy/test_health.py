@@ -7,13 +7,10 @@ import asyncio
 from datetime import timedelta
 
 import httpx
-import pytest
 from sqlalchemy import update
 
-from app.migrate import migrate
 from ledger import accounts as acc
 from ledger import commands as cmd
-from ledger.db import make_engine
 from ledger.schema import utc_now
 from proxy import limits
 from proxy import workers as registry
@@ -107,14 +104,6 @@ class FakeWorkers:
             running, waiting = self.busy.get(base, (0, 0))
             return httpx.Response(200, text=VLLM_METRICS.format(running=running, waiting=waiting))
         return httpx.Response(404)
-
-
-@pytest.fixture
-def registry_engine(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/health.db")
-    migrate(engine)
-    yield engine
-    engine.dispose()
 
 
 def _add_worker(engine, port: int, engine_name: str = "vllm") -> tuple[int, str]:
