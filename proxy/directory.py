@@ -47,7 +47,8 @@ class WorkerLoad:
         return max(self.in_flight, (self.metrics.busy or 0) + self.in_flight - self.in_flight_at_scrape)
 
     def view(self) -> WorkerLoadView:
-        return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens())
+        return WorkerLoadView(self.busy(), self.metrics.waiting or 0, self.metrics.free_kv_tokens(),
+                              self.metrics.kv_capacity_tokens)
 
     def unflushed(self) -> int:
         return self.relayed_tokens - self.relayed_flushed

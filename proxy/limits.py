@@ -100,12 +100,15 @@ TOKENS_PER_S_PER_REQUEST_MIN = 20
 # A measured batch is believed up to the requests that would each decode at
 # this rate (an H200 at 3,300 tok/s: 660, above its 256; a pair of RTX 4090s: 87).
 BATCH_TOKENS_PER_S_PER_REQUEST_MIN = 5
-PROBE_WEIGHT_TOKENS_PER_S = 100  # the probe weight of a fleet with no measurement at all
+# The probe weight of a fleet with nothing measured yet, about a mid-range
+# card's total: a worker is then sent up to 1,000 / BATCH_TOKENS_PER_S_PER_REQUEST_MIN
+# requests (scaled by its KV cache) before it counts as full without a queue.
+PROBE_WEIGHT_TOKENS_PER_S = 1000
 # A prompt this long is placed by free KV cache, not by decode capacity.
 LONG_PROMPT_TOKENS_MIN = 16_384
 # The KV cache a worker reports is believed up to this many of its contexts
 # (an H200 serving 262,144 tokens holds about 5.7 of them, an RTX 4090 pair 2.3).
-LONG_PROMPT_KV_CONTEXTS_MAX = 8
+KV_CACHE_CONTEXTS_MAX = 8
 # Workers that alone held a long prompt keep this share of their batch free
 # of short traffic for this long after it, so long prompts do not queue behind chats.
 LONG_PROMPT_RESERVE_PERCENT = 25

@@ -34,7 +34,7 @@ from proxy.limits import (
     AFFINITY_PREFIX_BYTES_MAX,
     AFFINITY_PROMPT_HEAD_BYTES,
     BATCH_TOKENS_PER_S_PER_REQUEST_MIN,
-    LONG_PROMPT_KV_CONTEXTS_MAX,
+    KV_CACHE_CONTEXTS_MAX,
     LONG_PROMPT_RESERVE_PERCENT,
     LONG_PROMPT_TOKENS_MIN,
     PROBE_WEIGHT_TOKENS_PER_S,
@@ -71,13 +71,14 @@ class WorkerLoadView(NamedTuple):
     busy_requests: int  # running and waiting: the larger of this replica's count and the worker's last report
     waiting_requests: int  # the worker's own queue at its last scrape
     free_kv_tokens: int | None  # room left in its KV cache, when its metrics say
+    kv_capacity_tokens: int | None = None  # its whole KV cache, when its metrics say
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     worker_id: int
     weight: float  # rendezvous weight: capacity tokens/s (a probe when unmeasured), or free KV for a long prompt
-    capacity_requests: int | None  # the batch it runs at saturation; None: unknown, only its queue says it is full
+    capacity_requests: int  # its measured batch, or for a worker not measured the most it is sent before its queue must speak
     size_requests: int  # its share of the load when everyone is full
     busy: int
     waiting: int = 0
@@ -87,7 +88,7 @@ class Candidate:
         """Why a new request should not go here, or None."""
         if self.waiting > 0:
             return SPILL_QUEUE
-        if self.capacity_requests is not None and self.busy >= self.capacity_requests:
+        if self.busy >= self.capacity_requests:
             return SPILL_BUSY
         if self.reserved_requests and self.busy >= self.capacity_requests - self.reserved_requests:
             return SPILL_RESERVED
@@ -96,8 +97,9 @@ class Candidate:
 
 class Size(NamedTuple):
     weight: float  # tokens/s, quantised
-    capacity_requests: int | None
-    size_requests: int
+    capacity_requests: int  # the most requests it is sent before it counts as full
+    size_requests: int  # its share of the load when everyone is full
+    batch_measured: bool = False  # capacity_requests is the batch it ran at saturation
 
 
 class Placement(NamedTuple):
@@ -150,7 +152,7 @@ def order(key: bytes, fleet: list[registry.WorkerView], loads: dict[int, WorkerL
     placed by the room each worker's KV cache has left (`long_prompt_weights`);
     other requests by measured capacity, and keep `reserved` workers' spare
     room for the long prompts only they hold."""
-    sizes = weights(fleet)
+    sizes = weights(fleet, {w.id: loads[w.id].kv_capacity_tokens for w in fleet})
     long_prompt = needed_tokens >= LONG_PROMPT_TOKENS_MIN
     kv = long_prompt_weights(fleet, loads, needed_tokens) if long_prompt else {}
     ranked = choose(key, [
@@ -165,7 +167,7 @@ def order(key: bytes, fleet: list[registry.WorkerView], loads: dict[int, WorkerL
 def _reserve(size: Size) -> int:
     """A share of a measured batch; a worker whose batch is not known yet is
     not held back (a guess would hold it back far below what it can run)."""
-    if size.capacity_requests is None:
+    if not size.batch_measured:
         return 0
     return max(1, size.capacity_requests * LONG_PROMPT_RESERVE_PERCENT // PERCENT)
 
@@ -175,7 +177,7 @@ def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, Worke
     have left after taking it, so it goes where it costs the fleet least and
     its follow-ups still find it. A worker without that room (it would queue
     the prompt or preempt others) is tried only after every worker with room.
-    What a worker says of its cache counts up to LONG_PROMPT_KV_CONTEXTS_MAX
+    What a worker says of its cache counts up to KV_CACHE_CONTEXTS_MAX
     of its contexts, so a claim of a huge cache wins it only so many long prompts."""
     room = {}
     for worker in fleet:
@@ -183,7 +185,7 @@ def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, Worke
         if free is None:  # no KV metrics: a worker holding this context holds at least that much cache
             free = worker.context_length or needed_tokens
         elif worker.context_length:
-            free = min(free, worker.context_length * LONG_PROMPT_KV_CONTEXTS_MAX)
+            free = min(free, worker.context_length * KV_CACHE_CONTEXTS_MAX)
         room[worker.id] = free - needed_tokens
     if any(left >= 0 for left in room.values()):
         return {worker_id: float(left) if left >= 0 else 0.0 for worker_id, left in room.items()}
@@ -255,26 +257,43 @@ def quantise_tokens_per_s(tokens_per_s: float) -> int:
     return int(round(THROUGHPUT_STEP_RATIO ** round(math.log(tokens_per_s, THROUGHPUT_STEP_RATIO))))
 
 
-def weights(fleet: list[registry.WorkerView]) -> dict[int, Size]:
+def weights(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int | None] | None = None) -> dict[int, Size]:
     """Each worker's rendezvous weight and batch, from the capacity the
     replicas agreed on (proxy/capacity.py). A worker not yet measured at
-    saturation is probed: weighed at least at the fleet's median capacity, so
-    it gets enough traffic to show what it can do, and trusted to say itself
-    (its queue) when it is full rather than cut off at a guessed batch. A
-    batch is never more requests than would each decode at
+    saturation is probed: weighed at least at the fleet's median capacity,
+    scaled by the size of its KV cache against the fleet's (a card with ten
+    times the cache takes about ten times the share of a burst before
+    anything is measured), so it gets enough traffic to show what it can do.
+    A batch is never more requests than would each decode at
     BATCH_TOKENS_PER_S_PER_REQUEST_MIN: a worker cannot claim (in its
-    metrics) a batch its delivery does not show."""
+    metrics) a batch its delivery does not show, and an unmeasured one is
+    trusted to say itself (its queue) when it is full up to that many."""
     saturated = [w.throughput_tokens_per_s for w in fleet if w.capacity_saturated and w.throughput_tokens_per_s]
     floors = [w.throughput_tokens_per_s for w in fleet if w.throughput_tokens_per_s]
     probe = statistics.median(saturated or floors) if (saturated or floors) else PROBE_WEIGHT_TOKENS_PER_S
+    kv = _believed_kv(fleet, kv_capacity_tokens or {})
+    kv_median = statistics.median(kv.values()) if kv else None
     out = {}
     for w in fleet:
         measured = w.throughput_tokens_per_s or 0
-        if w.capacity_saturated and measured:
-            tokens_per_s, capacity = measured, w.capacity_requests
+        batch_measured = bool(w.capacity_saturated and measured)
+        if batch_measured:
+            tokens_per_s = measured
         else:
-            tokens_per_s, capacity = max(measured, probe), None
+            tokens_per_s = max(measured, probe * kv[w.id] / kv_median if w.id in kv else probe)
         weight = quantise_tokens_per_s(tokens_per_s)
-        capacity = min(capacity, max(1, int(weight) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN)) if capacity else None
-        out[w.id] = Size(float(weight), capacity, capacity or max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN))
+        ceiling = max(1, int(weight) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN)
+        capacity = min(w.capacity_requests, ceiling) if batch_measured and w.capacity_requests else ceiling
+        out[w.id] = Size(float(weight), capacity, capacity if batch_measured else max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN),
+                         batch_measured)
     return out
+
+
+def _believed_kv(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int | None]) -> dict[int, int]:
+    """The KV cache each worker reports, up to KV_CACHE_CONTEXTS_MAX of its contexts."""
+    believed = {}
+    for w in fleet:
+        reported = kv_capacity_tokens.get(w.id)
+        if reported:
+            believed[w.id] = min(reported, w.context_length * KV_CACHE_CONTEXTS_MAX) if w.context_length else reported
+    return believed

@@ -1,6 +1,7 @@
 """Routing, metering and prices: pure functions, no servers."""
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime
 
 import pytest
@@ -67,21 +68,36 @@ def test_a_worker_whose_queue_grows_is_spilled_off_even_below_its_batch():
     assert placed.order[0].worker_id != first and placed.spill == routing.SPILL_QUEUE
 
 
-def test_an_unmeasured_worker_is_never_spilled_off_for_its_count_only_for_its_queue():
+def test_an_unmeasured_worker_keeps_its_conversations_until_its_queue_shows_or_a_generous_ceiling():
     """At start-up no worker is measured: a conversation stays on its
-    rendezvous winner however many requests it runs, until the worker queues."""
+    rendezvous winner until the worker queues, or runs as many requests as
+    would each decode at 5 tok/s of the probe weight (200), never at 8."""
+    fleet = [_worker(i) for i in (1, 2, 3)]
     key = routing.affinity_key("m", {"prompt": "hello"})
-    unmeasured = [routing.Candidate(i, 100.0, None, 5, 500) for i in (1, 2, 3)]
-    placed = routing.choose(key, unmeasured)
-    assert placed.spill is None and placed.order[0].worker_id == routing.rendezvous_order(key, unmeasured)[0].worker_id
+    winner = routing.order(key, fleet, _loads(fleet)).workers[0].id
+    ceiling = routing.weights(fleet)[winner].capacity_requests
+    assert ceiling == routing.quantise_tokens_per_s(limits.PROBE_WEIGHT_TOKENS_PER_S) // limits.BATCH_TOKENS_PER_S_PER_REQUEST_MIN
+    assert routing.order(key, fleet, _loads(fleet, {winner: ceiling - 1})) == (routing.order(key, fleet, _loads(fleet)).workers, None)
+    assert routing.order(key, fleet, _loads(fleet, {winner: ceiling})).spill == routing.SPILL_BUSY
+
+
+def test_before_anything_is_measured_a_burst_is_shared_by_the_size_of_each_kv_cache():
+    fleet = [_worker(1, context_length=262_144), _worker(2, context_length=65_536), _worker(3, context_length=131_072)]
+    kv = {1: 1_500_000, 2: 150_000, 3: 300_000}
+    loads = {w.id: routing.WorkerLoadView(0, 0, kv[w.id], kv[w.id]) for w in fleet}
+    keys = [routing.affinity_key("m", {"prompt": f"burst {i}"}) for i in range(3000)]
+    shares = Counter(routing.order(k, fleet, loads).workers[0].id for k in keys)
+    assert shares[1] > 4 * shares[3] > 4 * shares[2] > 0, shares
+    sizes = routing.weights(fleet, kv)
+    assert sizes[1].weight > 8 * sizes[2].weight, "ten times the cache, about ten times the weight (in steps of 19%)"
 
 
 def test_a_new_worker_is_probed_at_the_fleets_median_capacity():
     fleet = [_worker(1, throughput_tokens_per_s=435, saturated=True, capacity_requests=32),
              _worker(2, throughput_tokens_per_s=1342, saturated=True, capacity_requests=64), _worker(3)]
     sizes = routing.weights(fleet)
-    assert sizes[3].weight == routing.quantise_tokens_per_s(888.5) and sizes[3].capacity_requests is None
-    assert sizes[2] == routing.Size(routing.quantise_tokens_per_s(1342), 64, 64)
+    assert sizes[3].weight == routing.quantise_tokens_per_s(888.5) and not sizes[3].batch_measured
+    assert sizes[2] == routing.Size(routing.quantise_tokens_per_s(1342), 64, 64, True)
     assert routing.weights([_worker(7)])[7].weight == routing.quantise_tokens_per_s(limits.PROBE_WEIGHT_TOKENS_PER_S)
 
 
@@ -192,7 +208,7 @@ def test_a_long_prompt_goes_where_the_kv_cache_has_room_and_short_traffic_leaves
     unmeasured = [_worker(w.id, context_length=w.context_length) for w in fleet]
     on_1 = next(k for k in (routing.affinity_key("m", {"prompt": f"chat {i}"}) for i in range(1000))
                 if routing.order(k, unmeasured, _loads(unmeasured)).workers[0].id == 1)
-    assert routing.order(on_1, unmeasured, _loads(unmeasured, {1: 500}), reserved=frozenset({1})).workers[0].id == 1, \
+    assert routing.order(on_1, unmeasured, _loads(unmeasured, {1: 150}), reserved=frozenset({1})).workers[0].id == 1, \
         "a worker whose batch is not known is not held back"
 
 
@@ -200,7 +216,7 @@ def test_a_worker_claiming_a_huge_kv_cache_is_believed_only_so_many_of_its_conte
     fleet = [_worker(1, context_length=65_536), _worker(2, context_length=65_536)]
     claims = {1: 10_000_000_000, 2: 150_000}
     weights = routing.long_prompt_weights(fleet, _loads(fleet, free_kv=claims), 40_000)
-    assert weights == {1: 65_536 * limits.LONG_PROMPT_KV_CONTEXTS_MAX - 40_000, 2: 110_000}
+    assert weights == {1: 65_536 * limits.KV_CACHE_CONTEXTS_MAX - 40_000, 2: 110_000}
 
 
 def test_the_baselines_spread_requests_without_affinity():
