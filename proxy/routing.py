@@ -267,7 +267,8 @@ def weights(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int 
     A batch is never more requests than would each decode at
     BATCH_TOKENS_PER_S_PER_REQUEST_MIN: a worker cannot claim (in its
     metrics) a batch its delivery does not show, and an unmeasured one is
-    trusted to say itself (its queue) when it is full up to that many."""
+    trusted to say itself (its queue) when it is full up to that many, and
+    never fewer than the probe weight's."""
     saturated = [w.throughput_tokens_per_s for w in fleet if w.capacity_saturated and w.throughput_tokens_per_s]
     floors = [w.throughput_tokens_per_s for w in fleet if w.throughput_tokens_per_s]
     probe = statistics.median(saturated or floors) if (saturated or floors) else PROBE_WEIGHT_TOKENS_PER_S
@@ -282,8 +283,11 @@ def weights(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int 
         else:
             tokens_per_s = max(measured, probe * kv[w.id] / kv_median if w.id in kv else probe)
         weight = quantise_tokens_per_s(tokens_per_s)
-        ceiling = max(1, int(weight) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN)
-        capacity = min(w.capacity_requests, ceiling) if batch_measured and w.capacity_requests else ceiling
+        if batch_measured:
+            ceiling = max(1, int(weight) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN)
+            capacity = min(w.capacity_requests, ceiling) if w.capacity_requests else ceiling
+        else:  # never below the probe's: a quiet fleet's floors must not cut a worker off at a few requests
+            capacity = max(int(weight), PROBE_WEIGHT_TOKENS_PER_S) // BATCH_TOKENS_PER_S_PER_REQUEST_MIN
         out[w.id] = Size(float(weight), capacity, capacity if batch_measured else max(1, int(weight) // TOKENS_PER_S_PER_REQUEST_MIN),
                          batch_measured)
     return out

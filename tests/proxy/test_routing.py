@@ -81,6 +81,12 @@ def test_an_unmeasured_worker_keeps_its_conversations_until_its_queue_shows_or_a
     assert routing.order(key, fleet, _loads(fleet, {winner: ceiling})).spill == routing.SPILL_BUSY
 
 
+def test_a_quiet_fleets_floors_never_cut_an_unmeasured_worker_off_at_a_few_requests():
+    quiet = [_worker(1, throughput_tokens_per_s=12), _worker(2, throughput_tokens_per_s=9)]
+    assert all(size.capacity_requests == limits.PROBE_WEIGHT_TOKENS_PER_S // limits.BATCH_TOKENS_PER_S_PER_REQUEST_MIN
+               for size in routing.weights(quiet).values())
+
+
 def test_before_anything_is_measured_a_burst_is_shared_by_the_size_of_each_kv_cache():
     fleet = [_worker(1, context_length=262_144), _worker(2, context_length=65_536), _worker(3, context_length=131_072)]
     kv = {1: 1_500_000, 2: 150_000, 3: 300_000}
