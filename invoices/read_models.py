@@ -206,7 +206,19 @@ class ApplierLease:
         if self._thread_lock is not None:
             self._thread_lock.release()
             self._thread_lock = None
+        self._unlock()
         self._drop_connection()
+
+    def _unlock(self) -> None:
+        """Unlocked in so many words before the connection closes: a closed
+        connection's lock is freed only once its server process has noticed,
+        and the next applier may ask before that."""
+        if self._conn is None:
+            return
+        try:
+            self._conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": READ_MODELS_APPLIER_LOCK_KEY})
+        except Exception:  # the connection is gone already, and the lock with it
+            pass
 
     def _acquire_in_process(self) -> bool:
         if self._thread_lock is not None:
