@@ -524,7 +524,9 @@ def test_callers_that_leave_mid_stream_pay_for_what_they_received(postgres_url, 
     """Given 30 concurrent streams that each leave after a random number of
     tokens, then each is charged for what it received, plus at most 2 tokens
     that were on their way, and the owner is paid 80% of each charge."""
-    worker = start_worker(cleanup, build_app("h200", MODEL, time_scale=0.2))  # about 280 ms a token: a loaded CI machine still closes within 2
+    # With 30 streams running, an h200 at time scale 0.05 sends a token about every 270 ms
+    # (75 tok/s / 0.05 slower): a loaded CI machine still notices a caller leaving within 2.
+    worker = start_worker(cleanup, build_app("h200", MODEL, time_scale=0.05))
     credits = usd_to_nano_usd("10")
     fleet = make_fleet(postgres_url, [worker.url])
     [replica] = start_replicas(cleanup, postgres_url, 1)
