@@ -184,8 +184,8 @@ def long_prompt_weights(fleet: list[registry.WorkerView], loads: dict[int, Worke
         free = loads[worker.id].free_kv_tokens
         if free is None:  # no KV metrics: a worker holding this context holds at least that much cache
             free = worker.context_length or needed_tokens
-        elif worker.context_length:
-            free = min(free, worker.context_length * KV_CACHE_CONTEXTS_MAX)
+        else:
+            free = _believed_kv_tokens(worker, free)
         room[worker.id] = free - needed_tokens
     if any(left >= 0 for left in room.values()):
         return {worker_id: float(left) if left >= 0 else 0.0 for worker_id, left in room.items()}
@@ -294,10 +294,11 @@ def weights(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int 
 
 
 def _believed_kv(fleet: list[registry.WorkerView], kv_capacity_tokens: dict[int, int | None]) -> dict[int, int]:
-    """The KV cache each worker reports, up to KV_CACHE_CONTEXTS_MAX of its contexts."""
-    believed = {}
-    for w in fleet:
-        reported = kv_capacity_tokens.get(w.id)
-        if reported:
-            believed[w.id] = min(reported, w.context_length * KV_CACHE_CONTEXTS_MAX) if w.context_length else reported
-    return believed
+    return {w.id: _believed_kv_tokens(w, kv_capacity_tokens[w.id]) for w in fleet if kv_capacity_tokens.get(w.id)}
+
+
+def _believed_kv_tokens(worker: registry.WorkerView, reported_tokens: int) -> int:
+    """KV cache a worker reports (all of it, or what is free), believed up to KV_CACHE_CONTEXTS_MAX of its contexts."""
+    if worker.context_length is None:
+        return reported_tokens
+    return min(reported_tokens, worker.context_length * KV_CACHE_CONTEXTS_MAX)
