@@ -7,10 +7,11 @@ Which roles may call which function is the HTTP guards' business
 (app/http/guards.py); these functions decide which rows a principal reaches."""
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime, timedelta
 
 from sqlalchemy import Connection, func, select
 
+from app.limits import GROUP_BY_DIMENSIONS_MAX, RATE_WINDOW_DAYS, SUMMARY_WINDOW_DAYS_MAX, SUMMARY_WINDOWS_DAYS
 from app.tokens import Principal
 from invoices.read_models import USAGE_SUMS
 from invoices.schema import earnings_daily, usage_daily
@@ -80,7 +81,7 @@ def drain_worker(conn: Connection, who: Principal, worker_id: int) -> dict:
 def resume_worker(conn: Connection, who: Principal, worker_id: int, reason: object) -> dict:
     """Admins only (the guards see to it): an owner may not lift its own worker's suspension."""
     try:
-        return registry.resume_worker(conn, worker_id, resumed_by=f"admin token {who.token_id}", reason=reason).as_dict()
+        return registry.resume_worker(conn, worker_id, resumed_by=f"admin {who.actor}", reason=reason).as_dict()
     except registry.UnknownWorker:
         raise NotVisible(f"no worker {worker_id}") from None
 
@@ -115,23 +116,61 @@ def visible_invoice(conn: Connection, who: Principal, number: str) -> str:
     return number
 
 
-def usage(conn: Connection, account_id: int, group_by: str) -> list[dict]:
-    """Usage from the read models, summed per day, model or API key."""
-    if group_by not in USAGE_GROUPS:
-        raise InvalidInput(f"group_by is one of {', '.join(USAGE_GROUPS)}")
-    column = usage_daily.c[USAGE_GROUPS[group_by]]
+def _groups(group_by: str, known: dict[str, str]) -> list[str]:
+    """`day`, or two dimensions such as `day,model` (a chart's series)."""
+    names = group_by.split(",")
+    if not 1 <= len(names) <= GROUP_BY_DIMENSIONS_MAX or len(set(names)) != len(names) or not set(names) <= set(known):
+        raise InvalidInput(f"group_by is one of {', '.join(known)}, or two of them joined by a comma")
+    return names
+
+
+def usage(conn: Connection, account_id: int, group_by: str, since_day: str | None = None) -> list[dict]:
+    """Usage from the read models, summed per day, model or API key (or two of them), from `since_day` (YYYY-MM-DD) on."""
+    names = _groups(group_by, USAGE_GROUPS)
+    columns = [usage_daily.c[USAGE_GROUPS[name]] for name in names]
     sums = [func.sum(usage_daily.c[name]).label(name) for name in USAGE_SUMS]
-    rows = conn.execute(select(column.label("group"), *sums).where(usage_daily.c.account_id == account_id)
-                        .group_by(column).order_by(column))
-    return [{group_by: r.group, **{name: int(getattr(r, name)) for name in USAGE_SUMS}} for r in rows]
+    query = select(*columns, *sums).where(usage_daily.c.account_id == account_id).group_by(*columns).order_by(*columns)
+    if since_day:
+        query = query.where(usage_daily.c.day >= since_day)
+    return [{**{name: row[i] for i, name in enumerate(names)}, **{name: int(getattr(row, name)) for name in USAGE_SUMS}}
+            for row in conn.execute(query)]
 
 
-def earnings(conn: Connection, owner_account_id: int, group_by: str) -> list[dict]:
-    """Earnings from the read models, summed per day, worker or model."""
-    if group_by not in EARNINGS_GROUPS:
-        raise InvalidInput(f"group_by is one of {', '.join(EARNINGS_GROUPS)}")
-    column = earnings_daily.c[EARNINGS_GROUPS[group_by]]
-    rows = conn.execute(select(column.label("group"), func.sum(earnings_daily.c.requests).label("requests"),
-                               func.sum(earnings_daily.c.earnings_nano_usd).label("earnings_nano_usd"))
-                        .where(earnings_daily.c.owner_account_id == owner_account_id).group_by(column).order_by(column))
-    return [{group_by: r.group, "requests": int(r.requests), "earnings_nano_usd": int(r.earnings_nano_usd)} for r in rows]
+def earnings(conn: Connection, owner_account_id: int, group_by: str, since_day: str | None = None) -> list[dict]:
+    """Earnings from the read models, summed per day, worker or model (or two of them), from `since_day` on."""
+    names = _groups(group_by, EARNINGS_GROUPS)
+    columns = [earnings_daily.c[EARNINGS_GROUPS[name]] for name in names]
+    query = (select(*columns, func.sum(earnings_daily.c.requests).label("requests"),
+                    func.sum(earnings_daily.c.earnings_nano_usd).label("earnings_nano_usd"))
+             .where(earnings_daily.c.owner_account_id == owner_account_id).group_by(*columns).order_by(*columns))
+    if since_day:
+        query = query.where(earnings_daily.c.day >= since_day)
+    return [{**{name: row[i] for i, name in enumerate(names)}, "requests": int(row.requests),
+             "earnings_nano_usd": int(row.earnings_nano_usd)} for row in conn.execute(query)]
+
+
+def usage_summary(conn: Connection, account_id: int, today: date) -> dict:
+    """Spend today and over the last 7 and 30 days (today included), and how many days the
+    available credits last at the last 7 days' rate (None while nothing was spent)."""
+    totals = _window_totals(usage(conn, account_id, "day", _day_text(today, SUMMARY_WINDOW_DAYS_MAX)), "cost_nano_usd", today)
+    available = acc.read_balance(conn, account_id).available_nano_usd
+    spent_rate = totals[RATE_WINDOW_DAYS]
+    days_left = None if spent_rate <= 0 else max(0, available) * RATE_WINDOW_DAYS // spent_rate
+    return {**{f"spend_{n}d_nano_usd": totals[n] for n in SUMMARY_WINDOWS_DAYS},
+            "spend_nano_usd_per_day": spent_rate // RATE_WINDOW_DAYS, "available_nano_usd": available, "days_left": days_left}
+
+
+def earnings_summary(conn: Connection, owner_account_id: int, today: date) -> dict:
+    """Earnings today and over the last 7 and 30 days (today included)."""
+    rows = earnings(conn, owner_account_id, "day", _day_text(today, SUMMARY_WINDOW_DAYS_MAX))
+    totals = _window_totals(rows, "earnings_nano_usd", today)
+    return {f"earnings_{n}d_nano_usd": totals[n] for n in SUMMARY_WINDOWS_DAYS}
+
+
+def _day_text(today: date, days_back: int) -> str:
+    """The first day of a window of `days_back` days that ends today."""
+    return (today - timedelta(days=days_back - 1)).isoformat()
+
+
+def _window_totals(rows: list[dict], column: str, today: date) -> dict[int, int]:
+    return {n: sum(row[column] for row in rows if row["day"] >= _day_text(today, n)) for n in SUMMARY_WINDOWS_DAYS}

@@ -115,8 +115,30 @@ LEDGER_VERIFY_INTERVAL_S_MIN = 1.0
 LEDGER_VERIFY_INTERVAL_S_MAX = 86_400.0
 EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
 
+# --- Summaries of usage and earnings (app/accounts.py) -----------------------------
+SUMMARY_WINDOWS_DAYS = (1, 7, 30)  # today, the last week, the last month (today included)
+SUMMARY_WINDOW_DAYS_MAX = 30
+RATE_WINDOW_DAYS = 7  # the spend rate that says how many days the credits last
+GROUP_BY_DIMENSIONS_MAX = 2  # `group_by=day,model`: a chart's x axis and its series
+
 # --- Management tokens (app/tokens.py) ---------------------------------------------
-ROLE_CHARS_MAX = 16  # customer, accountant, owner, admin
+ROLE_CHARS_MAX = 16  # customer, viewer, accountant, owner, admin
+
+# --- The console (app/console/, app/members.py) -------------------------------------
+MEMBER_ROLE_CHARS_MAX = 16  # customer_admin, customer_viewer, owner, accountant, platform_admin
+SIGN_IN_LINK_TTL_MINUTES = 15  # an emailed sign-in link works once, within this long
+SIGN_IN_LINK_TTL_S = SIGN_IN_LINK_TTL_MINUTES * 60
+SIGN_IN_WINDOW_S = 15 * 60  # the window the two rate limits below count in
+SIGN_IN_LINKS_PER_ADDRESS_MAX = 5  # links mailed to one address per window
+SIGN_IN_REQUESTS_PER_IP_MAX = 20  # sign-in requests from one IP address per window
+IP_ADDRESS_CHARS_MAX = 45  # the longest textual IPv6 address
+SESSION_IDLE_S = 2 * 3600  # a session unused this long is over
+SESSION_ABSOLUTE_S = 12 * 3600  # and any session is over this long after sign-in
+SESSION_TOUCH_INTERVAL_S = 60  # a page writes its session's last use at most this often
+CHECKOUT_NONCE_BYTES = 8  # a console top-up form's own idempotency key
+QR_MODULE_PX = 4  # the deposit address's QR code: pixels per module
+QR_BORDER_MODULES = 2  # its quiet zone
+CONSOLE_STATIC_MAX_AGE_S = 300  # browsers reuse the console's scripts and styles this long
 
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
 SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind

@@ -1,6 +1,7 @@
 """Management tokens: who may do what through the management API.
 
 customer    its own account: API keys, top-ups, usage
+viewer      its own (customer) account, read-only: balances, keys, usage, documents
 accountant  its own (customer) account, read-only: invoices, statements, exports
 owner       its own (owner) account: its workers and earnings
 admin       the platform: every account
@@ -20,10 +21,11 @@ from proxy.keys import key_sha256, new_secret, revoke_secret
 from proxy.limits import KEY_PREFIX_CHARS_MAX, KEY_PREFIX_SHOWN_CHARS
 
 TOKEN_PREFIX = "pt-par-"
-CUSTOMER, ACCOUNTANT, OWNER, ADMIN = "customer", "accountant", "owner", "admin"
-ROLES = (CUSTOMER, ACCOUNTANT, OWNER, ADMIN)
+CUSTOMER, VIEWER, ACCOUNTANT, OWNER, ADMIN = "customer", "viewer", "accountant", "owner", "admin"
+ROLES = (CUSTOMER, VIEWER, ACCOUNTANT, OWNER, ADMIN)
 # The kind of account each role acts for.
-ACCOUNT_KIND_OF_ROLE = {CUSTOMER: cmd.CUSTOMER, ACCOUNTANT: cmd.CUSTOMER, OWNER: cmd.OWNER, ADMIN: cmd.PLATFORM}
+ACCOUNT_KIND_OF_ROLE = {CUSTOMER: cmd.CUSTOMER, VIEWER: cmd.CUSTOMER, ACCOUNTANT: cmd.CUSTOMER, OWNER: cmd.OWNER,
+                        ADMIN: cmd.PLATFORM}
 
 # Like API keys: shown once, kept as SHA-256 of 256 random bits.
 management_tokens = Table(
@@ -40,13 +42,21 @@ management_tokens = Table(
 
 
 class Principal(NamedTuple):
-    token_id: int
+    """Who acts: a management token, or a console member (app/members.py) with the same rights."""
+
+    token_id: int | None
     account_id: int
     role: str
+    member_id: int | None = None
 
     @property
     def is_admin(self) -> bool:
         return self.role == ADMIN
+
+    @property
+    def actor(self) -> str:
+        """Who it is, in records: `token 7` or `member 3`."""
+        return f"token {self.token_id}" if self.member_id is None else f"member {self.member_id}"
 
 
 def create_token(conn: Connection, account_id: int, role: str) -> tuple[int, str]:

@@ -20,6 +20,7 @@ from ledger.service import Ledger
 
 if TYPE_CHECKING:
     from app.anchoring.service import AnchorSettings
+    from app.console.signin import ConsoleSettings
     from app.payments.crypto import CryptoSettings
     from app.payments.stripe import StripeSettings
     from invoices.mail import MailSettings
@@ -78,6 +79,12 @@ def invoice_settings(settings: Settings) -> InvoiceSettings:
     from invoices.service import InvoiceSettings  # see the module's docstring
 
     return InvoiceSettings(Path(settings.invoices.storage_dir))
+
+
+def console_settings(settings: Settings) -> ConsoleSettings:
+    from app.console.signin import ConsoleSettings  # see the module's docstring
+
+    return ConsoleSettings(public_url=settings.proxy.public_url, mail=mail_settings(settings))
 
 
 def mail_settings(settings: Settings) -> MailSettings:

@@ -29,6 +29,10 @@ class BalanceView:
         return self.balance_nano_usd - self.held_nano_usd
 
 
+def valid_email(email: str) -> bool:
+    return len(email) <= EMAIL_CHARS_MAX and _EMAIL.match(email) is not None
+
+
 def create_account(conn: Connection, kind: str, name: str, email: str | None = None) -> int:
     """A customer or GPU-owner account (the platform's own accounts come with the schema)."""
     if kind not in (cmd.CUSTOMER, cmd.OWNER):
@@ -36,7 +40,7 @@ def create_account(conn: Connection, kind: str, name: str, email: str | None = N
     name = (name or "").strip()
     if not name or len(name) > ACCOUNT_NAME_CHARS_MAX:
         raise InvalidInput(f"a name of 1 to {ACCOUNT_NAME_CHARS_MAX} characters is required")
-    if email is not None and (len(email) > EMAIL_CHARS_MAX or not _EMAIL.match(email)):
+    if email is not None and not valid_email(email):
         raise InvalidInput(f"not an email address: {email!r}")
     account_id = conn.execute(
         accounts.insert().values(kind=kind, name=name, email=email, created_at=utc_now()).returning(accounts.c.id)

@@ -17,6 +17,7 @@ COMMAND_MODULES = {
     "app.cli.database": ("db",),
     "app.cli.dev": ("up", "demo"),
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
+    "app.cli.members": ("members",),
     "app.cli.payments": ("stripe", "crypto"),
     "app.cli.proxy": ("keys", "models", "workers", "sim-worker"),
     "app.cli.servers": ("serve", "worker", "beat"),

@@ -6,6 +6,7 @@ import click
 from sqlalchemy import select
 
 from app.cli.output import emit, engine, handles_errors, json_option
+from app.members import add_first_member
 from app.tokens import ROLES, create_token, revoke_token
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -20,12 +21,13 @@ def accounts_group() -> None:
 @accounts_group.command("create")
 @click.option("--kind", type=click.Choice([cmd.CUSTOMER, cmd.OWNER]), required=True)
 @click.option("--name", required=True)
-@click.option("--email", default=None, help="Where invoices and statements go.")
+@click.option("--email", default=None, help="Where invoices and statements go; also the account's first console member.")
 @json_option
 @handles_errors
 def accounts_create(kind: str, name: str, email: str | None, as_json: bool) -> None:
     with engine().begin() as conn:
         account_id = acc.create_account(conn, kind, name, email)
+        add_first_member(conn, account_id, kind, email)
     emit(as_json, {"id": account_id, "kind": kind, "name": name, "email": email}, f"created {kind} account {account_id}")
 
 
@@ -41,7 +43,7 @@ def accounts_platform(as_json: bool) -> None:
 
 @click.group("tokens")
 def tokens_group() -> None:
-    """Management tokens (roles: customer, accountant, owner, admin), shown once, stored hashed."""
+    """Management tokens (roles: customer, viewer, accountant, owner, admin), shown once, stored hashed."""
 
 
 @tokens_group.command("create")

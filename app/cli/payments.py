@@ -12,7 +12,7 @@ from app.cli.output import emit, engine, handles_errors, json_option
 from app import outbox
 from app.jobs.celery import send_task
 from app.limits import CRYPTO_SCAN_INTERVAL_S_DEFAULT, CRYPTO_SCAN_INTERVAL_S_MAX, CRYPTO_SCAN_INTERVAL_S_MIN
-from app.payments.crypto import connect, deposit_address, scan_once
+from app.payments.crypto import connect, deposit_address, pending_deposits, scan_once
 from app.payments.stripe import parked_events, process_pending, replay
 from app import wiring
 from app.settings import Settings
@@ -80,6 +80,20 @@ def crypto_deposit_address(account_id: int, as_json: bool) -> None:
     address = deposit_address(engine(), settings, account_id)
     chain_id = connect(settings).eth.chain_id if settings.rpc_url else None
     emit(as_json, {"account_id": account_id, "address": address, "chain_id": chain_id}, f"{address} (chain {chain_id})")
+
+
+@crypto_group.command("deposits")
+@click.argument("account_id", type=int)
+@json_option
+@handles_errors
+def crypto_deposits(account_id: int, as_json: bool) -> None:
+    """Deposits seen on chain and not yet credited, with their confirmations as of the last scan."""
+    settings = wiring.crypto_settings(Settings.from_env())
+    with engine().connect() as conn:
+        found = pending_deposits(conn, account_id, settings.confirmations)
+    emit(as_json, {"data": found}, "\n".join(
+        f"{d['tx_hash']}:{d['log_index']} {d['amount_nano_usd']} nano-USD, {d['confirmations']}/{d['confirmations_required']} confirmations"
+        for d in found) or "no pending deposits")
 
 
 @crypto_group.command("scan")

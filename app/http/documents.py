@@ -19,6 +19,7 @@ from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathName, QueryId, json_response, path_name, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
+from app.tokens import Principal
 from invoices import exports, service, statements
 from proxy.errors import InvalidRequest
 
@@ -48,11 +49,7 @@ class DocumentController(Controller):
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
     async def invoice_pdf(self, request: Request, who: Caller, name: PathName) -> Response:
-        number = await read(request, accounts.visible_invoice, who, path_name(name, "name").removesuffix(".pdf"))
-        # Only the bytes the ledger recorded, else 503 document_unavailable (invoices/files.py).
-        content = await asyncio.to_thread(service.invoice_pdf, request.app.state.ledger.engine, request.app.state.invoices, number)
-        return Response(content, media_type="application/pdf",
-                        headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
+        return await invoice_pdf_response(request, who, name)
 
     @get("/statements", guards=[requires_any_role], summary="Stored monthly statements of the account (closed months)")
     async def list_statements(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
@@ -63,25 +60,7 @@ class DocumentController(Controller):
          summary="The statement of a month: …/2026-11.pdf or …/2026-11.json (provisional while the month is open)")
     async def statement(self, request: Request, who: Caller, name: PathName,
                         account_id: QueryId = None) -> Response:
-        account = accounts.scoped_account(who, account_id)
-        month_text, _, fmt = path_name(name, "name").rpartition(".")
-        if fmt not in STATEMENT_FORMATS:
-            raise NotFound(f"no statement {name}: ask for YYYY-MM.pdf or YYYY-MM.json")
-        engine, settings = request.app.state.ledger.engine, request.app.state.invoices
-
-        def work() -> tuple[object, bool]:
-            month = statements.parse_month(month_text)
-            if fmt == "json":
-                return statements.figures(engine, settings, account, month, statement_labels,
-                                          rounds_max=HTTP_CATCH_UP_ROUNDS_MAX), False
-            return statements.document(engine, settings, account, month, statement_labels, rounds_max=HTTP_CATCH_UP_ROUNDS_MAX)
-
-        content, provisional = await asyncio.to_thread(work)
-        if fmt == "json":
-            return json_response(content)
-        filename = f"statement-{account}-{month_text}{'-provisional' if provisional else ''}.pdf"
-        return Response(content, media_type="application/pdf",
-                        headers={"content-disposition": f'attachment; filename="{filename}"'})
+        return await statement_response(request, accounts.scoped_account(who, account_id), name)
 
     @get("/exports/ledger.csv", guards=[requires_any_role],
          summary="Every posting of the account in [from, to), with the running balance, as CSV")
@@ -89,22 +68,57 @@ class DocumentController(Controller):
                             account_id: QueryId = None) -> Response:
         """`from` (default: the start of this month) and `to` (default: now) are YYYY-MM or YYYY-MM-DD, UTC;
         the opening and closing balances and the row count come in `x-paralon-*` headers."""
-        account = accounts.scoped_account(who, account_id)
-        now = datetime.now(UTC)
-        start = _period_bound(period_from, "from") or now.replace(day=1, hour=0, minute=0, second=0,
-                                                                                       microsecond=0)
-        end = min(_period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
-        if end <= start:
-            raise InvalidRequest("the period is empty: to must be after from, and from before now", param="to")
-        engine = request.app.state.ledger.engine
-        totals = await asyncio.to_thread(exports.prepare, engine, account, start, end, HTTP_CATCH_UP_ROUNDS_MAX)
-        chunks = exports.csv_chunks(engine, account, start, end, totals)
-        # Litestar appends "; charset=utf-8" to a text/ type itself: naming it here sent it twice.
-        return Stream(iterate_in_threads(chunks), media_type="text/csv", headers={
-            "content-disposition": f'attachment; filename="ledger-{account}-{start.date()}-{end.date()}.csv"',
-            "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
-            "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
-            "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
+        return await ledger_export_response(request, accounts.scoped_account(who, account_id), period_from, to)
+
+
+# What a download answers, for the API's routes and the console's alike.
+
+async def invoice_pdf_response(request: Request, who: Principal, name: str) -> Response:
+    number = await read(request, accounts.visible_invoice, who, path_name(name, "name").removesuffix(".pdf"))
+    # Only the bytes the ledger recorded, else 503 document_unavailable (invoices/files.py).
+    content = await asyncio.to_thread(service.invoice_pdf, request.app.state.ledger.engine, request.app.state.invoices, number)
+    return Response(content, media_type="application/pdf",
+                    headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
+
+
+async def statement_response(request: Request, account: int, name: str) -> Response:
+    """`account` is one the caller may read (accounts.scoped_account)."""
+    month_text, _, fmt = path_name(name, "name").rpartition(".")
+    if fmt not in STATEMENT_FORMATS:
+        raise NotFound(f"no statement {name}: ask for YYYY-MM.pdf or YYYY-MM.json")
+    engine, settings = request.app.state.ledger.engine, request.app.state.invoices
+
+    def work() -> tuple[object, bool]:
+        month = statements.parse_month(month_text)
+        if fmt == "json":
+            return statements.figures(engine, settings, account, month, statement_labels,
+                                      rounds_max=HTTP_CATCH_UP_ROUNDS_MAX), False
+        return statements.document(engine, settings, account, month, statement_labels, rounds_max=HTTP_CATCH_UP_ROUNDS_MAX)
+
+    content, provisional = await asyncio.to_thread(work)
+    if fmt == "json":
+        return json_response(content)
+    filename = f"statement-{account}-{month_text}{'-provisional' if provisional else ''}.pdf"
+    return Response(content, media_type="application/pdf",
+                    headers={"content-disposition": f'attachment; filename="{filename}"'})
+
+
+async def ledger_export_response(request: Request, account: int, period_from: str | None, to: str | None) -> Response:
+    """`account` is one the caller may read (accounts.scoped_account)."""
+    now = datetime.now(UTC)
+    start = _period_bound(period_from, "from") or now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = min(_period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
+    if end <= start:
+        raise InvalidRequest("the period is empty: to must be after from, and from before now", param="to")
+    engine = request.app.state.ledger.engine
+    totals = await asyncio.to_thread(exports.prepare, engine, account, start, end, HTTP_CATCH_UP_ROUNDS_MAX)
+    chunks = exports.csv_chunks(engine, account, start, end, totals)
+    # Litestar appends "; charset=utf-8" to a text/ type itself: naming it here sent it twice.
+    return Stream(iterate_in_threads(chunks), media_type="text/csv", headers={
+        "content-disposition": f'attachment; filename="ledger-{account}-{start.date()}-{end.date()}.csv"',
+        "x-paralon-opening-balance-nano-usd": str(totals.opening_balance_nano_usd),
+        "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
+        "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
 
 def _period_bound(value: str | None, name: str) -> datetime | None:

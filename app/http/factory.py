@@ -11,9 +11,14 @@ from datetime import datetime
 
 import httpx
 from litestar import Litestar
+from litestar.datastructures import CacheControlHeader
 from litestar.static_files import create_static_files_router
 
 from app import wiring
+from app.http.console.account_pages import AccountPages
+from app.http.console.sign_in_pages import SignInController, checkout_return
+from app.console.signin import ConsoleSettings
+from app.http.console.web import STATIC_DIR
 from app.http.documents import DocumentController
 from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
@@ -27,6 +32,7 @@ from app.jobs.embedded_beat import run_embedded_beat
 from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.limits import (
+    CONSOLE_STATIC_MAX_AGE_S,
     HOLD_SWEEP_INTERVAL_S,
     ORPHANED_HOLDS_WAIT_S,
     UPSTREAM_CONNECTIONS_MAX,
@@ -50,6 +56,7 @@ from proxy.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
+STATIC_CACHE = CacheControlHeader(max_age=CONSOLE_STATIC_MAX_AGE_S)
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=UPSTREAM_READ_TIMEOUT_S,
                                  write=UPSTREAM_WRITE_TIMEOUT_S, pool=UPSTREAM_POOL_TIMEOUT_S)
 
@@ -61,7 +68,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
                worker_ca_bundle_path: str | None = None, replica_id: str | None = None,
                withheld_journal_path: str | None = None, capacity_period_s: float = CAPACITY_PERIOD_S,
-               routing_policy: str = AFFINITY) -> Litestar:
+               routing_policy: str = AFFINITY, console_settings: ConsoleSettings | None = None) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py). The
     holds this replica places carry `replica_id`; as it starts, it settles those
     its crashed run left under it (none when None)."""
@@ -99,19 +106,22 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
 
     app = Litestar(
         route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, DocumentController,
-                        stripe_webhook, health, ready, metrics,
-                        create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False)],
+                        stripe_webhook, health, ready, metrics, SignInController, AccountPages, checkout_return,
+                        create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False),
+                        create_static_files_router(path="/console/static", directories=[STATIC_DIR], include_in_schema=False,
+                                                   cache_control=STATIC_CACHE)],
         lifespan=[lifespan],
         on_startup=[complete_openapi],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=openapi_config(),
         cors_config=browser_cors(Settings.from_env()),
     )
-    settings = None if stripe_settings and crypto_settings and invoice_settings else Settings.from_env()
+    settings = None if stripe_settings and crypto_settings and invoice_settings and console_settings else Settings.from_env()
     app.state.ledger = ledger
     app.state.stripe = stripe_settings or wiring.stripe_settings(settings)
     app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
     app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
+    app.state.console = console_settings or wiring.console_settings(settings)
     app.state.metrics = metrics_registry(ledger.engine)
     app.state.metrics.register(RoutingState(directory))
     app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured

@@ -14,7 +14,7 @@ from litestar.types import Guard
 from sqlalchemy import Engine
 
 from app.http.errors import AuthenticationFailed, PermissionDenied
-from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, Principal, find_token
+from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, VIEWER, Principal, find_token
 from ledger.errors import a_or_an
 from proxy.keys import KeyGrant
 
@@ -46,6 +46,7 @@ def requires_role(*roles: str) -> Guard:
             raise PermissionDenied(f"{a_or_an(who.role)} token may not do this")
 
     guard.__qualname__ = guard.__name__ = f"requires_role({', '.join(roles)})"
+    guard.roles = frozenset(roles)  # the console's pages share a route's roles (app/console/web.py)
     return guard
 
 
@@ -65,7 +66,7 @@ def _find_token(engine: Engine, token: str) -> Principal | None:
 
 # Who may call what; each route names one of these.
 requires_any_role = requires_role(*ROLES)
-requires_reader = requires_role(CUSTOMER, ACCOUNTANT, ADMIN)  # a customer account's keys, invoices and usage
+requires_reader = requires_role(CUSTOMER, VIEWER, ACCOUNTANT, ADMIN)  # a customer account's keys, invoices and usage
 requires_customer = requires_role(CUSTOMER)  # new API keys and top-ups
 requires_customer_or_admin = requires_role(CUSTOMER, ADMIN)  # revoking an API key
 requires_owner_or_admin = requires_role(OWNER, ADMIN)  # workers and earnings

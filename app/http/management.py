@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
+from typing import Annotated
 
 from litestar import Controller, Request, Response, delete, get, post
-from litestar.params import FromPath, FromQuery
+from litestar.params import FromPath, FromQuery, QueryParameter
 
 from app import accounts
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, about_field
@@ -34,6 +36,7 @@ from ledger.money import usd_to_nano_usd
 from proxy.errors import InvalidRequest
 
 RESUMED_REASON_DEFAULT = "resumed by an administrator"
+SinceDay = Annotated[str | None, QueryParameter(pattern=r"^\d{4}-\d{2}-\d{2}$", description="YYYY-MM-DD, UTC: the first day counted")]
 
 
 class AccountController(Controller):
@@ -76,7 +79,7 @@ class AccountController(Controller):
         if "amount_usd" not in body:
             raise InvalidRequest('send {"amount_usd": "25.00"}', param="amount_usd")
         amount_usd = usd_text(body["amount_usd"], "amount_usd")
-        caller_key = request.headers.get("idempotency-key") or f"{who.token_id}:{int(time.time()) // CHECKOUT_RETRY_WINDOW_S}"
+        caller_key = request.headers.get("idempotency-key") or f"{who.actor}:{int(time.time()) // CHECKOUT_RETRY_WINDOW_S}"
         with about_field("amount_usd"):
             session = await asyncio.to_thread(stripe_payments.create_checkout, request.app.state.ledger.engine,
                                               request.app.state.stripe, who.account_id, amount_usd, caller_key)
@@ -92,20 +95,39 @@ class AccountController(Controller):
 
         return json_response(await asyncio.to_thread(work))
 
+    @get("/credits/crypto/deposits", guards=[requires_reader],
+         summary="Stablecoin deposits seen on chain and not yet credited, with their confirmations")
+    async def crypto_deposits(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        account, required = accounts.scoped_account(who, account_id), request.app.state.crypto.confirmations
+        return json_response({"data": await read(request, crypto_payments.pending_deposits, account, required)})
+
     @get("/usage", guards=[requires_reader], summary="Usage of the account from the read models, grouped by day, model or key")
     async def usage(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
-                    account_id: QueryId = None) -> Response:
+                    since: SinceDay = None, account_id: QueryId = None) -> Response:
+        """`group_by` may name two dimensions (`day,model`); `since` is the first day counted."""
         with about_field("group_by"):
-            rows = await read(request, accounts.usage, accounts.scoped_account(who, account_id), group_by)
+            rows = await read(request, accounts.usage, accounts.scoped_account(who, account_id), group_by, since)
         return json_response({"data": rows})
+
+    @get("/usage/summary", guards=[requires_reader],
+         summary="Spend today, over 7 and 30 days, and the days the available credits last at the last week's rate")
+    async def usage_summary(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        account = accounts.scoped_account(who, account_id)
+        return json_response(await read(request, accounts.usage_summary, account, datetime.now(UTC).date()))
 
     @get("/earnings", guards=[requires_owner_or_admin],
          summary="Earnings of the owner from the read models, grouped by day, worker or model")
     async def earnings(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
-                       account_id: QueryId = None) -> Response:
+                       since: SinceDay = None, account_id: QueryId = None) -> Response:
+        """`group_by` may name two dimensions (`day,worker`); `since` is the first day counted."""
         with about_field("group_by"):
-            rows = await read(request, accounts.earnings, accounts.scoped_account(who, account_id), group_by)
+            rows = await read(request, accounts.earnings, accounts.scoped_account(who, account_id), group_by, since)
         return json_response({"data": rows})
+
+    @get("/earnings/summary", guards=[requires_owner_or_admin], summary="Earnings today and over 7 and 30 days")
+    async def earnings_summary(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        account = accounts.scoped_account(who, account_id)
+        return json_response(await read(request, accounts.earnings_summary, account, datetime.now(UTC).date()))
 
 
 class WorkerController(Controller):

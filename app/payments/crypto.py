@@ -104,6 +104,19 @@ def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -
         return address
 
 
+def pending_deposits(conn: Connection, account_id: int, confirmations_required: int) -> list[dict]:
+    """Transfers to the customer's address seen on chain and not yet credited, with the
+    confirmations they have as of the last scan (the block the scan got to, not a node call)."""
+    scanned = dict(conn.execute(select(crypto_scan_positions.c.chain_id, crypto_scan_positions.c.next_block)).all())
+    rows = conn.execute(select(crypto_transfers).where(crypto_transfers.c.account_id == account_id,
+                                                       crypto_transfers.c.credit_seq.is_(None))
+                        .order_by(crypto_transfers.c.block_number, crypto_transfers.c.log_index))
+    return [{"chain_id": r.chain_id, "tx_hash": r.tx_hash, "log_index": r.log_index, "block_number": r.block_number,
+             "token": r.token, "amount_nano_usd": r.amount_nano_usd,
+             "confirmations": max(0, scanned.get(r.chain_id, r.block_number) - r.block_number),
+             "confirmations_required": confirmations_required} for r in rows]
+
+
 def connect(settings: CryptoSettings) -> Web3:
     if not settings.rpc_url:
         raise CryptoNotConfigured("crypto deposits need PARALON_CHAIN_RPC_URL")
