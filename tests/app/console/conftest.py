@@ -21,7 +21,7 @@ from app.migrate import migrate
 from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
 from invoices.mail import MailSettings
-from invoices.service import InvoiceSettings
+from invoices.service import InvoiceSettings, issue_for_top_up
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.db import make_engine
@@ -75,6 +75,7 @@ class Console:
     other_worker_id: int
     key_id: int
     other_key_id: int
+    invoice_number: str  # the customer's, of a card top-up
     sessions: dict[str, str] = field(default_factory=dict)  # address -> session cookie
 
     def request(self, method: str, path: str, as_: str | None = None, **kwargs):
@@ -137,6 +138,7 @@ def console(tmp_path, inbox):
     migrate(engine)
     ledger = Ledger(engine)
     made = _accounts(engine, ledger)
+    made["invoice_number"] = _invoice(engine, ledger, made["accounts"]["customer"], tmp_path / "invoices")
     app = create_app(
         ledger, key_cache_ttl_s=0, health_interval_s=60,
         stripe_settings=StripeSettings(None, None, None, 500, 1_000_000, "http://test/done", "http://test/cancelled"),
@@ -167,6 +169,12 @@ def _accounts(engine, ledger: Ledger) -> dict:
                                     {"model": MODEL, "prompt_tokens": 10, "completion_tokens": 10, "worker_id": worker,
                                      "api_key_id": key_id}))
     return dict(accounts=made, worker_id=worker, other_worker_id=other_worker, key_id=key_id, other_key_id=other_key_id)
+
+
+def _invoice(engine, ledger: Ledger, customer: int, invoice_dir) -> str:
+    seq = ledger.append(cmd.PurchaseCredits(customer, 2_500_000_000, "card", "stripe:cs_console", "external:stripe",
+                                            "console:top-up")).seq
+    return issue_for_top_up(engine, InvoiceSettings(invoice_dir), seq)["number"]
 
 
 @pytest.fixture
