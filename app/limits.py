@@ -118,6 +118,10 @@ EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
 # --- Management tokens (app/tokens.py) ---------------------------------------------
 ROLE_CHARS_MAX = 16  # customer, accountant, owner, admin
 
+# --- An account's activity (app/activity.py) ------------------------------------------
+ACTIVITY_ROWS_DEFAULT = 50  # requests in one page
+ACTIVITY_ROWS_MAX = 500
+
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
 SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind
 SIM_WORKERS_STOP_TIMEOUT_S = 10.0
