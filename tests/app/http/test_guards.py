@@ -28,6 +28,7 @@ MANAGEMENT_ROUTES = [
     ("POST", "/v1/credits/checkout", {"amount_usd": "25.00"}, (CUSTOMER,)),
     ("GET", "/v1/credits/crypto/address", None, (CUSTOMER,)),
     ("GET", "/v1/usage", None, READERS),
+    ("GET", "/v1/activity", None, READERS),
     ("GET", "/v1/earnings", None, (OWNER, ADMIN)),
     ("GET", "/v1/invoices", None, READERS),
     ("GET", "/v1/invoices/PAR-2000-000001.pdf", None, READERS),
