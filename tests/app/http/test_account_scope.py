@@ -15,7 +15,6 @@ THIS_MONTH = datetime.now(UTC).strftime("%Y-%m")  # the site's postings are all 
 SCOPED_ROUTES = [
     ("/v1/keys", READERS),
     ("/v1/usage", READERS),
-    ("/v1/activity", READERS),
     ("/v1/earnings", (OWNER, ADMIN)),
     ("/v1/invoices", READERS),
     ("/v1/statements", ROLES),

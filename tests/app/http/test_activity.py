@@ -11,7 +11,10 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
+from app.accounts import NotVisible
+from app.activity import activity
 from app.cli import main
+from app.tokens import OWNER, Principal
 from invoices import read_models
 from invoices.schema import generations
 from ledger import commands as cmd
@@ -112,6 +115,8 @@ def test_who_reads_the_activity(busy):
     assert _get(site, f"?account_id={site.customer_id}", "other_customer").status_code == 404
     assert _get(site, token="owner").status_code == 403, "an owner never sees its customers' keys"
     assert _get(site, token="revoked").status_code == 401
+    with site.engine.connect() as conn, pytest.raises(NotVisible):  # whatever a guard lets through
+        activity(conn, Principal(site.token_ids["owner"], site.owner_id, OWNER), None)
 
 
 @pytest.mark.parametrize("query", ["?status=nope", "?status=", "?limit=0", "?limit=501", "?limit=x", "?key_id=0",
