@@ -140,6 +140,10 @@ QR_MODULE_PX = 4  # the deposit address's QR code: pixels per module
 QR_BORDER_MODULES = 2  # its quiet zone
 CONSOLE_STATIC_MAX_AGE_S = 300  # browsers reuse the console's scripts and styles this long
 
+# --- An account's activity (app/activity.py) ------------------------------------------
+ACTIVITY_ROWS_DEFAULT = 50  # requests in one page
+ACTIVITY_ROWS_MAX = 500
+
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
 SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind
 SIM_WORKERS_STOP_TIMEOUT_S = 10.0

@@ -12,7 +12,7 @@ import click
 
 # The module of each top-level command (each module's COMMANDS).
 COMMAND_MODULES = {
-    "app.cli.accounts": ("accounts", "tokens"),
+    "app.cli.accounts": ("accounts", "tokens", "activity"),
     "app.cli.billing": ("invoices", "statements", "projections"),
     "app.cli.database": ("db",),
     "app.cli.dev": ("up", "demo"),

@@ -1,11 +1,14 @@
 """`paralon accounts` and `paralon tokens`: who exists, and who may act for
-them through the management API."""
+them through the management API; `paralon activity`: what an account's
+requests did."""
 from __future__ import annotations
 
 import click
 from sqlalchemy import select
 
+from app.activity import STATUSES, account_activity
 from app.cli.output import emit, engine, handles_errors, json_option
+from app.limits import ACTIVITY_ROWS_DEFAULT, ACTIVITY_ROWS_MAX
 from app.members import add_first_member
 from app.tokens import ROLES, create_token, revoke_token
 from ledger import accounts as acc
@@ -69,4 +72,27 @@ def tokens_revoke(token_id: int, as_json: bool) -> None:
     emit(as_json, {"id": token_id, "revoked": True}, f"management token {token_id} revoked")
 
 
-COMMANDS = (accounts_group, tokens_group)
+@click.command("activity")
+@click.argument("account_id", type=int)
+@click.option("--model", default=None, help="Only this model's requests.")
+@click.option("--key-id", type=int, default=None, help="Only this API key's requests.")
+@click.option("--status", type=click.Choice(STATUSES), default=None,
+              help="cancelled: cut short, billed for what was relayed; failed: not charged.")
+@click.option("--after", default=None, help="The `after` cursor of an earlier call: only what is new or changed since.")
+@click.option("--before", default=None, help="The `before` cursor of an earlier call: the older page.")
+@click.option("--limit", type=click.IntRange(1, ACTIVITY_ROWS_MAX), default=ACTIVITY_ROWS_DEFAULT, show_default=True)
+@json_option
+@handles_errors
+def activity(account_id: int, model: str | None, key_id: int | None, status: str | None, after: str | None,
+             before: str | None, limit: int, as_json: bool) -> None:
+    """An account's requests, newest first: cost, tokens, time to first token, status."""
+    with engine().connect() as conn:
+        page = account_activity(conn, account_id, model=model, api_key_id=key_id, status=status, after=after,
+                                before=before, limit=limit)
+    lines = [f"{r['completed_at']}\t{r['id']}\t{r['model']}\tkey {r['api_key_id']}\t{r['status']}\t"
+             f"{r['prompt_tokens']}+{r['completion_tokens']} tokens\t{r['cost_nano_usd']} nano-USD\t"
+             f"ttft {r['ttft_ms'] if r['ttft_ms'] is not None else '-'} ms" for r in page["data"]]
+    emit(as_json, page, "\n".join(lines) or "no requests")
+
+
+COMMANDS = (accounts_group, tokens_group, activity)

@@ -30,6 +30,7 @@ MANAGEMENT_ROUTES = [
     ("GET", "/v1/credits/crypto/deposits", None, READERS),
     ("GET", "/v1/usage", None, READERS),
     ("GET", "/v1/usage/summary", None, READERS),
+    ("GET", "/v1/activity", None, READERS),
     ("GET", "/v1/earnings", None, (OWNER, ADMIN)),
     ("GET", "/v1/earnings/summary", None, (OWNER, ADMIN)),
     ("GET", "/v1/invoices", None, READERS),
