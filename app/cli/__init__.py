@@ -18,6 +18,7 @@ COMMAND_MODULES = {
     "app.cli.dev": ("up", "demo"),
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
     "app.cli.payments": ("stripe", "crypto"),
+    "app.cli.platform": ("platform",),
     "app.cli.proxy": ("keys", "models", "workers", "sim-worker"),
     "app.cli.servers": ("serve", "worker", "beat"),
 }

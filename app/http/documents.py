@@ -1,6 +1,7 @@
-"""An account's documents for management tokens: invoices and credit notes,
-monthly statements and ledger exports, each scoped like the management API
-(what belongs to another account answers 404; an admin names any account)."""
+"""An account's documents for management tokens: invoices and credit notes
+(one by one, or a period's in a zip), monthly statements, ledger exports and
+reconciliations, each scoped like the management API (what belongs to another
+account answers 404; an admin names any account)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,19 +14,24 @@ from litestar.params import FromQuery, QueryParameter
 from litestar.response import Stream
 
 from app import accounts
+from app.documents_zip import documents_zip
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
 from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathName, QueryId, json_response, path_name, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
-from invoices import exports, service, statements
+from invoices import exports, reconciliation, service, statements
 from proxy.errors import InvalidRequest
 
 STATEMENT_FORMATS = ("pdf", "json")
 # `from` is a Python keyword: the handler parameter names the query parameter.
 PeriodFrom = Annotated[str | None, QueryParameter(name="from", description="YYYY-MM or YYYY-MM-DD, UTC, inclusive")]
 PeriodTo = Annotated[str | None, QueryParameter(description="YYYY-MM or YYYY-MM-DD, UTC, exclusive")]
+RequiredFrom = Annotated[str, QueryParameter(name="from", description="YYYY-MM or YYYY-MM-DD, UTC, inclusive")]
+RequiredTo = Annotated[str, QueryParameter(description="YYYY-MM or YYYY-MM-DD, UTC, exclusive")]
+MonthFrom = Annotated[str, QueryParameter(name="from", description="YYYY-MM, UTC: the first month")]
+MonthTo = Annotated[str, QueryParameter(description="YYYY-MM, UTC: the month after the last")]
 
 
 class DocumentController(Controller):
@@ -44,6 +50,23 @@ class DocumentController(Controller):
         with about_field("kind"):
             listed = await read(request, accounts.list_invoices, accounts.scoped_account(who, account_id), kind, start, end)
         return json_response({"data": listed})
+
+    @get("/invoices.zip", guards=[requires_reader],
+         summary="A period's invoices, credit notes and stored statements as PDFs in one zip, with manifest.csv")
+    async def invoices_zip(self, request: Request, who: Caller, period_from: RequiredFrom, to: RequiredTo,
+                           kind: FromQuery[str | None] = None, account_id: QueryId = None) -> Response:
+        """Documents issued in [from, to) (only `kind` when given; statements of the months inside the period
+        without one), each only with its recorded SHA-256: any that cannot be had answers 503, never a partial zip."""
+        account = accounts.scoped_account(who, account_id)
+        start, end = _required_bound(period_from, "from"), _required_bound(to, "to")
+        if kind not in (None, *accounts.INVOICE_KINDS):
+            raise InvalidRequest(f"kind is {' or '.join(accounts.INVOICE_KINDS)}", param="kind")
+        if end <= start:
+            raise InvalidRequest("the period is empty: to must be after from", param="to")
+        zipped = await asyncio.to_thread(documents_zip, request.app.state.ledger.engine, request.app.state.invoices,
+                                         account, kind, start, end)
+        return Response(zipped.content, media_type="application/zip", headers={
+            "content-disposition": f'attachment; filename="documents-{account}-{start.date()}-{end.date()}.zip"'})
 
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
@@ -106,6 +129,23 @@ class DocumentController(Controller):
             "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
             "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
+    @get("/reconciliation", guards=[requires_any_role],
+         summary="Opening balance, top-ups, usage or earnings, refunds, disputes, adjustments and closing balance of whole months")
+    async def reconcile(self, request: Request, who: Caller, period_from: MonthFrom, to: MonthTo,
+                        account_id: QueryId = None) -> Response:
+        """The months [from, to): the figures of the monthly statements and of the ledger export, at one
+        read-model position (`through_seq`); `balanced` is false, with the problems named, when they do not add up."""
+        account = accounts.scoped_account(who, account_id)
+        with about_field("from"):
+            first = statements.parse_month(period_from)
+            reconciliation.require_begun(first)
+        with about_field("to"):
+            after = statements.parse_month(to)
+            reconciliation.require_after(first, after)
+        figures = await asyncio.to_thread(reconciliation.reconcile, request.app.state.ledger.engine, account, first, after,
+                                          None, HTTP_CATCH_UP_ROUNDS_MAX)
+        return json_response(figures)
+
 
 def _period_bound(value: str | None, name: str) -> datetime | None:
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
@@ -113,6 +153,13 @@ def _period_bound(value: str | None, name: str) -> datetime | None:
         return None
     with about_field(name):
         return exports.parse_period_bound(value, name)
+
+
+def _required_bound(value: str, name: str) -> datetime:
+    bound = _period_bound(value, name)
+    if bound is None:
+        raise InvalidRequest(f"{name} is required: YYYY-MM or YYYY-MM-DD", param=name)
+    return bound
 
 
 async def iterate_in_threads(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -11,6 +11,8 @@ from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES
 
 READERS = (CUSTOMER, ACCOUNTANT, ADMIN)
 THIS_MONTH = datetime.now(UTC).strftime("%Y-%m")  # the site's postings are all of today
+_NOW = datetime.now(UTC)
+NEXT_MONTH = datetime(_NOW.year + _NOW.month // 12, _NOW.month % 12 + 1, 1, tzinfo=UTC).strftime("%Y-%m")
 # Every route that takes ?account_id=, with the roles that may call it.
 SCOPED_ROUTES = [
     ("/v1/keys", READERS),
@@ -20,6 +22,8 @@ SCOPED_ROUTES = [
     ("/v1/statements", ROLES),
     (f"/v1/statements/{THIS_MONTH}.json", ROLES),
     ("/v1/exports/ledger.csv?from=2000-01", ROLES),
+    (f"/v1/invoices.zip?from=2000-01&to={NEXT_MONTH}", READERS),
+    (f"/v1/reconciliation?from=2000-01&to={NEXT_MONTH}", ROLES),
 ]
 # The tokens of the site's two accounts of each kind: each names the other's account.
 FOREIGN_ACCOUNT_OF = {"customer": "other_customer_id", "accountant": "other_customer_id", "owner": "other_owner_id",
