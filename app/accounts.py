@@ -12,6 +12,7 @@ from datetime import date, datetime, timedelta
 from sqlalchemy import Connection, func, select
 
 from app.limits import GROUP_BY_DIMENSIONS_MAX, RATE_WINDOW_DAYS, SUMMARY_WINDOW_DAYS_MAX, SUMMARY_WINDOWS_DAYS
+from app.limits import ACCOUNTS_PAGE_ROWS_MAX
 from app.tokens import Principal
 from invoices.read_models import USAGE_SUMS
 from invoices.schema import earnings_daily, usage_daily
@@ -50,6 +51,22 @@ def account_view(conn: Connection, who: Principal) -> dict:
     if view.kind == cmd.OWNER:
         data["earnings_nano_usd"] = view.balance_nano_usd
     return data
+
+
+def list_accounts(conn: Connection, who: Principal, after_id: int, rows_max: int) -> dict:
+    """Every account for an admin; only its own for anyone else."""
+    return accounts_page(conn, after_id, rows_max, None if who.is_admin else who.account_id)
+
+
+def accounts_page(conn: Connection, after_id: int, rows_max: int, account_id: int | None = None) -> dict:
+    """Accounts in id order after `after_id` (only `account_id` when given), with their balances;
+    `next_after_id` asks for the next page (None: this is the last)."""
+    if not 1 <= rows_max <= ACCOUNTS_PAGE_ROWS_MAX:
+        raise InvalidInput(f"limit is 1 to {ACCOUNTS_PAGE_ROWS_MAX}")
+    books = acc.page_of_books(conn, after_id, rows_max, account_id)
+    data = [{"id": view.account_id, "kind": view.kind, "name": name, "email": email, "balance_nano_usd": view.balance_nano_usd,
+             "available_nano_usd": view.available_nano_usd, "held_nano_usd": view.held_nano_usd} for name, email, view in books]
+    return {"data": data, "next_after_id": data[-1]["id"] if len(data) == rows_max else None}
 
 
 def list_keys(conn: Connection, who: Principal, account_id: int | None) -> list[dict]:

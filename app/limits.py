@@ -56,6 +56,12 @@ READY_CHECK_TIMEOUT_S = 2.0
 READY_READ_MODEL_LAG_S_MAX = 300
 # Without an Idempotency-Key header, the same top-up asked for twice within this window is one session.
 CHECKOUT_RETRY_WINDOW_S = 60
+# GET /v1/invoices.zip is built whole in memory before it is sent (a partial zip is never sent):
+# the PDFs of one download come to at most this many bytes; a longer period is asked for in parts.
+DOCUMENTS_ZIP_BYTES_MAX = 64 * 1024 * 1024  # about 4,000 invoices of 15 kB
+# GET /v1/accounts (admins): accounts per page, unless ?limit= asks for fewer.
+ACCOUNTS_PAGE_ROWS_DEFAULT = 100
+ACCOUNTS_PAGE_ROWS_MAX = 1_000
 
 # --- Stripe (app/payments/stripe.py, app/payments/schema.py) ------------------------
 STRIPE_SIGNATURE_TOLERANCE_S = 300  # a webhook signed longer ago is refused (a replay)

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger.accounts import require_kind
@@ -26,7 +26,7 @@ from ledger.store import CREATED, AppendResult, append_one
 from proxy.capacity import Capacity
 from proxy.errors import InvalidRequest
 from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
-from proxy.schema import WORKER_TASKS, usage_evidence, workers
+from proxy.schema import WORKER_STATES, WORKER_TASKS, usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
 CHAT, EMBEDDING = WORKER_TASKS
@@ -133,6 +133,14 @@ def list_workers(conn: Connection, *, owner_account_id: int | None = None) -> li
     if owner_account_id is not None:
         query = query.where(workers.c.owner_account_id == owner_account_id)
     return [WorkerView(*row) for row in conn.execute(query)]
+
+
+def count_by_state(conn: Connection) -> dict[str, int]:
+    """Workers in each state (every state named, 0 when none), and how many active ones answer their health checks."""
+    counts = dict.fromkeys(WORKER_STATES, 0)
+    counts.update(conn.execute(select(workers.c.state, func.count()).group_by(workers.c.state)).all())
+    healthy = conn.execute(select(func.count()).where(workers.c.state == "active", workers.c.healthy)).scalar_one()
+    return {**counts, "active_healthy": healthy}
 
 
 def get_worker(conn: Connection, worker_id: int, *, lock: bool = False) -> WorkerView:

@@ -10,9 +10,12 @@ from app.activity import STATUSES, account_activity
 from app.cli.output import emit, engine, handles_errors, json_option
 from app.limits import ACTIVITY_ROWS_DEFAULT, ACTIVITY_ROWS_MAX
 from app.members import add_first_member
+from app.accounts import accounts_page
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX
 from app.tokens import ROLES, create_token, revoke_token
 from ledger import accounts as acc
 from ledger import commands as cmd
+from ledger.money import nano_usd_to_usd_text
 from ledger.schema import accounts as accounts_table
 
 
@@ -32,6 +35,23 @@ def accounts_create(kind: str, name: str, email: str | None, as_json: bool) -> N
         account_id = acc.create_account(conn, kind, name, email)
         add_first_member(conn, account_id, kind, email)
     emit(as_json, {"id": account_id, "kind": kind, "name": name, "email": email}, f"created {kind} account {account_id}")
+
+
+@accounts_group.command("list")
+@click.option("--limit", type=click.IntRange(1, ACCOUNTS_PAGE_ROWS_MAX), default=ACCOUNTS_PAGE_ROWS_DEFAULT, show_default=True)
+@click.option("--after-id", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The last id of the page before (next_after_id).")
+@json_option
+@handles_errors
+def accounts_list(limit: int, after_id: int, as_json: bool) -> None:
+    """Every account in id order, with its balances, a page at a time (GET /v1/accounts)."""
+    with engine().connect() as conn:
+        page = accounts_page(conn, after_id, limit)
+    lines = [f"{a['id']}\t{a['kind']}\t{a['name']}\t{a['email'] or ''}\t{nano_usd_to_usd_text(a['balance_nano_usd'])} USD"
+             f" (available {nano_usd_to_usd_text(a['available_nano_usd'])})" for a in page["data"]]
+    if page["next_after_id"] is not None:
+        lines.append(f"more: --after-id {page['next_after_id']}")
+    emit(as_json, page, "\n".join(lines) or "no accounts")
 
 
 @accounts_group.command("platform")

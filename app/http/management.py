@@ -29,9 +29,11 @@ from app.http.guards import (
 )
 from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
-from app.limits import CHECKOUT_RETRY_WINDOW_S
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX, CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
+from app.platform import platform_status
+from ledger.limits import INT64_MAX
 from ledger.money import usd_to_nano_usd
 from proxy.errors import InvalidRequest
 
@@ -157,4 +159,29 @@ class WorkerController(Controller):
         return json_response(await write(request, accounts.resume_worker, who, worker_id, reason))
 
 
-MANAGEMENT_CONTROLLERS = [AccountController, WorkerController]
+PageRows = Annotated[int, QueryParameter(ge=1, le=ACCOUNTS_PAGE_ROWS_MAX, description="accounts per page")]
+AfterId = Annotated[int, QueryParameter(ge=0, le=INT64_MAX, description="the last id of the page before (next_after_id)")]
+
+
+class PlatformController(Controller):
+    """The whole platform, for admins: its state, and every account."""
+
+    path = "/v1"
+    tags = ["platform"]
+    security = MANAGEMENT_TOKEN
+    dependencies = PRINCIPAL
+    exception_handlers = SERVICE_EXCEPTION_HANDLERS
+
+    @get("/platform/status", guards=[requires_admin],
+         summary="Read-model lag, the last scheduled ledger verification, workers by state, accounts by kind (admins)")
+    async def status(self, request: Request, who: Caller) -> Response:
+        return json_response(await asyncio.to_thread(platform_status, request.app.state.ledger.engine))
+
+    @get("/accounts", guards=[requires_admin], summary="Every account with its balances, in id order, a page at a time (admins)")
+    async def list_accounts(self, request: Request, who: Caller, limit: PageRows = ACCOUNTS_PAGE_ROWS_DEFAULT,
+                            after_id: AfterId = 0) -> Response:
+        """`next_after_id` (null on the last page) is the `after_id` of the next page."""
+        return json_response(await read(request, accounts.list_accounts, who, after_id, limit))
+
+
+MANAGEMENT_CONTROLLERS = [AccountController, WorkerController, PlatformController]

@@ -182,6 +182,7 @@ BINARY = {"type": "string", "format": "binary"}
 # What a success answers when it is not JSON.
 SUCCESS_CONTENT = {
     ("get", "/v1/invoices/{name}"): {"application/pdf": {"schema": BINARY}},
+    ("get", "/v1/invoices.zip"): {"application/zip": {"schema": BINARY}},
     ("get", "/v1/statements/{name}"): {"application/pdf": {"schema": BINARY}, "application/json": {"schema": {}}},
     ("get", "/v1/exports/ledger.csv"): {"text/csv": {"schema": {"type": "string"}}},
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},

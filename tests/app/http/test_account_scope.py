@@ -10,10 +10,14 @@ from litestar.routes import HTTPRoute
 
 from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, VIEWER
 
-THIS_MONTH = datetime.now(UTC).strftime("%Y-%m")  # the site's postings are all of today
+_NOW = datetime.now(UTC)
+THIS_MONTH = _NOW.strftime("%Y-%m")  # the site's postings are all of today
+NEXT_MONTH = datetime(_NOW.year + _NOW.month // 12, _NOW.month % 12 + 1, 1, tzinfo=UTC).strftime("%Y-%m")
 # A concrete path of each route template that takes a path parameter besides the account.
 CONCRETE_PATH = {"/v1/statements/{name:str}": f"/v1/statements/{THIS_MONTH}.json",
-                 "/v1/exports/ledger.csv": "/v1/exports/ledger.csv?from=2000-01"}
+                 "/v1/exports/ledger.csv": "/v1/exports/ledger.csv?from=2000-01",
+                 "/v1/invoices.zip": f"/v1/invoices.zip?from=2000-01&to={NEXT_MONTH}",
+                 "/v1/reconciliation": f"/v1/reconciliation?from=2000-01&to={NEXT_MONTH}"}
 # The tokens of the site's two accounts of each kind: each names the other's account.
 FOREIGN_ACCOUNT_OF = {"customer": "other_customer_id", "viewer": "other_customer_id", "accountant": "other_customer_id",
                       "owner": "other_owner_id", "other_customer": "customer_id", "other_owner": "owner_id"}

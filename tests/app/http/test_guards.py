@@ -38,6 +38,10 @@ MANAGEMENT_ROUTES = [
     ("GET", "/v1/statements", None, ROLES),
     ("GET", "/v1/statements/2000-01.json", None, ROLES),
     ("GET", "/v1/exports/ledger.csv", None, ROLES),
+    ("GET", "/v1/invoices.zip?from=2000-01&to=2000-02", None, READERS),
+    ("GET", "/v1/reconciliation?from=2000-01&to=2000-02", None, ROLES),
+    ("GET", "/v1/platform/status", None, (ADMIN,)),
+    ("GET", "/v1/accounts", None, (ADMIN,)),
 ]
 INFERENCE_ROUTES = [
     ("POST", "/v1/chat/completions", {"model": "paralon-test", "messages": [{"role": "user", "content": "hi"}]}),
@@ -88,7 +92,7 @@ def test_every_route_but_health_metrics_webhooks_and_docs_has_a_guard(site):
 
 def _template(path: str) -> str:
     """The route a concrete path of the tables calls."""
-    return (path.replace(str(UNKNOWN), "{id}").replace("PAR-2000-000001.pdf", "{name}")
+    return (path.partition("?")[0].replace(str(UNKNOWN), "{id}").replace("PAR-2000-000001.pdf", "{name}")
             .replace("2000-01.json", "{name}").replace("req-settled", "{id}"))
 
 
