@@ -11,6 +11,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, func, select
 
+from app import low_balance, worker_traffic
 from app.tokens import Principal
 from invoices.read_models import USAGE_SUMS
 from invoices.schema import earnings_daily, usage_daily
@@ -51,6 +52,15 @@ def account_view(conn: Connection, who: Principal) -> dict:
     return data
 
 
+def low_balance_alert(conn: Connection, who: Principal, account_id: int | None) -> dict:
+    return low_balance.alert_view(conn, scoped_account(who, account_id))
+
+
+def set_low_balance_alert(conn: Connection, who: Principal, account_id: int | None, threshold_usd: object) -> dict:
+    """Customers only (the guards see to it), on their own account: another is not there for them."""
+    return low_balance.set_alert(conn, scoped_account(who, account_id), threshold_usd)
+
+
 def list_keys(conn: Connection, who: Principal, account_id: int | None) -> list[dict]:
     return api_keys.list_keys(conn, scoped_account(who, account_id))
 
@@ -68,7 +78,9 @@ def revoke_key(conn: Connection, who: Principal, key_id: int) -> None:
 
 
 def list_workers(conn: Connection, who: Principal) -> list[dict]:
-    return [w.as_dict() for w in _visible_workers(conn, who)]
+    """The principal's workers (an admin's: all), with their state, capacity,
+    prefix-cache hit rate and share of their model's traffic (app/worker_traffic.py)."""
+    return worker_traffic.worker_rows(conn, _visible_workers(conn, who))
 
 
 def drain_worker(conn: Connection, who: Principal, worker_id: int) -> dict:
