@@ -120,6 +120,14 @@ LEDGER_VERIFY_INTERVAL_S_DEFAULT = 300.0
 LEDGER_VERIFY_INTERVAL_S_MIN = 1.0
 LEDGER_VERIFY_INTERVAL_S_MAX = 86_400.0
 EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
+# Low-balance alerts (app/jobs/low_balance_alerts.py): how often beat looks for customers below
+# their threshold, and how many it emails in one run (the rest at the next).
+LOW_BALANCE_ALERTS_INTERVAL_S = 60.0
+LOW_BALANCE_ALERTS_PER_RUN_MAX = 500
+
+# --- What an owner sees of its workers (app/worker_traffic.py) ------------------------
+TRAFFIC_SHARE_WINDOW_S = 24 * 3600  # a worker's share of its model's requests is counted over this long
+TRAFFIC_SHARE_DECIMALS = 4  # of the share shown (0.3333)
 
 # --- Summaries of usage and earnings (app/accounts.py) -----------------------------
 SUMMARY_WINDOWS_DAYS = (1, 7, 30)  # today, the last week, the last month (today included)

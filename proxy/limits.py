@@ -79,6 +79,7 @@ SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it i
 HEALTH_INTERVAL_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
 DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
+PREFIX_CACHE_HIT_RATE_DECIMALS = 4  # of the hit rate shown to a worker's owner (0.8125)
 
 # --- Capacity: what each worker delivers, agreed by every replica (proxy/capacity.py)
 # One replica per period writes a worker's capacity, from the worker's own

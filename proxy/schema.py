@@ -74,6 +74,11 @@ workers = Table(
     Column("relayed_tokens_total", BigInteger, nullable=False, server_default=text("0")),
     # It alone held a recent long prompt: every replica keeps room on it for such prompts until then.
     Column("long_prompts_until", UTCDateTime),
+    # The worker's own prefix-cache counters (tokens, since its engine started)
+    # as the last healthy probe scraped them; NULL when it does not report them.
+    # Shown to its owner; routing does not use them.
+    Column("prefix_cache_hits_tokens", BigInteger),
+    Column("prefix_cache_queries_tokens", BigInteger),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are

@@ -6,12 +6,12 @@ from __future__ import annotations
 import click
 from sqlalchemy import select
 
-from app.activity import STATUSES, account_activity
-from app.cli.output import emit, engine, handles_errors, json_option
-from app.limits import ACTIVITY_ROWS_DEFAULT, ACTIVITY_ROWS_MAX
-from app.members import add_first_member
+from app import low_balance
 from app.accounts import accounts_page
-from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX
+from app.activity import STATUSES, account_activity
+from app.cli.output import emit, engine, fail, handles_errors, json_option
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX, ACTIVITY_ROWS_DEFAULT, ACTIVITY_ROWS_MAX
+from app.members import add_first_member
 from app.tokens import ROLES, create_token, revoke_token
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -62,6 +62,31 @@ def accounts_platform(as_json: bool) -> None:
     with engine().connect() as conn:
         account_id = conn.execute(select(accounts_table.c.id).where(accounts_table.c.system_code == "platform:revenue")).scalar_one()
     emit(as_json, {"id": account_id}, f"platform account {account_id}")
+
+
+@accounts_group.command("low-balance-alert")
+@click.argument("account_id", type=int)
+@click.option("--threshold-usd", default=None, help="Email the account once its available balance falls below this (e.g. 2.00).")
+@click.option("--off", is_flag=True, help="No more low-balance emails.")
+@json_option
+@handles_errors
+def accounts_low_balance_alert(account_id: int, threshold_usd: str | None, off: bool, as_json: bool) -> None:
+    """Set a customer's low-balance alert (once per fall below), turn it off, or, with neither option, show it."""
+    if off and threshold_usd is not None:
+        fail(as_json, "invalid_input", "give --threshold-usd or --off, not both")
+    with engine().begin() as conn:
+        if off or threshold_usd is not None:
+            view = low_balance.set_alert(conn, account_id, None if off else threshold_usd)
+        else:
+            view = low_balance.alert_view(conn, account_id)
+    emit(as_json, view, _alert_text(view))
+
+
+def _alert_text(view: dict) -> str:
+    if view["threshold_usd"] is None:
+        return f"account {view['account_id']}: no low-balance alert"
+    alerted = f", alerted at {view['alerted_at']}" if view["alerted_at"] else ""
+    return f"account {view['account_id']}: an email when the available balance is below {view['threshold_usd']} USD{alerted}"
 
 
 @click.group("tokens")

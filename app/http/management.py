@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated
 
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post, put
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from app import accounts
@@ -53,6 +53,22 @@ class AccountController(Controller):
     @get("/account", guards=[requires_any_role], summary="The token's own account and its balances")
     async def get_account(self, request: Request, who: Caller) -> Response:
         return json_response(await read(request, accounts.account_view, who))
+
+    @get("/account/low-balance-alert", guards=[requires_reader],
+         summary="The account's low-balance alert: its threshold (null: off) and whether it was alerted")
+    async def get_low_balance_alert(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        return json_response(await read(request, accounts.low_balance_alert, who, account_id))
+
+    @put("/account/low-balance-alert", guards=[requires_customer],
+         summary="Email the account once its available balance falls below a threshold (null turns it off)")
+    async def set_low_balance_alert(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        """Body: {"threshold_usd": "2.00"} (two decimals at most, above zero) or {"threshold_usd": null}."""
+        body = await json_object(request)
+        if "threshold_usd" not in body:
+            raise InvalidRequest('send {"threshold_usd": "2.00"}, or null to turn the alert off', param="threshold_usd")
+        with about_field("threshold_usd"):
+            view = await write(request, accounts.set_low_balance_alert, who, account_id, body["threshold_usd"])
+        return json_response(view)
 
     @get("/keys", guards=[requires_reader], summary="API keys of the account")
     async def list_keys(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:

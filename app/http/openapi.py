@@ -164,6 +164,11 @@ REQUEST_BODIES = {
         "example": {"name": "laptop", "spend_limit_usd": "5.00"}},
     ("post", "/v1/credits/checkout"): {"type": "object", "required": ["amount_usd"], "properties": {"amount_usd": PLAIN_USD},
                                        "example": {"amount_usd": "25.00"}},
+    ("put", "/v1/account/low-balance-alert"): {
+        "type": "object", "required": ["threshold_usd"], "properties": {"threshold_usd": {
+            "type": ["string", "null"], "pattern": r"^[0-9]+(\.[0-9]{1,2})?$",
+            "description": "USD with two decimals at most, above zero; null turns the alert off"}},
+        "example": {"threshold_usd": "2.00"}},
     ("post", "/v1/workers/{worker_id}/resume"): {"type": "object", "properties": {
         "reason": {"type": "string", "minLength": 1, "maxLength": REASON_CHARS_MAX}}},
     ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},

@@ -19,6 +19,8 @@ UNKNOWN = 999_999
 # method that is not configured.
 MANAGEMENT_ROUTES = [
     ("GET", "/v1/account", None, ROLES),
+    ("GET", "/v1/account/low-balance-alert", None, READERS),
+    ("PUT", "/v1/account/low-balance-alert", {"threshold_usd": "not money"}, (CUSTOMER,)),
     ("GET", "/v1/keys", None, READERS),
     ("POST", "/v1/keys", {"spend_limit_usd": "not money"}, (CUSTOMER,)),
     ("DELETE", f"/v1/keys/{UNKNOWN}", None, (CUSTOMER, ADMIN)),
