@@ -12,7 +12,7 @@ below; cleared once it is back at or above) and `low_balance_alert_claimed_at`
 
 Revision ID: 0022
 Revises: 0021
-Create Date: 2026-12-05
+Create Date: 2026-12-01
 """
 import sqlalchemy as sa
 from alembic import op
