@@ -113,3 +113,12 @@ def is_member(conn: Connection, email: str) -> bool:
 
 def account_names(conn: Connection, account_ids: list[int]) -> dict[int, str]:
     return dict(conn.execute(select(accounts.c.id, accounts.c.name).where(accounts.c.id.in_(account_ids))).all())
+
+
+def members_of_accounts(conn: Connection, account_ids: list[int]) -> dict[int, list[Membership]]:
+    rows = conn.execute(select(members.c.id, members.c.account_id, members.c.email, members.c.role)
+                        .where(members.c.account_id.in_(account_ids)).order_by(members.c.id))
+    found: dict[int, list[Membership]] = {}
+    for row in rows:
+        found.setdefault(row.account_id, []).append(Membership(*row))
+    return found

@@ -8,6 +8,7 @@ import asyncio
 import secrets
 from datetime import UTC, datetime
 from typing import NamedTuple
+from urllib.parse import urlencode
 
 from litestar import Controller, Request, Response, get, post
 from litestar.handlers import HTTPRouteHandler
@@ -15,9 +16,11 @@ from litestar.response import Redirect
 from litestar.types import Guard
 
 from app import accounts
+from app.activity import STATUSES as ACTIVITY_STATUSES
+from app.activity import activity
+from app.http import documents
 from app.http.console import charts
 from app.http.console.web import CONSOLE_EXCEPTION_HANDLERS, BadForm, NotThere, console_guard, page, security_headers, viewer_of
-from app.http import documents
 from app.http.guards import (
     requires_admin,
     requires_any_role,
@@ -27,10 +30,13 @@ from app.http.guards import (
     requires_reader,
 )
 from app.http.plumbing import PathId, PathName, read, write
-from app.limits import CHECKOUT_NONCE_BYTES, SUMMARY_WINDOW_DAYS_MAX
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, CHECKOUT_NONCE_BYTES, SUMMARY_WINDOW_DAYS_MAX
+from app.members import members_of_accounts
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
+from app.platform import platform_status
 from app.tokens import Principal
+from invoices import statements
 from ledger import commands as cmd
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import usd_to_nano_usd
@@ -53,12 +59,15 @@ NAV = (
     NavItem("Activity", "activity", requires_reader, CUSTOMER_KIND),
     NavItem("API keys", "keys", requires_reader, CUSTOMER_KIND),
     NavItem("Top up", "top-up", requires_customer, CUSTOMER_KIND),
+    NavItem("Alerts", "alerts", requires_reader, CUSTOMER_KIND),
     NavItem("Earnings", "earnings", requires_owner_or_admin, OWNER_KIND),
     NavItem("Workers", "workers", requires_owner_or_admin, OWNER_KIND),
     NavItem("Documents", "documents", requires_any_role, EVERY_KIND),
+    NavItem("Reconciliation", "reconciliation", requires_any_role, EVERY_KIND),
     NavItem("Fleet", "fleet", requires_admin, PLATFORM_KIND),
     NavItem("Accounts", "accounts", requires_admin, PLATFORM_KIND),
     NavItem("Models", "models", requires_admin, PLATFORM_KIND),
+    NavItem("Status", "status", requires_admin, PLATFORM_KIND),
 )
 
 
@@ -141,6 +150,46 @@ class AccountPages(Controller):
         request.app.state.directory.evict_key(key_id)
         return Redirect(f"/console/{account_id}/keys")
 
+    @console_page("/activity", requires_reader, CUSTOMER_KIND)  # GET /v1/activity
+    async def activity(self, request: Request, account_id: PathId) -> Response:
+        """Every request, newest first; htmx asks for what is new every few seconds (`/activity/rows`)."""
+        filters = _activity_filters(request)
+        try:
+            found = await read(request, lambda conn: activity(conn, who(request), account_id, **filters,
+                                                              before=request.query_params.get("before") or None))
+        except LedgerError as exc:
+            raise BadForm(str(exc)) from None
+        listed = await read(request, accounts.list_keys, who(request), account_id)
+        models = [row["model"] for row in await read(request, accounts.usage, account_id, "model")]
+        return account_page(request, "activity.html", title="Activity", page=found, filters=filters, keys=listed,
+                            models=models, statuses=ACTIVITY_STATUSES, query=_query_text(filters))
+
+    @console_page("/activity/rows", requires_reader, CUSTOMER_KIND)  # GET /v1/activity?after=
+    async def activity_rows(self, request: Request, account_id: PathId) -> Response:
+        filters = _activity_filters(request)
+        after = request.query_params.get("after") or None
+        try:
+            found = await read(request, lambda conn: activity(conn, who(request), account_id, **filters, after=after))
+        except LedgerError as exc:
+            raise BadForm(str(exc)) from None
+        return account_page(request, "_activity_rows.html", page=found, filters=filters, query=_query_text(filters),
+                            after=found["after"] or after)
+
+    @console_page("/alerts", requires_reader, CUSTOMER_KIND)  # GET /v1/account/low-balance-alert
+    async def alerts(self, request: Request, account_id: PathId) -> Response:
+        alert = await read(request, accounts.low_balance_alert, who(request), account_id)
+        return account_page(request, "alerts.html", title="Low-balance alert", alert=alert)
+
+    @console_page("/alerts", requires_customer, CUSTOMER_KIND, method=post)  # PUT /v1/account/low-balance-alert
+    async def set_alert(self, request: Request, account_id: PathId) -> Response:
+        form = await request.form()
+        threshold = None if form.get("off") else (form.get("threshold_usd") or "").strip()
+        try:
+            await write(request, accounts.set_low_balance_alert, who(request), account_id, threshold)
+        except LedgerError as exc:
+            raise BadForm(str(exc)) from None
+        return Redirect(f"/console/{account_id}/alerts")
+
     @console_page("/top-up", requires_customer, CUSTOMER_KIND)  # GET /v1/credits/crypto/address, …/deposits
     async def top_up(self, request: Request, account_id: PathId) -> Response:
         settings = request.app.state.crypto
@@ -197,6 +246,21 @@ class AccountPages(Controller):
         params = request.query_params
         return await documents.ledger_export_response(request, account_id, params.get("from") or None, params.get("to") or None)
 
+    @console_page("/invoices.zip", requires_reader, CUSTOMER_KIND)  # GET /v1/invoices.zip
+    async def documents_zip(self, request: Request, account_id: PathId) -> Response:
+        params = request.query_params
+        return await documents.documents_zip_response(request, account_id, params.get("from", ""), params.get("to", ""),
+                                                      params.get("kind") or None)
+
+    @console_page("/reconciliation", requires_any_role, EVERY_KIND)  # GET /v1/reconciliation
+    async def reconciliation(self, request: Request, account_id: PathId) -> Response:
+        month = today().strftime("%Y-%m")
+        period_from = request.query_params.get("from") or month
+        period_to = request.query_params.get("to") or next_month(month)
+        figures = await documents.reconciliation_figures(request, account_id, period_from, period_to)
+        return account_page(request, "reconciliation.html", title="Reconciliation", figures=figures,
+                            period_from=period_from, period_to=period_to)
+
     # --- An owner's -------------------------------------------------------------------
 
     @console_page("/earnings", requires_owner_or_admin, OWNER_KIND)  # GET /v1/earnings/summary, /v1/earnings
@@ -235,10 +299,39 @@ class AccountPages(Controller):
         template = "_fleet_table.html" if request.headers.get("hx-request") else "fleet.html"
         return account_page(request, template, title="Fleet", workers=listed)
 
+    @console_page("/accounts", requires_admin, PLATFORM_KIND)  # GET /v1/accounts
+    async def accounts_list(self, request: Request, account_id: PathId) -> Response:
+        after_text = request.query_params.get("after_id") or "0"
+        after_id = int(after_text) if after_text.isdigit() else 0
+        page_of = await read(request, accounts.list_accounts, who(request), after_id, ACCOUNTS_PAGE_ROWS_DEFAULT)
+        members = await read(request, members_of_accounts, [row["id"] for row in page_of["data"]])
+        return account_page(request, "accounts.html", title="Accounts", page=page_of, members=members)
+
+    @console_page("/status", requires_admin, PLATFORM_KIND)  # GET /v1/platform/status
+    async def status(self, request: Request, account_id: PathId) -> Response:
+        status = await asyncio.to_thread(platform_status, request.app.state.ledger.engine)
+        return account_page(request, "status.html", title="Platform status", platform=status)
+
     @console_page("/models", requires_admin, PLATFORM_KIND)  # GET /v1/models
     async def models(self, request: Request, account_id: PathId) -> Response:
         prices = await read(request, load_prices)
         return account_page(request, "models.html", title="Models and prices", prices=sorted(prices.items()))
+
+
+def _activity_filters(request: Request) -> dict:
+    """The page's filters as the service takes them; a bad one is the service's to refuse."""
+    params = request.query_params
+    key_text = params.get("key_id") or ""
+    return {"model": params.get("model") or None, "status": params.get("status") or None,
+            "api_key_id": int(key_text) if key_text.isdigit() else (key_text or None)}
+
+
+def _query_text(filters: dict) -> str:
+    return urlencode({("key_id" if name == "api_key_id" else name): value for name, value in filters.items() if value})
+
+
+def next_month(month: str) -> str:
+    return statements.parse_month(month).end.strftime("%Y-%m")
 
 
 def _own_account_only(principal: Principal) -> Principal:

@@ -57,6 +57,17 @@ function stackedBars(area, chart) {
   window.addEventListener("resize", () => plot.setSize({width: width(), height: 240}));
 }
 
+function keepNewestOfEachRow(rows) {
+  // A request shown again (its charge reversed) arrives at the top: the older copy goes.
+  const seen = new Set();
+  rows.querySelectorAll("tr[data-generation]").forEach((row) => {
+    if (seen.has(row.dataset.generation)) row.remove();
+    else seen.add(row.dataset.generation);
+  });
+  const empty = document.getElementById("activity-empty");
+  if (empty && seen.size) empty.remove();
+}
+
 function setUpCharts(root) {
   if (typeof uPlot === "undefined") return;
   root.querySelectorAll("script[data-chart]").forEach((block) => {
@@ -73,7 +84,10 @@ function setUpCharts(root) {
 document.addEventListener("DOMContentLoaded", () => {
   setUpCopyButtons(document);
   setUpCharts(document);
-  document.body.addEventListener("htmx:afterSwap", (event) => setUpCopyButtons(event.target));
+  document.body.addEventListener("htmx:afterSwap", (event) => {
+    setUpCopyButtons(event.target);
+    if (event.target.id === "activity-rows") keepNewestOfEachRow(event.target);
+  });
   // Forms that htmx sends carry the page's CSRF token like any other form.
   document.body.addEventListener("htmx:configRequest", (event) => {
     const token = document.querySelector("input[name=csrf_token]");
