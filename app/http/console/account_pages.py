@@ -212,7 +212,9 @@ class AccountPages(Controller):
                                               f"{who(request).actor}:{form.get('nonce', '')}")
         except LedgerError as exc:
             raise BadForm(str(exc)) from None
-        return Redirect(session["url"], status_code=303)
+        # A page that moves on to Stripe, not a redirect: Chromium holds a form's redirects to the page's
+        # CSP form-action ('self'), and Stripe's Checkout host (or a custom domain) is not known beforehand.
+        return account_page(request, "checkout.html", title="Pay by card", checkout_url=session["url"])
 
     # --- Documents: customers, accountants and owners ---------------------------------
 

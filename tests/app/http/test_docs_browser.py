@@ -6,37 +6,19 @@ error, logs none, loads nothing that fails, and asks no host but the app's own
 "Try it out" then answers with it."""
 from __future__ import annotations
 
-import shutil
-from urllib.parse import urlsplit
-
 import httpx
 import pytest
 
 from tests.conftest import migrated_database_url
+from tests.support.browser import PageWatch, launch_chromium
 from tests.support.harness import make_fleet, serving
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
-
-CHROMIUM_PATHS = ("/usr/bin/chromium", "chromium", "chromium-browser")
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 UI_TIMEOUT_MS = 60_000  # the page's own bound: 1.5 MB of script on a shared, busy machine
-
-
-def _chromium_path() -> str:
-    for name in CHROMIUM_PATHS:
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.fail("Chromium is not installed: make dev-venv installs Debian's chromium")
 
 
 @pytest.fixture
 def browser(request):
-    runner = playwright_sync.sync_playwright().start()
-    request.addfinalizer(runner.stop)
-    launched = runner.chromium.launch(executable_path=_chromium_path(), headless=True)
-    request.addfinalizer(launched.close)  # finalisers run last-added first: the browser, then Playwright
-    return launched
+    return launch_chromium(request)
 
 
 @pytest.fixture
@@ -46,33 +28,6 @@ def served(request, tmp_path):
     request.addfinalizer(fleet.engine.dispose)
     with serving(url) as proxy:
         yield proxy, fleet
-
-
-class PageWatch:
-    """What a page did wrong: errors in its console or its scripts, requests that failed
-    or answered an error, and every request to a host that is not this machine (blocked)."""
-
-    def __init__(self, page) -> None:
-        self.console_errors: list[str] = []
-        self.failed: list[str] = []
-        self.foreign: list[str] = []
-        page.on("console", lambda message: message.type == "error" and self.console_errors.append(message.text))
-        page.on("pageerror", lambda error: self.console_errors.append(str(error)))
-        page.on("requestfailed", lambda req: self.failed.append(f"{req.url}: {req.failure}"))
-        page.on("response", lambda response: response.status >= 400 and self.failed.append(f"{response.url}: {response.status}"))
-        page.route("**/*", self._local_only)
-
-    def _local_only(self, route) -> None:
-        if urlsplit(route.request.url).hostname in LOCAL_HOSTS:
-            route.continue_()
-        else:
-            self.foreign.append(route.request.url)
-            route.abort("blockedbyclient")
-
-    def assert_clean(self) -> None:
-        assert self.foreign == [], "the page asked hosts other than the app's own"
-        assert self.console_errors == []
-        assert [failure for failure in self.failed if urlsplit(failure).hostname in LOCAL_HOSTS] == []
 
 
 def test_the_docs_render_every_operation_with_no_error(served, browser):

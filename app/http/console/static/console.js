@@ -5,9 +5,15 @@
 const PALETTE = ["#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#65a30d", "#db2777"];
 const NANO_USD_PER_USD = 1e9;
 
-function usdLabel(nanoUsd) {
+function usdLabel(nanoUsd, decimals = 2, decimalsMax = decimals) {
   // Axis and legend labels only: every figure shown as text comes exact from the server.
-  return "$" + (nanoUsd / NANO_USD_PER_USD).toLocaleString("en-US", {minimumFractionDigits: 2, maximumFractionDigits: 2});
+  return "$" + (nanoUsd / NANO_USD_PER_USD).toLocaleString("en-US", {minimumFractionDigits: decimals, maximumFractionDigits: decimalsMax});
+}
+
+function axisDecimals(ticks) {
+  // Cents, or as many decimals as tell two ticks apart (down to the nano-dollar) when amounts are small.
+  const step = ticks.length > 1 ? Math.abs(ticks[1] - ticks[0]) : NANO_USD_PER_USD;
+  return step > 0 ? Math.min(9, Math.max(2, Math.ceil(-Math.log10(step / NANO_USD_PER_USD)))) : 2;
 }
 
 function setUpCopyButtons(root) {
@@ -46,13 +52,13 @@ function stackedBars(area, chart) {
     fill: PALETTE[i % PALETTE.length],
     paths: bars,
     points: {show: false},
-    value: (u, v, si, idx) => idx == null ? "—" : usdLabel(raw[i][idx]),
+    value: (u, v, si, idx) => idx == null ? "—" : usdLabel(raw[i][idx], 2, 9),
   })));
   const width = () => Math.max(280, area.clientWidth);
   const plot = new uPlot({
     width: width(), height: 240, series: series,
     scales: {x: {time: true}},
-    axes: [{}, {values: (u, ticks) => ticks.map(usdLabel), size: 70}],
+    axes: [{}, {values: (u, ticks) => ticks.map((tick) => usdLabel(tick, axisDecimals(ticks))), size: 90}],
   }, [days].concat(order.map((i) => stacked[i])), area);
   window.addEventListener("resize", () => plot.setSize({width: width(), height: 240}));
 }
