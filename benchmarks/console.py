@@ -3,16 +3,16 @@
 On a scratch PostgreSQL database: a log of 1,000,000 events over the last 30
 days, of which 100,000 are settled requests (generations) and the rest card
 top-ups, for six customers (one holding 80% of both), four owners and sixteen
-workers. The log is written by one process in batches of 8,192 events,
-each decided by the ledger's own rules (`ledger.commands.prepare`,
-`require_covered`), chained by its own hash, and written by its storage's own
-append statement (events, postings, balances, head) under the append lock and
-the database's guards; each settlement captures a hold of its own (the hold
-counters record it placed and closed). A batch is stamped with its moment of
-the 30 days. The read models are then caught up by their consumer
-(`invoices.read_models.rebuild`, as `paralon projections rebuild`), the chain
-is verified (`ledger verify`), and 30 invoices are issued for the big
-customer's last top-ups.
+workers. One process writes the log in batches of up to 8,192 events (at
+least four a day), each decided by the ledger's own rules
+(`ledger.commands.prepare`, `require_covered`), chained by its own hash, and
+written by its storage's own append statement (events, postings, balances,
+head) under the append lock and the database's guards; each settlement
+captures a hold of its own (the hold counters record it placed and closed).
+A batch is stamped with its moment of the 30 days. The read models are then
+caught up by their consumer (`invoices.read_models.rebuild`, as `paralon
+projections rebuild`), the chain is verified (`ledger verify`), and 30
+invoices are issued for the big customer's last top-ups.
 
 `paralon serve` then serves the console, and every page of every role
 (`PAGES`) is fetched one request at a time as a signed-in member (a session
@@ -135,7 +135,8 @@ UNREACHABLE_WORKER_URL = "http://127.0.0.1:9"  # the discard port: health checks
 GRANT_NANO_USD = 10**15
 HOLD_NANO_USD = 5_000_000
 TOP_UP_CENTS_MIN, TOP_UP_CENTS_MAX = 500, 10_000
-BATCH = 8192  # events per transaction
+BATCH_EVENTS_MAX = 8192  # per transaction
+MOMENTS_PER_DAY = 4  # at least: batches, each stamped with its own time, per day of the log
 NEXT_HOLD_IDS = "SELECT nextval(pg_get_serial_sequence('holds', 'id')) FROM generate_series(1, %(n)s)"
 INVOICED_TOP_UPS = 30  # of the big customer's, the last ones (a PDF each, about 0.1 s)
 WARM_UP_REQUESTS = 5
@@ -243,8 +244,7 @@ def is_settlement(k: int, rest: int, generations: int) -> bool:
 
 def load_log(engine, books: Books, events: int, generations: int, start: datetime, end: datetime) -> dict:
     """`events` events in all (a grant per customer, then settlements and
-    top-ups mixed evenly), in batches of the group-commit writer's size, each
-    stamped with its moment of [start, end]."""
+    top-ups mixed evenly), in batches each stamped with its moment of [start, end]."""
     with engine.connect() as conn:
         kinds = dict(conn.execute(select(accounts.c.id, accounts.c.kind)).all())
         system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
@@ -253,18 +253,19 @@ def load_log(engine, books: Books, events: int, generations: int, start: datetim
     rng = random.Random(20261201)
     grants = [cmd.GrantCredits(c, GRANT_NANO_USD, "benchmark credits", f"grant:bench:{c}") for c in books.customers]
     rest = events - len(grants)
+    batch = max(1, min(BATCH_EVENTS_MAX, events // (DAYS * MOMENTS_PER_DAY)))
     started = time.perf_counter()
-    for first in range(-len(grants), rest, BATCH):
-        ks = range(first, min(first + BATCH, rest))
+    for first in range(-len(grants), rest, batch):
+        ks = range(first, min(first + batch, rest))
         at = start + (end - start) * ((ks[-1] + len(grants)) / events)
+        settles = [k >= 0 and is_settlement(k, rest, generations) for k in ks]
         with engine.begin() as conn:
-            hold_ids = iter(conn.exec_driver_sql(NEXT_HOLD_IDS, {"n": sum(k >= 0 and is_settlement(k, rest, generations) for k in ks)})
-                            .scalars().all())
+            hold_ids = iter(conn.exec_driver_sql(NEXT_HOLD_IDS, {"n": sum(settles)}).scalars().all())
             commands = []
-            for k in ks:
+            for k, settle in zip(ks, settles):
                 if k < 0:
                     commands.append(grants[k + len(grants)])
-                elif is_settlement(k, rest, generations):
+                elif settle:
                     hold_id, customer = next(hold_ids), customer_of(books, rng)
                     book.holds[hold_id] = cmd.HoldView(hold_id, customer, HOLD_NANO_USD, True)
                     commands.append(settlement(books, rng, hold_id, customer, k, at))
@@ -274,7 +275,7 @@ def load_log(engine, books: Books, events: int, generations: int, start: datetim
             for command, seq in zip(commands, range(book.last_seq - len(commands) + 1, book.last_seq + 1)):
                 if isinstance(command, cmd.PurchaseCredits) and command.account_id == books.customers[0]:
                     books.big_top_ups.append(seq)
-        if (first // BATCH) % 100 == 0:
+        if (first // batch) % (DAYS * MOMENTS_PER_DAY // 4) == 0:
             log(f"  {first + len(grants):,} of {events:,} events ...")
     seconds = time.perf_counter() - started
     return {"load_s": round(seconds, 1), "load_events_per_s": round(events / seconds)}
