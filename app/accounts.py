@@ -11,7 +11,14 @@ from datetime import date, datetime, timedelta
 
 from sqlalchemy import Connection, func, select
 
-from app.limits import GROUP_BY_DIMENSIONS_MAX, RATE_WINDOW_DAYS, SUMMARY_WINDOW_DAYS_MAX, SUMMARY_WINDOWS_DAYS
+from app import low_balance, worker_traffic
+from app.limits import (
+    ACCOUNTS_PAGE_ROWS_MAX,
+    GROUP_BY_DIMENSIONS_MAX,
+    RATE_WINDOW_DAYS,
+    SUMMARY_WINDOW_DAYS_MAX,
+    SUMMARY_WINDOWS_DAYS,
+)
 from app.tokens import Principal
 from invoices.read_models import USAGE_SUMS
 from invoices.schema import earnings_daily, usage_daily
@@ -52,6 +59,27 @@ def account_view(conn: Connection, who: Principal) -> dict:
     return data
 
 
+def list_accounts(conn: Connection, who: Principal, after_id: int, rows_max: int) -> dict:
+    """Every account for an admin; only its own for anyone else."""
+    return accounts_page(conn, after_id, rows_max, None if who.is_admin else who.account_id)
+
+
+def accounts_page(conn: Connection, after_id: int, rows_max: int, account_id: int | None = None) -> dict:
+    """Accounts in id order after `after_id` (only `account_id` when given), with their balances;
+    `next_after_id` asks for the next page (None: this is the last)."""
+    if not 1 <= rows_max <= ACCOUNTS_PAGE_ROWS_MAX:
+        raise InvalidInput(f"limit is 1 to {ACCOUNTS_PAGE_ROWS_MAX}")
+    books = acc.page_of_books(conn, after_id, rows_max, account_id)
+    data = [{"id": view.account_id, "kind": view.kind, "name": name, "email": email, "balance_nano_usd": view.balance_nano_usd,
+             "available_nano_usd": view.available_nano_usd, "held_nano_usd": view.held_nano_usd} for name, email, view in books]
+    return {"data": data, "next_after_id": data[-1]["id"] if len(data) == rows_max else None}
+def low_balance_alert(conn: Connection, who: Principal, account_id: int | None) -> dict:
+    return low_balance.alert_view(conn, scoped_account(who, account_id))
+def set_low_balance_alert(conn: Connection, who: Principal, account_id: int | None, threshold_usd: object) -> dict:
+    """Customers only (the guards see to it), on their own account: another is not there for them."""
+    return low_balance.set_alert(conn, scoped_account(who, account_id), threshold_usd)
+
+
 def list_keys(conn: Connection, who: Principal, account_id: int | None) -> list[dict]:
     return api_keys.list_keys(conn, scoped_account(who, account_id))
 
@@ -69,7 +97,9 @@ def revoke_key(conn: Connection, who: Principal, key_id: int) -> None:
 
 
 def list_workers(conn: Connection, who: Principal) -> list[dict]:
-    return [w.as_dict() for w in _visible_workers(conn, who)]
+    """The principal's workers (an admin's: all), with their state, capacity,
+    prefix-cache hit rate and share of their model's traffic (app/worker_traffic.py)."""
+    return worker_traffic.worker_rows(conn, _visible_workers(conn, who))
 
 
 def drain_worker(conn: Connection, who: Principal, worker_id: int) -> dict:

@@ -56,6 +56,12 @@ READY_CHECK_TIMEOUT_S = 2.0
 READY_READ_MODEL_LAG_S_MAX = 300
 # Without an Idempotency-Key header, the same top-up asked for twice within this window is one session.
 CHECKOUT_RETRY_WINDOW_S = 60
+# GET /v1/invoices.zip is built whole in memory before it is sent (a partial zip is never sent):
+# the PDFs of one download come to at most this many bytes; a longer period is asked for in parts.
+DOCUMENTS_ZIP_BYTES_MAX = 64 * 1024 * 1024  # about 4,000 invoices of 15 kB
+# GET /v1/accounts (admins): accounts per page, unless ?limit= asks for fewer.
+ACCOUNTS_PAGE_ROWS_DEFAULT = 100
+ACCOUNTS_PAGE_ROWS_MAX = 1_000
 
 # --- Stripe (app/payments/stripe.py, app/payments/schema.py) ------------------------
 STRIPE_SIGNATURE_TOLERANCE_S = 300  # a webhook signed longer ago is refused (a replay)
@@ -114,6 +120,14 @@ LEDGER_VERIFY_INTERVAL_S_DEFAULT = 300.0
 LEDGER_VERIFY_INTERVAL_S_MIN = 1.0
 LEDGER_VERIFY_INTERVAL_S_MAX = 86_400.0
 EMBEDDED_BEAT_TICK_S = 1.0  # how often the embedded beat looks for due tasks
+# Low-balance alerts (app/jobs/low_balance_alerts.py): how often beat looks for customers below
+# their threshold, and how many it emails in one run (the rest at the next).
+LOW_BALANCE_ALERTS_INTERVAL_S = 60.0
+LOW_BALANCE_ALERTS_PER_RUN_MAX = 500
+
+# --- What an owner sees of its workers (app/worker_traffic.py) ------------------------
+TRAFFIC_SHARE_WINDOW_S = 24 * 3600  # a worker's share of its model's requests is counted over this long
+TRAFFIC_SHARE_DECIMALS = 4  # of the share shown (0.3333)
 
 # --- Summaries of usage and earnings (app/accounts.py) -----------------------------
 SUMMARY_WINDOWS_DAYS = (1, 7, 30)  # today, the last week, the last month (today included)
@@ -140,6 +154,10 @@ QR_MODULE_PX = 4  # the deposit address's QR code: pixels per module
 QR_BORDER_MODULES = 2  # its quiet zone
 QR_CODES_CACHED_MAX = 1024  # deposit addresses whose QR code a process keeps drawn (about 2 KB each)
 CONSOLE_STATIC_MAX_AGE_S = 300  # browsers reuse the console's scripts and styles this long
+
+# --- An account's activity (app/activity.py) ------------------------------------------
+ACTIVITY_ROWS_DEFAULT = 50  # requests in one page
+ACTIVITY_ROWS_MAX = 500
 
 # --- `paralon up`: the simulated workers it starts (app/cli/up.py) --------------------
 SIM_WORKERS_START_TIMEOUT_S = 60.0  # a loaded laptop (or CI) may take a while to import and bind

@@ -43,6 +43,7 @@ REFERENCE_CHARS_MAX = REASON_CHARS_MAX
 # Catch-up runs a statement or an export waits for before it reads the read models.
 CATCH_UP_ROUNDS_MAX = 20
 EXPORT_PAGE_ROWS = 5_000  # rows of a CSV export read at once
+GENERATION_STATUS_CHARS_MAX = 16  # streamed, completed, cancelled
 # The key of the PostgreSQL advisory lock that the one applier of the read models holds
 # (session-level: it goes with the applier's connection). The bytes of "par:rmdl".
 READ_MODELS_APPLIER_LOCK_KEY = 0x7061723A726D646C

@@ -55,7 +55,7 @@ def send_invoice(engine: Engine, settings: MailSettings, number: str, documents:
     if not to:
         return "no address"
     try:
-        _send(settings, _message(settings, invoice, to, invoice_pdf(engine, documents, number)))
+        send_message(settings, _message(settings, invoice, to, invoice_pdf(engine, documents, number)))
     except BaseException:
         with engine.begin() as conn:  # let the retry claim it again at once
             conn.execute(update(invoices).where(invoices.c.number == number).values(email_claimed_at=None))
@@ -77,7 +77,8 @@ def _message(settings: MailSettings, invoice, to: str, pdf: bytes) -> EmailMessa
     return message
 
 
-def _send(settings: MailSettings, message: EmailMessage) -> None:
+def send_message(settings: MailSettings, message: EmailMessage) -> None:
+    """One message through the configured SMTP server (STARTTLS and a login when a user is set)."""
     with smtplib.SMTP(settings.host, settings.port, timeout=SMTP_TIMEOUT_S) as smtp:
         if settings.user:
             smtp.starttls()

@@ -1,4 +1,5 @@
-"""Usage and earnings per day, and postings by account, as one consumer of the ledger log.
+"""Usage and earnings per day, postings by account, and every settled
+request (`generations`), as one consumer of the ledger log.
 
 Each page of events and the consumer's position are written in one
 transaction (`ledger.log.consume_once`), so every settlement counts exactly
@@ -19,7 +20,7 @@ from sqlalchemy import Connection, Engine, Integer, delete, func, select, text
 from sqlalchemy.dialects import sqlite
 
 from invoices.limits import PAGES_PER_RUN_MAX, READ_MODELS_APPLIER_LOCK_KEY, REFERENCE_CHARS_MAX
-from invoices.schema import account_postings, earnings_daily, usage_daily
+from invoices.schema import account_postings, earnings_daily, generations, usage_daily
 from ledger import log
 from ledger.db import is_postgres
 from ledger.log import StoredEvent, consumer_position
@@ -35,6 +36,25 @@ USAGE_KEY = ("account_id", "api_key_id", "model", "day")
 USAGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")
 EARNINGS_KEY = ("owner_account_id", "worker_id", "model", "day")
 EARNINGS_SUMS = ("requests", "earnings_nano_usd")
+# A request's row: described once, by its first settlement; its sums move with
+# every settlement (the rest charged after its hold closed) and reversal.
+GENERATION_KEY = ("request_id",)
+GENERATION_FIRST = ("account_id", "api_key_id", "model", "worker_id", "ttft_ms", "status", "completed_at")
+GENERATION_SUMS = ("prompt_tokens", "completion_tokens", "cost_nano_usd", "owner_nano_usd")
+# The statuses of a settled request. The proxy's settlement metadata says how
+# its stream ended ("outcome": completed, cancelled, failed_mid_stream) and
+# whether the caller streamed ("stream"); settlements from before it said
+# neither, and are complete answers.
+STREAMED, COMPLETED, CANCELLED = "streamed", "completed", "cancelled"
+OUTCOME_COMPLETED = "completed"
+
+
+def generation_status(meta: dict) -> str:
+    """Finished, streamed or not; or cut short (the caller left, its hold was
+    taken, its worker failed after the first token), billed for what was relayed."""
+    if meta.get("outcome", OUTCOME_COMPLETED) != OUTCOME_COMPLETED:
+        return CANCELLED
+    return STREAMED if meta.get("stream") is True else COMPLETED
 
 
 def _reversed_events(conn: Connection, events: list[StoredEvent]) -> dict[int, tuple[str, dict]]:
@@ -68,9 +88,28 @@ def _count_settlement(usage: dict, earnings: dict, settled: dict, labels: tuple[
     e[1] += sign * settled["owner_nano_usd"]
 
 
+def _count_generation(requests: dict, event: StoredEvent, settled: dict, labels: tuple[str, int, int], sign: int) -> None:
+    """A settlement (+1) or its reversal (-1) in its request's row; the row's
+    description comes from the first event of the request (its first settlement)."""
+    model, key_id, worker_id = labels
+    meta = settled["meta"]
+    row = requests.get(settled["request_id"])
+    if row is None:
+        ttft_ms = meta.get("ttft_ms")
+        row = requests[settled["request_id"]] = {
+            "first": (settled["customer_account_id"], key_id, model, worker_id, ttft_ms if type(ttft_ms) is int else None,
+                      generation_status(meta), event.recorded_at),
+            "sums": [0] * len(GENERATION_SUMS)}
+    for i, value in enumerate((meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), settled["charge_nano_usd"],
+                               settled["owner_nano_usd"])):
+        row["sums"][i] += sign * int(value)
+    row["seq"] = event.seq
+
+
 def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
     usage: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(USAGE_SUMS))
     earnings: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(EARNINGS_SUMS))
+    requests: dict[str, dict] = {}
     postings: list[tuple] = []
     reversed_events = _reversed_events(conn, events)
     for event in events:
@@ -83,6 +122,7 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
         model, key_id, worker_id = str(meta.get("model", "")), int(meta.get("api_key_id") or 0), int(meta.get("worker_id") or 0)
         if source_type == "RequestSettled":
             _count_settlement(usage, earnings, source, (model, key_id, worker_id), event.recorded_at.date().isoformat(), sign)
+            _count_generation(requests, event, source, (model, key_id, worker_id), sign)
         reference = _reference(source_type, source)
         if sign < 0:
             reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
@@ -94,23 +134,32 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
                              reference[:REFERENCE_CHARS_MAX]))
     _add(conn, usage_daily, USAGE_KEY, USAGE_SUMS, usage)
     _add(conn, earnings_daily, EARNINGS_KEY, EARNINGS_SUMS, earnings)
+    _add(conn, generations, GENERATION_KEY, GENERATION_SUMS,
+         {(request_id,): (*row["first"], *row["sums"], row["seq"]) for request_id, row in requests.items()},
+         kept=GENERATION_FIRST, latest=("event_seq",))
     _insert(conn, account_postings, POSTING_COLUMNS, postings)
 
 
-def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: dict) -> None:
-    """Add each key's sums to its row, creating it the first time: one upsert for the page."""
+def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: dict, *, kept: tuple = (),
+         latest: tuple = ()) -> None:
+    """Add each key's sums to its row, creating it the first time: one upsert
+    for the page. Each delta is its `kept` values (written only when the row
+    is created), its sums, then its `latest` values (written every time)."""
     if not deltas:
         return
+    names = key_names + kept + sum_names + latest
     rows = [(*key, *values) for key, values in sorted(deltas.items())]
     if is_postgres(conn):
-        updates = ", ".join(f"{name} = {table.name}.{name} + EXCLUDED.{name}" for name in sum_names)
-        sql, params = _pg_unnest_insert(table, key_names + sum_names, rows)
+        updates = ", ".join([f"{name} = {table.name}.{name} + EXCLUDED.{name}" for name in sum_names]
+                            + [f"{name} = EXCLUDED.{name}" for name in latest])
+        sql, params = _pg_unnest_insert(table, names, rows)
         conn.exec_driver_sql(f"{sql} ON CONFLICT ({', '.join(key_names)}) DO UPDATE SET {updates}", params)
         return
     statement = sqlite.insert(table)
-    conn.execute(statement.on_conflict_do_update(index_elements=list(key_names),
-                                                 set_={name: table.c[name] + statement.excluded[name] for name in sum_names}),
-                 [dict(zip(key_names + sum_names, row)) for row in rows])
+    updates = {name: table.c[name] + statement.excluded[name] for name in sum_names}
+    updates.update({name: statement.excluded[name] for name in latest})
+    conn.execute(statement.on_conflict_do_update(index_elements=list(key_names), set_=updates),
+                 [dict(zip(names, row)) for row in rows])
 
 
 def _insert(conn: Connection, table, names: tuple, rows: list[tuple]) -> None:
@@ -122,12 +171,12 @@ def _insert(conn: Connection, table, names: tuple, rows: list[tuple]) -> None:
         conn.execute(table.insert(), [dict(zip(names, row)) for row in rows])
 
 
-def _pg_array(column_type) -> tuple[str, Callable]:
+def _pg_array(column) -> tuple[str, Callable]:
     """The array type a column travels as, and how its values are written (ledger.storage.pg_arrays' literals)."""
-    if isinstance(column_type, UTCDateTime):
+    if isinstance(column.type, UTCDateTime):
         return "timestamptz", lambda values: pg_arrays.texts([v.isoformat() for v in values])
-    if isinstance(column_type, Integer):
-        return "bigint", pg_arrays.ints
+    if isinstance(column.type, Integer):
+        return "bigint", pg_arrays.nullable_ints if column.nullable else pg_arrays.ints
     return "text", pg_arrays.texts
 
 
@@ -135,7 +184,7 @@ def _pg_unnest_insert(table, names: tuple, rows: list[tuple]) -> tuple[str, dict
     """One INSERT for all rows on PostgreSQL: each column travels as one array literal."""
     arrays, params = [], {}
     for name, column in zip(names, zip(*rows)):
-        pg_type, encode = _pg_array(table.c[name].type)
+        pg_type, encode = _pg_array(table.c[name])
         arrays.append(f"%({name})s::{pg_type}[]")
         params[name] = encode(column)
     return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({', '.join(arrays)})", params
@@ -257,6 +306,7 @@ def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> in
         conn.execute(delete(usage_daily))
         conn.execute(delete(earnings_daily))
         conn.execute(delete(account_postings))
+        conn.execute(delete(generations))
     total = 0
     while read := catch_up(engine, progress):
         total += read

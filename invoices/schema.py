@@ -8,13 +8,14 @@ from invoices.limits import (
     DEPLOYMENT_ID_CHARS,
     DOCUMENT_KIND_CHARS_MAX,
     DOCUMENT_NUMBER_CHARS_MAX,
+    GENERATION_STATUS_CHARS_MAX,
     MONTH_CHARS,
     PAYMENT_METHOD_CHARS_MAX,
     PDF_PATH_CHARS_MAX,
     REFERENCE_CHARS_MAX,
     SERIES_CHARS_MAX,
 )
-from ledger.limits import ACCOUNT_KIND_CHARS_MAX, EVENT_TYPE_CHARS_MAX, NAME_CHARS_MAX, REASON_CHARS_MAX
+from ledger.limits import ACCOUNT_KIND_CHARS_MAX, EVENT_TYPE_CHARS_MAX, IDEMPOTENCY_KEY_CHARS_MAX, NAME_CHARS_MAX, REASON_CHARS_MAX
 from ledger.schema import Sha256, UTCDateTime, metadata
 
 # One row: this database's random id, made by its migration. Documents are
@@ -81,6 +82,30 @@ earnings_daily = Table(
     Column("day", String(DAY_CHARS), primary_key=True),
     Column("requests", BigInteger, nullable=False),
     Column("earnings_nano_usd", BigInteger, nullable=False),
+)
+
+# Every settled request, one row each, for the account's activity: what its
+# settlements charged (the rest charged after its hold closed added, a
+# reversal subtracted), as its first settlement described it. event_seq is
+# the last event that changed the row, so "rows after seq N" are the rows new
+# or changed since N, and the newest are first by it.
+generations = Table(
+    "generations",
+    metadata,
+    Column("request_id", String(IDEMPOTENCY_KEY_CHARS_MAX), primary_key=True),
+    Column("account_id", BigInteger, nullable=False),  # the customer's
+    Column("api_key_id", BigInteger, nullable=False),  # 0 when none
+    Column("model", String(NAME_CHARS_MAX), nullable=False),
+    Column("worker_id", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
+    Column("cost_nano_usd", BigInteger, nullable=False),
+    Column("owner_nano_usd", BigInteger, nullable=False),
+    Column("ttft_ms", BigInteger),  # null: not recorded (an answer that settled before its meta said it)
+    Column("status", String(GENERATION_STATUS_CHARS_MAX), nullable=False),  # streamed, completed, cancelled
+    Column("completed_at", UTCDateTime, nullable=False),  # its first settlement's time
+    Column("event_seq", BigInteger, nullable=False),
+    Index("ix_generations_account_seq", "account_id", "event_seq"),
 )
 
 # Every posting, by account and time, with what it was for: the per-account

@@ -111,14 +111,17 @@ def ensure_applied(engine: Engine, end: datetime, rounds_max: int = CATCH_UP_ROU
     raise StatementNotReady("the read models are still catching up with the ledger; try again in a few seconds")
 
 
-def _movements(conn: Connection, account_id: int, month: Month) -> tuple[int, dict[str, tuple[int, int]]]:
-    """The opening balance, and the month's postings per kind: {source type: (count, amount)}."""
+def movements(conn: Connection, account_id: int, start: datetime, end: datetime,
+              through_seq: int | None = None) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The opening balance at `start`, and the postings of [start, end) per kind: {source type: (count, amount)};
+    only those of events up to `through_seq` when it is given (a reconciliation's fixed position)."""
     ap = account_postings.c
+    applied = [] if through_seq is None else [ap.event_seq <= through_seq]
     opening = conn.execute(select(func.coalesce(func.sum(ap.amount_nano_usd), 0))
-                           .where(ap.account_id == account_id, ap.recorded_at < month.start)).scalar_one()
+                           .where(ap.account_id == account_id, ap.recorded_at < start, *applied)).scalar_one()
     sections = {r.source_type: (int(r.count), int(r.total)) for r in conn.execute(
         select(ap.source_type, func.count().label("count"), func.sum(ap.amount_nano_usd).label("total"))
-        .where(ap.account_id == account_id, ap.recorded_at >= month.start, ap.recorded_at < month.end).group_by(ap.source_type))}
+        .where(ap.account_id == account_id, ap.recorded_at >= start, ap.recorded_at < end, *applied).group_by(ap.source_type))}
     return int(opening), sections
 
 
@@ -130,7 +133,7 @@ def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: 
         raise InvalidInput(f"{month.text} has not begun")
     ap = account_postings.c
     in_month = (ap.account_id == account_id, ap.recorded_at >= month.start, ap.recorded_at < month.end)
-    opening, sections = _movements(conn, account_id, month)
+    opening, sections = movements(conn, account_id, month.start, month.end)
     closing = opening + sum(total for _, total in sections.values())
     settled_nano_usd = sections.get(SETTLED, (0, 0))[1]
     lines = _usage_lines(conn, account_id, month, labels) if account.kind == CUSTOMER else _earnings_lines(conn, account_id, month, labels)

@@ -112,3 +112,20 @@ def require_kind(conn: Connection, account_id: int, kinds: tuple[str, ...], rule
     if kind not in kinds:
         raise WrongAccountKind(f"{rule}; {account_id} is {a_or_an(kind)} account")
     return kind
+
+
+def count_by_kind(conn: Connection) -> dict[str, int]:
+    """Accounts of each kind (customer, owner, platform, external), 0 when none."""
+    counts = dict.fromkeys((cmd.CUSTOMER, cmd.OWNER, cmd.PLATFORM, cmd.EXTERNAL), 0)
+    counts.update(conn.execute(select(accounts.c.kind, func.count()).group_by(accounts.c.kind)).all())
+    return counts
+
+
+def page_of_books(conn: Connection, after_id: int, rows_max: int, account_id: int | None = None) -> list[tuple[str, str | None, BalanceView]]:
+    """(name, email, balances) of the accounts after `after_id` in id order, at most `rows_max`
+    (only `account_id` when given), each balance read with its holds in the one statement."""
+    query = _books_query().add_columns(accounts.c.name, accounts.c.email).where(accounts.c.id > after_id)
+    if account_id is not None:
+        query = query.where(accounts.c.id == account_id)
+    rows = conn.execute(query.order_by(accounts.c.id).limit(rows_max))
+    return [(r.name, r.email, BalanceView(r[0], r[1], r[2], int(r[3]), r[4])) for r in rows]

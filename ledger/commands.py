@@ -271,8 +271,8 @@ def _validate_meta(meta: object) -> None:
         elif type(value) is str:
             if value:
                 require_text(value, f"metadata {name!r}", REASON_CHARS_MAX)
-        else:
-            raise InvalidInput(f"metadata {name!r} must be an integer or a string")
+        elif value is not None and type(value) is not bool:  # a flag, or a measure not known (null)
+            raise InvalidInput(f"metadata {name!r} must be an integer, a string, true, false or null")
 
 
 def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:

@@ -96,7 +96,7 @@ class RequestSettled:
     platform_nano_usd: int
     released_nano_usd: int
     request_id: str
-    meta: dict = field(default_factory=dict)  # model, tokens, worker: integers and strings only
+    meta: dict = field(default_factory=dict)  # model, tokens, worker: integers, strings, booleans and null only
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     Column,
     ForeignKey,
     Index,
@@ -41,6 +42,8 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+LOW_BALANCE_THRESHOLD_CHECK = "low_balance_threshold_nano_usd > 0"
+
 accounts = Table(
     "accounts",
     metadata,
@@ -50,6 +53,14 @@ accounts = Table(
     Column("email", String(EMAIL_CHARS_MAX)),
     Column("system_code", String(SYSTEM_CODE_CHARS_MAX), unique=True),  # platform and external accounts
     Column("created_at", UTCDateTime, nullable=False),
+    # A customer's low-balance alert (app/low_balance.py): an email once the
+    # available balance is below the threshold, then not again until it has
+    # been back at or above it. Settings, not money: the balance is read from
+    # account_balances.
+    Column("low_balance_threshold_nano_usd", BigInteger,
+           CheckConstraint(LOW_BALANCE_THRESHOLD_CHECK, name="ck_accounts_low_balance_threshold")),
+    Column("low_balance_alerted_at", UTCDateTime),  # alerted for the current crossing; cleared when back above
+    Column("low_balance_alert_claimed_at", UTCDateTime),  # a sender is at work; another waits for it or its timeout
 )
 
 # Inline projection: written in the same transaction as the events it comes from.

@@ -73,6 +73,14 @@ def record(conn: Connection, report: VerifyReport, proven: Checkpoint) -> None:
         problems_total=report.problems_total, first_problem=report.problems[0] if report.problems else None))
 
 
+def last_result(conn: Connection) -> dict:
+    """What `record` kept of the last scheduled run: ok is None (and checked_at too) before the first."""
+    v = ledger_verifications.c
+    row = conn.execute(select(v.ok, v.verified_seq, v.checked_at, v.problems_total, v.first_problem).where(v.id == 1)).one()
+    return {"ok": row.ok, "verified_seq": row.verified_seq, "checked_at": row.checked_at.isoformat() if row.checked_at else None,
+            "problems_total": row.problems_total, "first_problem": row.first_problem}
+
+
 def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport, progress: Progress | None) -> Checkpoint:
     prev_hash, expected_seq = start.hash, start.seq + 1
     while page := read_events(conn, expected_seq - 1):

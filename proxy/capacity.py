@@ -11,7 +11,11 @@ whichever replica sent it, so every replica sees the same numbers:
   health check), so an owner cannot win traffic by inflating the counter;
   without a counter, what the replicas relayed;
 - requests running and waiting: `num_requests_running`, `num_requests_waiting`;
-- the KV cache: `kv_cache_usage_perc` and `cache_config_info`'s blocks.
+- the KV cache: `kv_cache_usage_perc` and `cache_config_info`'s blocks;
+- the prefix cache: `prefix_cache_hits` and `prefix_cache_queries` (tokens,
+  since the engine started; vLLM before 0.10 named them `gpu_prefix_cache_*`
+  and later versions send both: one pair is read, never the sum), shown to
+  the worker's owner and never used for routing.
 
 A period's measurement (`observe`) is a measurement *at saturation* when the
 worker queued requests through most of it: the tokens per second it
@@ -40,6 +44,11 @@ GENERATED = frozenset({f"{name}{suffix}" for name in ("vllm:generation_tokens", 
                        for suffix in ("", "_total")})
 KV_USAGE = "vllm:kv_cache_usage_perc"  # 0 to 1, despite its name
 CACHE_CONFIG = "vllm:cache_config_info"  # labels num_gpu_blocks and block_size
+# The prefix cache's counters, each family under its current name and its older one (in order of preference).
+PREFIX_CACHE_NAMES = {"prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+                      "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")}
+PREFIX_CACHE_FAMILIES = {f"{name}{suffix}": (field, rank) for field, names in PREFIX_CACHE_NAMES.items()
+                         for rank, name in enumerate(names) for suffix in ("", "_total")}
 
 
 class WorkerMetrics(NamedTuple):
@@ -49,6 +58,8 @@ class WorkerMetrics(NamedTuple):
     generation_tokens: float | None = None
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
+    prefix_cache_hits: float | None = None  # tokens found in the prefix cache, since the engine started
+    prefix_cache_queries: float | None = None  # prompt tokens looked up in it
 
     @property
     def busy(self) -> int | None:
@@ -80,7 +91,17 @@ def parse_metrics(text: str) -> WorkerMetrics:
         return WorkerMetrics()
     as_int = {name: int(sums[name]) for name in ("running", "waiting") if name in sums}
     return WorkerMetrics(generation_tokens=sums.get("generation_tokens"), kv_usage=sums.get("kv_usage"),
-                         kv_capacity_tokens=kv_capacity, **as_int)
+                         kv_capacity_tokens=kv_capacity, **_prefix_cache(sums), **as_int)
+
+
+def _prefix_cache(sums: dict[str, float]) -> dict[str, float]:
+    """Hits and queries under the first naming that has both: a worker
+    sending the old names beside the new ones is not counted twice."""
+    for rank in range(len(PREFIX_CACHE_NAMES["prefix_cache_hits"])):
+        pair = {field: sums.get(f"{field}:{rank}") for field in PREFIX_CACHE_NAMES}
+        if None not in pair.values():
+            return pair
+    return {}
 
 
 def _field_of(family_name: str) -> str | None:
@@ -92,6 +113,9 @@ def _field_of(family_name: str) -> str | None:
         return "generation_tokens"
     if family_name == KV_USAGE:
         return "kv_usage"
+    if family_name in PREFIX_CACHE_FAMILIES:
+        field, rank = PREFIX_CACHE_FAMILIES[family_name]
+        return f"{field}:{rank}"
     return None
 
 

@@ -44,7 +44,7 @@ from ledger.errors import DatabaseUnavailable, InsufficientFunds, SpendLimitReac
 from ledger.holds import PlaceHold, settlement_key
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import utc_now
-from proxy import routing
+from proxy import routing, unbilled
 from proxy import workers as registry
 from proxy.errors import (
     ContextTooLong,
@@ -253,7 +253,8 @@ class Embeddings:
         held = await self._hold(grant, request_id, ask.bound_tokens * price.input_nano_usd_per_token)
         try:
             attempted = await self._ask_workers(ask, candidates)
-        except BaseException:
+        except BaseException as exc:
+            self._unbilled(request_id, grant, ask, None, *unbilled.ended_by(exc))
             if held is not None:
                 await self.settler.release(held)
             raise
@@ -261,10 +262,16 @@ class Embeddings:
         if held is not None:  # its own task: a caller leaving now cannot interrupt the settlement
             await asyncio.shield(self.settler.in_background(self._settle(held, attempted.worker, grant, ask, billed, started_at)))
             if held.withheld:
+                self._unbilled(request_id, grant, ask, attempted.worker.id, unbilled.FAILED, unbilled.WITHHELD)
                 raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
         if billed.over_reported:  # evidence is recorded off the caller's path
             self.settler.in_background(self._record_discrepancy(request_id, attempted, grant, billed))
         return Embedded(request_id, billed.cost_nano_usd, _answer(ask, attempted.vectors.vectors, billed))
+
+    def _unbilled(self, request_id: str, grant: KeyGrant, ask: EmbeddingAsk, worker_id: int | None, status: str,
+                  reason: str) -> None:
+        self.settler.unbilled.record(request_id, grant, ask.model, worker_id, stream=False, ttft_ms=None,
+                                     status=status, reason=reason)
 
     def _plan(self, ask: EmbeddingAsk) -> tuple[Price, list[registry.WorkerView]]:
         """The price and the workers that may answer: no I/O."""
@@ -351,6 +358,7 @@ class Embeddings:
         held.finished = True
         if billed.cost_nano_usd == 0:  # the worker counted no token
             await self.settler.release(held)
+            self._unbilled(held.request_id, grant, ask, worker.id, unbilled.FAILED, unbilled.EMPTY_COMPLETION)
             return
         meta = {"model": ask.model, "worker_id": worker.id, "api_key_id": grant.id, "prompt_tokens": billed.prompt_tokens,
                 "completion_tokens": 0, "started_at": started_at.isoformat()}

@@ -20,6 +20,7 @@ from proxy import answer, metering, sse
 from proxy import workers as registry
 from proxy.errors import NotReady, ProxyError, UpstreamFailed
 from proxy.keys import KeyGrant
+from ledger.limits import MS_PER_S
 from proxy.limits import TOOL_CALLS_PER_ANSWER_MAX
 from proxy.metering import utf8_bytes
 from proxy.prices import Price
@@ -27,6 +28,10 @@ from proxy.upstream import UpstreamError, UpstreamResponse
 
 CHAT, COMPLETIONS = "chat", "completions"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+# How a stream ended, as its settlement records it (meta "outcome"): it ran to
+# its end; it was cut short (the caller left, or the sweeper took its hold);
+# the worker failed after the first token.
+COMPLETED, CANCELLED, FAILED_MID_STREAM = "completed", "cancelled", "failed_mid_stream"
 # Settles an ended generation once, in a task nothing the caller does can
 # cancel: `charge=True` bills what was delivered; `charge=False` (nothing was
 # delivered) releases its hold.
@@ -53,6 +58,7 @@ class Generation:
     context_bound: int = 0
     choices_per_prompt: int = 1  # n: choice index = prompt_index * n + j
     choices: int = 1  # n times the prompts: every choice may use all of max_tokens
+    started_s: float = field(default_factory=time.perf_counter)  # the request's start, for its time to first token
     # Its hold (accept_hold)
     hold_id: int = field(default=0, init=False)
     hold_nano_usd: int = field(default=0, init=False)
@@ -81,6 +87,8 @@ class Generation:
     recorded_capture_nano_usd: int = field(default=0, init=False)  # the delivered usage last recorded against the hold
     finished: bool = field(default=False, init=False)
     settle_failed: bool = field(default=False, init=False)  # a non-streaming answer whose charge could not be written
+    # Until the stream ends otherwise, a settlement (the sweeper's, at the usage recorded) is of a stream cut short.
+    outcome: str = field(default=CANCELLED, init=False)
     cost_nano_usd: int = field(default=0, init=False)
     usage: dict = field(default_factory=dict, init=False)
     _settling: asyncio.Future | None = field(default=None, init=False, repr=False)
@@ -303,24 +311,39 @@ class Generation:
                 else:
                     raise UpstreamFailed("the worker's stream ended without [DONE]")
             # Its own task: a caller leaving now cannot interrupt the settlement.
-            await asyncio.shield(self.settle_once())
+            await asyncio.shield(self.settle_once(outcome=self.ended()))
             if self.wants_usage:
                 yield sse.encode(self.usage_chunk())
             yield sse.DONE_EVENT
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
             # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
-            await asyncio.shield(self.settle_once(charge=self.streaming))
+            await asyncio.shield(self.settle_once(charge=self.streaming, outcome=FAILED_MID_STREAM))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
         finally:
             self.settle_once()  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
 
-    def settle_once(self, *, charge: bool = True) -> asyncio.Future:
-        """The settlement, started on the first call; later calls get the same one."""
+    def settle_once(self, *, charge: bool = True, outcome: str = CANCELLED) -> asyncio.Future:
+        """The settlement, started on the first call; later calls get the same
+        one. Without an outcome the stream did not reach its end: the caller left."""
         if self._settling is None:
+            self.outcome = outcome
             self._settling = self.settle(self, charge)
         return self._settling
+
+    def ended(self) -> str:
+        """The outcome of a stream that stopped without an error: cut short
+        when the sweeper took its hold; otherwise complete (a worker running
+        past max_tokens is stopped where the caller's answer ends)."""
+        return CANCELLED if self.hold_lost else COMPLETED
+
+    @property
+    def ttft_ms(self) -> int | None:
+        """Milliseconds from the request's start to its first relayed token; None before one."""
+        if not self.first_token_at:
+            return None
+        return max(0, round((self.first_token_at - self.started_s) * MS_PER_S))
 
     async def close_upstream(self) -> None:
         """Back to the pool when the response ended cleanly; otherwise the

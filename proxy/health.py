@@ -4,7 +4,8 @@ A successful probe is the worker's heartbeat (health columns only: it never
 touches state, so it cannot undo a drain). A draining worker becomes `drained`
 once it reports nothing running or waiting, or at the 120 s deadline. Each
 probe's scrape of the worker's /metrics is also what its load and its
-capacity are measured from (proxy/capacity.py)."""
+capacity are measured from (proxy/capacity.py), and its prefix-cache
+counters are written with the heartbeat, for its owner to see."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +29,16 @@ def context_from_models(payload: dict) -> tuple[int | None, str | None]:
     entry = data[0]
     context = entry.get("max_model_len")
     return (int(context) if isinstance(context, int) and context > 0 else None), entry.get("id")
+
+
+def _prefix_cache(probe: dict) -> tuple[int | None, int | None] | None:
+    """What a healthy worker's metrics said of its prefix cache (None, None when nothing);
+    an unhealthy one's last figures stay."""
+    if not probe["healthy"]:
+        return None
+    metrics = probe.get("metrics") or capacity.WorkerMetrics()
+    hits, queries = metrics.prefix_cache_hits, metrics.prefix_cache_queries
+    return (None, None) if hits is None or queries is None else (int(hits), int(queries))
 
 
 class HealthChecker:
@@ -85,7 +96,8 @@ class HealthChecker:
         with self.directory.engine.begin() as conn:
             for worker, probe in probes:
                 registry.record_heartbeat(conn, worker.id, healthy=probe["healthy"], context_length=probe.get("context_length"),
-                                          served_model=probe.get("served_model"), relayed_tokens=relayed[worker.id])
+                                          served_model=probe.get("served_model"), relayed_tokens=relayed[worker.id],
+                                          prefix_cache=_prefix_cache(probe))
                 load = self.directory.load(worker.id)
                 if worker.state == "draining" and (registry.drain_overdue(worker, now) or self._idle(worker, probe)):
                     registry.mark_drained(conn, worker.id)

@@ -45,6 +45,15 @@ DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that s
 NO_WORKER_RETRY_AFTER_S = 2  # no worker could take the request: health probes may bring one back by then
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0
+# Requests that ended with nothing charged, kept for the account's activity
+# (proxy/unbilled.py): written in one statement this often; at most this many
+# wait in memory (beyond, while the database is away, the newest are dropped).
+UNBILLED_FLUSH_INTERVAL_S = 1.0
+UNBILLED_PENDING_MAX = 10_000
+UNBILLED_REASON_CHARS_MAX = 32  # why nothing was charged: a word of the code
+# The PostgreSQL advisory lock each write of them takes (transaction-level), so
+# they commit in the order of their ids. The bytes of "par:unbl".
+UNBILLED_WRITE_LOCK_KEY = 0x7061723A756E626C
 
 # --- Request bodies: the ranges of OpenAI's API document (proxy/request_checks.py)
 OPENAI_TEMPERATURE_MAX = 2
@@ -70,6 +79,7 @@ SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it i
 HEALTH_INTERVAL_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
 DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
+PREFIX_CACHE_HIT_RATE_DECIMALS = 4  # of the hit rate shown to a worker's owner (0.8125)
 
 # --- Capacity: what each worker delivers, agreed by every replica (proxy/capacity.py)
 # One replica per period writes a worker's capacity, from the worker's own

@@ -5,7 +5,7 @@ from sqlalchemy import BigInteger, Boolean, CheckConstraint, Column, ForeignKey,
 
 from ledger.limits import IDEMPOTENCY_KEY_CHARS_MAX, REASON_CHARS_MAX
 from ledger.schema import BigId, Sha256, UTCDateTime, metadata
-from proxy.limits import KEY_PREFIX_CHARS_MAX, NAME_CHARS_MAX, STATE_CHARS_MAX, WORKER_URL_CHARS_MAX
+from proxy.limits import KEY_PREFIX_CHARS_MAX, NAME_CHARS_MAX, STATE_CHARS_MAX, UNBILLED_REASON_CHARS_MAX, WORKER_URL_CHARS_MAX
 
 # An API key is shown once; only its SHA-256 is kept (the key is 256 random
 # bits, so a fast hash is enough: there is nothing to brute-force).
@@ -74,6 +74,11 @@ workers = Table(
     Column("relayed_tokens_total", BigInteger, nullable=False, server_default=text("0")),
     # It alone held a recent long prompt: every replica keeps room on it for such prompts until then.
     Column("long_prompts_until", UTCDateTime),
+    # The worker's own prefix-cache counters (tokens, since its engine started)
+    # as the last healthy probe scraped them; NULL when it does not report them.
+    # Shown to its owner; routing does not use them.
+    Column("prefix_cache_hits_tokens", BigInteger),
+    Column("prefix_cache_queries_tokens", BigInteger),
 )
 
 # Usage reports above the proxy's count, kept as the evidence strikes are
@@ -108,4 +113,28 @@ stored_responses = Table(
     Column("input_items", Text, nullable=False),  # JSON, as forwarded
     Column("output_items", Text, nullable=False),  # JSON, as the caller received them
     Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Requests that ended with nothing charged (every worker failed, an empty
+# completion, a caller who left before the first token...), for the account's
+# activity beside its settled requests (invoices.schema.generations). They move
+# no money, so no ledger event records them: the proxy writes them here (proxy/unbilled.py).
+UNBILLED_STATUSES = ("failed", "cancelled")
+
+unbilled_generations = Table(
+    "unbilled_generations",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),  # the order they were written in: the activity's cursor
+    Column("request_id", String(IDEMPOTENCY_KEY_CHARS_MAX), nullable=False, unique=True),
+    Column("account_id", BigInteger, nullable=False),
+    Column("api_key_id", BigInteger, nullable=False),
+    Column("model", String(NAME_CHARS_MAX), nullable=False),
+    Column("worker_id", BigInteger),  # the last worker tried, if any
+    Column("stream", Boolean, nullable=False),
+    Column("ttft_ms", BigInteger),  # a first token came, and then nothing billable
+    Column("status", String(STATE_CHARS_MAX), nullable=False),
+    Column("reason", String(UNBILLED_REASON_CHARS_MAX), nullable=False),
+    Column("completed_at", UTCDateTime, nullable=False),
+    CheckConstraint("status IN ('failed', 'cancelled')", name="ck_unbilled_generations_status"),
+    Index("ix_unbilled_generations_account", "account_id", "id"),
 )

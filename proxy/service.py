@@ -21,7 +21,7 @@ from ledger.errors import InsufficientFunds, SpendLimitReached
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
-from proxy import forwarded_fields, metering, request_checks, routing, tokenize
+from proxy import forwarded_fields, metering, request_checks, routing, tokenize, unbilled
 from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
@@ -39,6 +39,7 @@ from proxy.keys import KeyGrant
 from proxy.limits import (
     HOLD_TTL_S_DEFAULT,
     SOLVENT_FOR_S,
+    UNBILLED_FLUSH_INTERVAL_S,
     UPSTREAM_ATTEMPTS_MAX,
     UPSTREAM_REFUSAL_DETAIL_BYTES_MAX,
 )
@@ -77,10 +78,12 @@ class InferenceProxy:
         hold here was granted in full, the upstream request starts while the
         hold is being placed, so the hold adds nothing to the first token; it
         is abandoned (nothing relayed, nothing charged) if the hold is refused."""
+        opened_s = time.perf_counter()
         prepared = self._prepare(kind, body, grant)
         if prepared is None:  # a long prompt: plan on the engine's count
             prepared = self._prepare(kind, body, grant, await self._count(kind, body), counted_asked=True)
         generation, candidates, hold_request = prepared
+        generation.started_s = opened_s  # its time to first token counts the counting too
         hold_task = asyncio.ensure_future(self.ledger.place_hold_async(hold_request))
         upstream_task = None
         if self._solvent_until.get(grant.account_id, 0.0) > time.monotonic():
@@ -89,6 +92,7 @@ class InferenceProxy:
             hold = await asyncio.shield(hold_task)
         except asyncio.CancelledError:  # the caller left: release the hold whenever it lands
             hold_task.add_done_callback(self.settler.release_when_placed)
+            self.settler.unbilled.note(generation, unbilled.CANCELLED, unbilled.CALLER_LEFT)
             await self._abandon_attempt(generation, upstream_task)
             raise
         except BaseException as exc:
@@ -110,7 +114,8 @@ class InferenceProxy:
             else:
                 self._solvent_until[grant.account_id] = time.monotonic() + SOLVENT_FOR_S
             await (upstream_task or self._start_upstream(generation, body, candidates))
-        except BaseException:
+        except BaseException as exc:
+            self.settler.unbilled.note(generation, *unbilled.ended_by(exc))
             await self.settler.release(generation)
             raise
         return generation
@@ -266,6 +271,10 @@ class InferenceProxy:
     # While requests run, and at shutdown
     async def keep_holds(self) -> None:
         await self.settler.keep_holds()
+
+    async def record_unbilled(self) -> None:
+        """Write the requests that ended with nothing charged, once a second."""
+        await self.settler.unbilled.run(UNBILLED_FLUSH_INTERVAL_S)
 
     async def drain_background(self) -> None:
         await self.settler.drain_background()

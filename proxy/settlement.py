@@ -22,7 +22,8 @@ from ledger.service import Ledger
 from proxy import generations, metering
 from proxy import workers as registry
 from proxy.directory import Directory
-from proxy.generation import Generation
+from proxy import unbilled
+from proxy.generation import CANCELLED, FAILED_MID_STREAM, Generation
 from proxy.generations import rest_key, withheld_key
 from proxy.limits import (
     HOLD_RENEW_INTERVAL_S_MAX,
@@ -56,6 +57,7 @@ class Settler:
         self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
         self.journal = journal  # withheld answers whose reversal is owed, kept across restarts
         self._stop_at_s: float | None = None  # set once shutdown starts: every wait ends by then
+        self.unbilled = unbilled.UnbilledLog(ledger.engine)  # requests that ended with nothing charged
 
     def settle(self, generation: Generation, charge: bool) -> asyncio.Task:
         """Bill what was delivered, or, with charge=False (a non-streaming
@@ -81,11 +83,14 @@ class Settler:
         generation.bill(billed)
         if billed.completion_tokens == 0:  # an empty completion costs nothing
             await self.release(generation)
+            self.unbilled.note(generation, *_nothing_billed(generation))
             return
         try:
             await self._settle_delivered(generation, billed)
         except Exception as exc:  # a refusal, or the database away: the charge is not lost either way
             await self._settle_later(generation, billed, database_away=_database_away(exc))
+            if generation.settle_failed:
+                self.unbilled.note(generation, unbilled.FAILED, unbilled.WITHHELD)
         finally:
             self._live.pop(generation.hold_id, None)
         if billed.discrepant:  # evidence is recorded off the path to [DONE]
@@ -97,6 +102,7 @@ class Settler:
         if generation.worker is not None:
             self.directory.loads[generation.worker.id].in_flight -= 1
         await self.release(generation)
+        self.unbilled.note(generation, unbilled.FAILED, unbilled.WORKER_FAILED)
 
     async def release(self, generation: Generation) -> None:
         self._live.pop(generation.hold_id, None)
@@ -354,6 +360,7 @@ class Settler:
         for task in remaining:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
+        await self.unbilled.flush()
 
 
 def _database_away(exc: BaseException) -> bool:
@@ -373,9 +380,21 @@ def _covered_by_hold(generation: Generation, billed: metering.BilledUsage) -> me
 
 
 def _settlement_meta(generation: Generation, billed: metering.BilledUsage) -> dict:
+    """What the read models know of a request: the first six keys since the
+    first settlement; ttft_ms, stream and outcome since the activity."""
     return {"model": generation.model, "worker_id": generation.worker.id, "api_key_id": generation.grant.id,
             "prompt_tokens": billed.prompt_tokens, "completion_tokens": billed.completion_tokens,
-            "started_at": generation.started_at.isoformat()}
+            "started_at": generation.started_at.isoformat(),
+            "ttft_ms": generation.ttft_ms, "stream": generation.streaming, "outcome": generation.outcome}
+
+
+def _nothing_billed(generation: Generation) -> tuple[str, str]:
+    """The status and reason of a request that ended with nothing billable."""
+    if generation.outcome == CANCELLED:
+        return unbilled.CANCELLED, unbilled.CALLER_LEFT
+    if generation.outcome == FAILED_MID_STREAM:
+        return unbilled.FAILED, unbilled.WORKER_FAILED
+    return unbilled.FAILED, unbilled.EMPTY_COMPLETION
 
 
 def discrepancy_of(generation: Generation, billed: metering.BilledUsage) -> tuple[cmd.RecordUsageDiscrepancy, bool]:

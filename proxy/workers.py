@@ -12,11 +12,12 @@ so every replica decides on all of it; a suspension and a resumption change
 the worker and append their event in one transaction."""
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, func, select, update
 
 from ledger import commands as cmd
 from ledger.accounts import require_kind
@@ -25,8 +26,15 @@ from ledger.schema import utc_now
 from ledger.store import CREATED, AppendResult, append_one
 from proxy.capacity import Capacity
 from proxy.errors import InvalidRequest
-from proxy.limits import DRAIN_DEADLINE_S, NAME_CHARS_MAX, PROMPT_INFLATION_ACCOUNTS_MIN, PROMPT_INFLATION_WINDOW_S, USAGE_STRIKES_MAX
-from proxy.schema import WORKER_TASKS, usage_evidence, workers
+from proxy.limits import (
+    DRAIN_DEADLINE_S,
+    NAME_CHARS_MAX,
+    PREFIX_CACHE_HIT_RATE_DECIMALS,
+    PROMPT_INFLATION_ACCOUNTS_MIN,
+    PROMPT_INFLATION_WINDOW_S,
+    USAGE_STRIKES_MAX,
+)
+from proxy.schema import WORKER_STATES, WORKER_TASKS, usage_evidence, workers
 
 ENGINES = ("vllm", "llamacpp")
 CHAT, EMBEDDING = WORKER_TASKS
@@ -66,13 +74,37 @@ class WorkerView(NamedTuple):
     capacity_measured_at: datetime | None = None
     relayed_tokens_total: int = 0  # by every replica
     long_prompts_until: datetime | None = None  # room is kept on it for long prompts until then
+    prefix_cache_hits_tokens: int | None = None  # the worker's own counters, as last scraped
+    prefix_cache_queries_tokens: int | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self, now: datetime | None = None) -> dict:
+        """The row, and what follows from it at `now`: the seconds a draining
+        worker has left and its prefix-cache hit rate."""
         data = self._asdict()
         for name in ("created_at", "drain_requested_at", "last_heartbeat_at", "suspended_at", "capacity_measured_at",
                      "long_prompts_until"):
             data[name] = data[name].isoformat() if data[name] else None
+        data["drain_seconds_left"] = self.drain_seconds_left(now or utc_now())
+        data["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate()
         return data
+
+    def drain_seconds_left(self, now: datetime) -> int | None:
+        """While draining, the whole seconds until the health check declares it
+        drained at the latest (sooner once nothing runs on it); else None."""
+        if self.state != "draining" or self.drain_requested_at is None:
+            return None
+        elapsed_s = (now - self.drain_requested_at).total_seconds()
+        return max(0, math.ceil(DRAIN_DEADLINE_S - elapsed_s))
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached prompt tokens over prompt tokens looked up, since the worker's
+        engine started (its own counters); None when it reports none or has
+        looked nothing up yet. A worker reporting more hits than queries is
+        shown at 1: the figure is the owner's to read, it moves no traffic."""
+        hits, queries = self.prefix_cache_hits_tokens, self.prefix_cache_queries_tokens
+        if hits is None or not queries:
+            return None
+        return round(min(1.0, max(0, hits) / queries), PREFIX_CACHE_HIT_RATE_DECIMALS)
 
 
 _COLUMNS = [workers.c[name] for name in WorkerView._fields]
@@ -135,6 +167,14 @@ def list_workers(conn: Connection, *, owner_account_id: int | None = None) -> li
     return [WorkerView(*row) for row in conn.execute(query)]
 
 
+def count_by_state(conn: Connection) -> dict[str, int]:
+    """Workers in each state (every state named, 0 when none), and how many active ones answer their health checks."""
+    counts = dict.fromkeys(WORKER_STATES, 0)
+    counts.update(conn.execute(select(workers.c.state, func.count()).group_by(workers.c.state)).all())
+    healthy = conn.execute(select(func.count()).where(workers.c.state == "active", workers.c.healthy)).scalar_one()
+    return {**counts, "active_healthy": healthy}
+
+
 def get_worker(conn: Connection, worker_id: int, *, lock: bool = False) -> WorkerView:
     """The worker's row; with `lock`, locked until the caller's transaction ends."""
     query = select(*_COLUMNS).where(workers.c.id == worker_id)
@@ -165,10 +205,15 @@ def drain_overdue(worker: WorkerView, now: datetime) -> bool:
 
 
 def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context_length: int | None = None,
-                     served_model: str | None = None, relayed_tokens: int = 0) -> None:
+                     served_model: str | None = None, relayed_tokens: int = 0,
+                     prefix_cache: tuple[int | None, int | None] | None = None) -> None:
     """Health, and the tokens this replica relayed since its last heartbeat
-    (added to every replica's): this statement has no `state` in it, on purpose."""
+    (added to every replica's): this statement has no `state` in it, on purpose.
+    `prefix_cache`: (hits, queries) as the worker's metrics said, None where
+    they said nothing; left as it is when not given."""
     values: dict = {"healthy": healthy}
+    if prefix_cache is not None:
+        values["prefix_cache_hits_tokens"], values["prefix_cache_queries_tokens"] = prefix_cache
     if relayed_tokens:
         values["relayed_tokens_total"] = workers.c.relayed_tokens_total + relayed_tokens
     if healthy:

@@ -12,13 +12,14 @@ import click
 
 # The module of each top-level command (each module's COMMANDS).
 COMMAND_MODULES = {
-    "app.cli.accounts": ("accounts", "tokens"),
+    "app.cli.accounts": ("accounts", "tokens", "activity"),
     "app.cli.billing": ("invoices", "statements", "projections"),
     "app.cli.database": ("db",),
     "app.cli.dev": ("up", "demo"),
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
     "app.cli.members": ("members",),
     "app.cli.payments": ("stripe", "crypto"),
+    "app.cli.platform": ("platform",),
     "app.cli.proxy": ("keys", "models", "workers", "sim-worker"),
     "app.cli.servers": ("serve", "worker", "beat"),
 }

@@ -5,16 +5,20 @@ from __future__ import annotations
 import click
 from sqlalchemy import select
 
+from app.accounts import INVOICE_KINDS
 from app.cli.output import emit, engine, handles_errors, json_option, progress
 from app import wiring
+from app.documents_zip import documents_zip
 from app.settings import Settings
 from app.statement_labels import statement_labels
-from invoices import read_models
+from invoices import exports, read_models
 from invoices import statements as st
 from invoices.files import DocumentUnavailable
 from invoices.mail import send_invoice
 from invoices.schema import invoices as invoices_table
 from invoices.service import InvoiceSettings, issue_for_top_up, list_invoices
+from ledger import accounts as acc
+from ledger import commands as cmd
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import utc_now
 from ledger.verify import count_events
@@ -37,6 +41,28 @@ def invoices_issue(event_seq: int, as_json: bool) -> None:
     """Issue (or show) the invoice of the top-up recorded as ledger event EVENT_SEQ."""
     invoice = issue_for_top_up(engine(), _invoice_settings(), event_seq)
     emit(as_json, invoice, f"{invoice['number']}: {invoice['pdf_path']}")
+
+
+@invoices_group.command("zip")
+@click.argument("account_id", type=int)
+@click.option("--from", "start_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), inclusive")
+@click.option("--to", "end_text", required=True, help="YYYY-MM or YYYY-MM-DD (UTC), exclusive")
+@click.option("--kind", type=click.Choice(INVOICE_KINDS), default=None, help="Only this kind (then no statements).")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), required=True)
+@json_option
+@handles_errors
+def invoices_zip(account_id: int, start_text: str, end_text: str, kind: str | None, output: str, as_json: bool) -> None:
+    """The invoices and credit notes of ACCOUNT_ID issued in [from, to) and the stored statements of the months
+    inside it, as PDFs with manifest.csv (what GET /v1/invoices.zip sends); nothing is written if any is unavailable."""
+    start, end = exports.parse_period_bound(start_text, "--from"), exports.parse_period_bound(end_text, "--to")
+    db = engine()
+    with db.connect() as conn:
+        acc.require_kind(conn, account_id, (cmd.CUSTOMER, cmd.OWNER, cmd.PLATFORM, cmd.EXTERNAL), "")  # exists
+    zipped = documents_zip(db, _invoice_settings(), account_id, kind, start, end)
+    with click.open_file(output, "wb", atomic=True) as out:
+        out.write(zipped.content)
+    emit(as_json, {"output": output, "bytes": len(zipped.content), "documents": zipped.manifest},
+         f"{len(zipped.manifest)} documents, {len(zipped.content)} bytes: {output}")
 
 
 @invoices_group.command("email-pending")

@@ -14,7 +14,7 @@ from app.db_roles import grant_app_role, service_role
 from app.migrate import migrate
 from app.settings import Settings
 from app.wiring import anchor_settings
-from invoices import exports
+from invoices import exports, reconciliation, statements
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.anchors import check_anchors, latest_matching
@@ -200,6 +200,25 @@ def ledger_export(account_id: int, start_text: str, end_text: str, output: str) 
             bar.update(chunk.count(b"\n"))
     click.echo(f"{totals.postings} postings; opening {nano_usd_to_usd_text(totals.opening_balance_nano_usd)} USD, "
                f"closing {nano_usd_to_usd_text(totals.closing_balance_nano_usd)} USD", err=True)
+
+
+@ledger_group.command("reconcile")
+@click.argument("account_id", type=int)
+@click.option("--from", "first_text", required=True, help="YYYY-MM (UTC): the first month")
+@click.option("--to", "after_text", required=True, help="YYYY-MM (UTC): the month after the last")
+@json_option
+@handles_errors
+def ledger_reconcile(account_id: int, first_text: str, after_text: str, as_json: bool) -> None:
+    """Opening balance + top-ups, grants, usage (earnings), refunds, disputes, adjustments = closing balance of
+    ACCOUNT_ID over the months [from, to), as the statements and the export state them; exit 1 when it does not balance."""
+    figures = reconciliation.reconcile(engine(), account_id, statements.parse_month(first_text), statements.parse_month(after_text))
+    amounts = [f"{name.removesuffix('_nano_usd')}: {nano_usd_to_usd_text(value)} USD" for name, value in figures.items()
+               if name.endswith("_nano_usd")]
+    verdict = "balanced" if figures["balanced"] else "NOT BALANCED\n" + "\n".join(figures["problems"])
+    emit(as_json, figures, "\n".join([f"account {account_id} {figures['from']} to {figures['to']}, through event "
+                                       f"{figures['through_seq']}{' (provisional)' if figures['provisional'] else ''}",
+                                       *amounts, verdict]))
+    sys.exit(0 if figures["balanced"] else 1)
 
 
 @ledger_group.command("reverse")

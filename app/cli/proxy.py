@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from app import worker_traffic
 from app.cli.output import emit, engine, handles_errors, json_option
 from app.limits import TCP_PORT_MAX
 from ledger.money import usd_to_nano_usd
@@ -100,11 +101,14 @@ def workers_add(owner_account_id: int, url: str, model: str, engine_name: str, c
 @json_option
 @handles_errors
 def workers_list(as_json: bool) -> None:
+    """Every worker: state (seconds left of a drain, why suspended), capacity,
+    prefix-cache hit rate, share of its model's requests over 24 h."""
     with engine().connect() as conn:
         listed = registry.list_workers(conn)
-    emit(as_json, {"workers": [w.as_dict() for w in listed]},
-         "\n".join(f"{w.id}\t{w.state}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}{_task_text(w)}\t{w.url}"
-                   f"\t{w.usage_strikes} strikes{_suspension_text(w)}" for w in listed))
+        rows = worker_traffic.worker_rows(conn, listed)
+    emit(as_json, {"workers": rows},
+         "\n".join(f"{w.id}\t{_state_text(row)}\t{'healthy' if w.healthy else 'unhealthy'}\t{w.model}{_task_text(w)}\t{w.url}"
+                   f"\t{w.usage_strikes} strikes\t{_figures_text(row)}{_suspension_text(w)}" for w, row in zip(listed, rows)))
 
 
 @workers_group.command("drain")
@@ -142,6 +146,25 @@ def sim_worker_command(host: str, port: int, profile: str, model: str) -> None:
 
 def _task_text(worker: registry.WorkerView) -> str:
     return " (embeddings)" if worker.task == registry.EMBEDDING else ""
+
+
+def _state_text(row: dict) -> str:
+    if row["drain_seconds_left"] is None:
+        return row["state"]
+    return f"{row['state']} ({row['drain_seconds_left']} s left)"
+
+
+def _figures_text(row: dict) -> str:
+    capacity = row["throughput_tokens_per_s"]
+    measured = f"{'' if row['capacity_saturated'] else 'at least '}{capacity} tok/s"  # below saturation only a floor
+    parts = [measured if capacity is not None else "capacity not measured",
+             f"{_percent(row['traffic_share_24h'])} of requests (24 h)",
+             f"prefix cache {_percent(row['prefix_cache_hit_rate'])}"]
+    return ", ".join(parts)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
 
 
 def _suspension_text(worker: registry.WorkerView) -> str:

@@ -1,6 +1,7 @@
-"""An account's documents for management tokens: invoices and credit notes,
-monthly statements and ledger exports, each scoped like the management API
-(what belongs to another account answers 404; an admin names any account)."""
+"""An account's documents for management tokens: invoices and credit notes
+(one by one, or a period's in a zip), monthly statements, ledger exports and
+reconciliations, each scoped like the management API (what belongs to another
+account answers 404; an admin names any account)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from litestar.params import FromQuery, QueryParameter
 from litestar.response import Stream
 
 from app import accounts
+from app.documents_zip import documents_zip
 from app.http.errors import SERVICE_EXCEPTION_HANDLERS, NotFound, about_field
 from app.http.guards import PRINCIPAL, Caller, requires_any_role, requires_reader
 from app.http.openapi import MANAGEMENT_TOKEN
@@ -20,13 +22,17 @@ from app.http.plumbing import PathName, QueryId, json_response, path_name, read
 from app.limits import HTTP_CATCH_UP_ROUNDS_MAX
 from app.statement_labels import statement_labels
 from app.tokens import Principal
-from invoices import exports, service, statements
+from invoices import exports, reconciliation, service, statements
 from proxy.errors import InvalidRequest
 
 STATEMENT_FORMATS = ("pdf", "json")
 # `from` is a Python keyword: the handler parameter names the query parameter.
 PeriodFrom = Annotated[str | None, QueryParameter(name="from", description="YYYY-MM or YYYY-MM-DD, UTC, inclusive")]
 PeriodTo = Annotated[str | None, QueryParameter(description="YYYY-MM or YYYY-MM-DD, UTC, exclusive")]
+RequiredFrom = Annotated[str, QueryParameter(name="from", description="YYYY-MM or YYYY-MM-DD, UTC, inclusive")]
+RequiredTo = Annotated[str, QueryParameter(description="YYYY-MM or YYYY-MM-DD, UTC, exclusive")]
+MonthFrom = Annotated[str, QueryParameter(name="from", description="YYYY-MM, UTC: the first month")]
+MonthTo = Annotated[str, QueryParameter(description="YYYY-MM, UTC: the month after the last")]
 
 
 class DocumentController(Controller):
@@ -45,6 +51,14 @@ class DocumentController(Controller):
         with about_field("kind"):
             listed = await read(request, accounts.list_invoices, accounts.scoped_account(who, account_id), kind, start, end)
         return json_response({"data": listed})
+
+    @get("/invoices.zip", guards=[requires_reader],
+         summary="A period's invoices, credit notes and stored statements as PDFs in one zip, with manifest.csv")
+    async def invoices_zip(self, request: Request, who: Caller, period_from: RequiredFrom, to: RequiredTo,
+                           kind: FromQuery[str | None] = None, account_id: QueryId = None) -> Response:
+        """Documents issued in [from, to) (only `kind` when given; statements of the months inside the period
+        without one), each only with its recorded SHA-256: any that cannot be had answers 503, never a partial zip."""
+        return await documents_zip_response(request, accounts.scoped_account(who, account_id), period_from, to, kind)
 
     @get("/invoices/{name:str}", guards=[requires_reader],
          summary="One invoice or credit note as PDF (…/PAR-2026-000001.pdf)")
@@ -70,6 +84,14 @@ class DocumentController(Controller):
         the opening and closing balances and the row count come in `x-paralon-*` headers."""
         return await ledger_export_response(request, accounts.scoped_account(who, account_id), period_from, to)
 
+    @get("/reconciliation", guards=[requires_any_role],
+         summary="Opening balance, top-ups, usage or earnings, refunds, disputes, adjustments and closing balance of whole months")
+    async def reconcile(self, request: Request, who: Caller, period_from: MonthFrom, to: MonthTo,
+                        account_id: QueryId = None) -> Response:
+        """The months [from, to): the figures of the monthly statements and of the ledger export, at one
+        read-model position (`through_seq`); `balanced` is false, with the problems named, when they do not add up."""
+        return json_response(await reconciliation_figures(request, accounts.scoped_account(who, account_id), period_from, to))
+
 
 # What a download answers, for the API's routes and the console's alike.
 
@@ -79,6 +101,31 @@ async def invoice_pdf_response(request: Request, who: Principal, name: str) -> R
     content = await asyncio.to_thread(service.invoice_pdf, request.app.state.ledger.engine, request.app.state.invoices, number)
     return Response(content, media_type="application/pdf",
                     headers={"content-disposition": f'attachment; filename="{number}.pdf"'})
+
+
+async def documents_zip_response(request: Request, account: int, period_from: str, to: str, kind: str | None) -> Response:
+    """`account` is one the caller may read (accounts.scoped_account)."""
+    start, end = _required_bound(period_from, "from"), _required_bound(to, "to")
+    if kind not in (None, *accounts.INVOICE_KINDS):
+        raise InvalidRequest(f"kind is {' or '.join(accounts.INVOICE_KINDS)}", param="kind")
+    if end <= start:
+        raise InvalidRequest("the period is empty: to must be after from", param="to")
+    zipped = await asyncio.to_thread(documents_zip, request.app.state.ledger.engine, request.app.state.invoices,
+                                     account, kind, start, end)
+    return Response(zipped.content, media_type="application/zip", headers={
+        "content-disposition": f'attachment; filename="documents-{account}-{start.date()}-{end.date()}.zip"'})
+
+
+async def reconciliation_figures(request: Request, account: int, period_from: str, to: str) -> dict:
+    """`account` is one the caller may read (accounts.scoped_account)."""
+    with about_field("from"):
+        first = statements.parse_month(period_from)
+        reconciliation.require_begun(first)
+    with about_field("to"):
+        after = statements.parse_month(to)
+        reconciliation.require_after(first, after)
+    return await asyncio.to_thread(reconciliation.reconcile, request.app.state.ledger.engine, account, first, after,
+                                   None, HTTP_CATCH_UP_ROUNDS_MAX)
 
 
 async def statement_response(request: Request, account: int, name: str) -> Response:
@@ -120,13 +167,19 @@ async def ledger_export_response(request: Request, account: int, period_from: st
         "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
         "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
-
 def _period_bound(value: str | None, name: str) -> datetime | None:
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
     if not value:
         return None
     with about_field(name):
         return exports.parse_period_bound(value, name)
+
+
+def _required_bound(value: str, name: str) -> datetime:
+    bound = _period_bound(value, name)
+    if bound is None:
+        raise InvalidRequest(f"{name} is required: YYYY-MM or YYYY-MM-DD", param=name)
+    return bound
 
 
 async def iterate_in_threads(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

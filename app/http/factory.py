@@ -15,9 +15,10 @@ from litestar.datastructures import CacheControlHeader
 from litestar.static_files import create_static_files_router
 
 from app import wiring
+from app.console.signin import ConsoleSettings
+from app.http.activity import ActivityController
 from app.http.console.account_pages import AccountPages
 from app.http.console.sign_in_pages import SignInController, checkout_return
-from app.console.signin import ConsoleSettings
 from app.http.console.web import STATIC_DIR
 from app.http.documents import DocumentController
 from app.http.embeddings import EmbeddingsController
@@ -89,7 +90,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                                          journal=WithheldJournal(withheld_journal_path) if withheld_journal_path else None)
         app.state.proxy.settler.resume_withheld()
         background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds(),
-                      _settle_orphans(ledger, replica_id, orphans))
+                      app.state.proxy.record_unbilled(), _settle_orphans(ledger, replica_id, orphans))
         tasks = [asyncio.create_task(work) for work in background]
         if is_postgres(ledger.engine):  # on SQLite the API evicts what it revokes; the CLI waits for the TTL
             tasks.append(asyncio.create_task(follow_revocations(ledger.engine, directory.on_revoked, directory.forget_keys)))
@@ -105,8 +106,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, DocumentController,
-                        stripe_webhook, health, ready, metrics, SignInController, AccountPages, checkout_return,
+        route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, ActivityController,
+                        DocumentController, stripe_webhook, health, ready, metrics, SignInController, AccountPages, checkout_return,
                         create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False),
                         create_static_files_router(path="/console/static", directories=[STATIC_DIR], include_in_schema=False,
                                                    cache_control=STATIC_CACHE)],

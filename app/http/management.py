@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated
 
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post, put
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from app import accounts
@@ -29,9 +29,11 @@ from app.http.guards import (
 )
 from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
-from app.limits import CHECKOUT_RETRY_WINDOW_S
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX, CHECKOUT_RETRY_WINDOW_S
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
+from app.platform import platform_status
+from ledger.limits import INT64_MAX
 from ledger.money import usd_to_nano_usd
 from proxy.errors import InvalidRequest
 
@@ -51,6 +53,22 @@ class AccountController(Controller):
     @get("/account", guards=[requires_any_role], summary="The token's own account and its balances")
     async def get_account(self, request: Request, who: Caller) -> Response:
         return json_response(await read(request, accounts.account_view, who))
+
+    @get("/account/low-balance-alert", guards=[requires_reader],
+         summary="The account's low-balance alert: its threshold (null: off) and whether it was alerted")
+    async def get_low_balance_alert(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        return json_response(await read(request, accounts.low_balance_alert, who, account_id))
+
+    @put("/account/low-balance-alert", guards=[requires_customer],
+         summary="Email the account once its available balance falls below a threshold (null turns it off)")
+    async def set_low_balance_alert(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
+        """Body: {"threshold_usd": "2.00"} (two decimals at most, above zero) or {"threshold_usd": null}."""
+        body = await json_object(request)
+        if "threshold_usd" not in body:
+            raise InvalidRequest('send {"threshold_usd": "2.00"}, or null to turn the alert off', param="threshold_usd")
+        with about_field("threshold_usd"):
+            view = await write(request, accounts.set_low_balance_alert, who, account_id, body["threshold_usd"])
+        return json_response(view)
 
     @get("/keys", guards=[requires_reader], summary="API keys of the account")
     async def list_keys(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
@@ -157,4 +175,29 @@ class WorkerController(Controller):
         return json_response(await write(request, accounts.resume_worker, who, worker_id, reason))
 
 
-MANAGEMENT_CONTROLLERS = [AccountController, WorkerController]
+PageRows = Annotated[int, QueryParameter(ge=1, le=ACCOUNTS_PAGE_ROWS_MAX, description="accounts per page")]
+AfterId = Annotated[int, QueryParameter(ge=0, le=INT64_MAX, description="the last id of the page before (next_after_id)")]
+
+
+class PlatformController(Controller):
+    """The whole platform, for admins: its state, and every account."""
+
+    path = "/v1"
+    tags = ["platform"]
+    security = MANAGEMENT_TOKEN
+    dependencies = PRINCIPAL
+    exception_handlers = SERVICE_EXCEPTION_HANDLERS
+
+    @get("/platform/status", guards=[requires_admin],
+         summary="Read-model lag, the last scheduled ledger verification, workers by state, accounts by kind (admins)")
+    async def status(self, request: Request, who: Caller) -> Response:
+        return json_response(await asyncio.to_thread(platform_status, request.app.state.ledger.engine))
+
+    @get("/accounts", guards=[requires_admin], summary="Every account with its balances, in id order, a page at a time (admins)")
+    async def list_accounts(self, request: Request, who: Caller, limit: PageRows = ACCOUNTS_PAGE_ROWS_DEFAULT,
+                            after_id: AfterId = 0) -> Response:
+        """`next_after_id` (null on the last page) is the `after_id` of the next page."""
+        return json_response(await read(request, accounts.list_accounts, who, after_id, limit))
+
+
+MANAGEMENT_CONTROLLERS = [AccountController, WorkerController, PlatformController]

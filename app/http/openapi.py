@@ -164,6 +164,11 @@ REQUEST_BODIES = {
         "example": {"name": "laptop", "spend_limit_usd": "5.00"}},
     ("post", "/v1/credits/checkout"): {"type": "object", "required": ["amount_usd"], "properties": {"amount_usd": PLAIN_USD},
                                        "example": {"amount_usd": "25.00"}},
+    ("put", "/v1/account/low-balance-alert"): {
+        "type": "object", "required": ["threshold_usd"], "properties": {"threshold_usd": {
+            "type": ["string", "null"], "pattern": r"^[0-9]+(\.[0-9]{1,2})?$",
+            "description": "USD with two decimals at most, above zero; null turns the alert off"}},
+        "example": {"threshold_usd": "2.00"}},
     ("post", "/v1/workers/{worker_id}/resume"): {"type": "object", "properties": {
         "reason": {"type": "string", "minLength": 1, "maxLength": REASON_CHARS_MAX}}},
     ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},
@@ -182,6 +187,7 @@ BINARY = {"type": "string", "format": "binary"}
 # What a success answers when it is not JSON.
 SUCCESS_CONTENT = {
     ("get", "/v1/invoices/{name}"): {"application/pdf": {"schema": BINARY}},
+    ("get", "/v1/invoices.zip"): {"application/zip": {"schema": BINARY}},
     ("get", "/v1/statements/{name}"): {"application/pdf": {"schema": BINARY}, "application/json": {"schema": {}}},
     ("get", "/v1/exports/ledger.csv"): {"text/csv": {"schema": {"type": "string"}}},
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},

@@ -19,8 +19,10 @@ from sqlalchemy import Engine
 
 from app import wiring
 from app import outbox
+from app.jobs import low_balance_alerts
 from app.jobs.ledger_check import run_verification
 from app.limits import (
+    LOW_BALANCE_ALERTS_INTERVAL_S,
     OUTBOX_INTERVAL_S,
     READ_MODELS_INTERVAL_S,
     STATEMENTS_DAILY_AT_HOUR,
@@ -34,6 +36,7 @@ from app.statement_labels import statement_labels
 from invoices import tasks as invoice_tasks
 from ledger.db import make_engine
 
+LOW_BALANCE_ALERTS = "paralon.low_balance_alerts"
 _settings = Settings.from_env()
 broker_url = _settings.celery.broker_url
 celery = Celery("paralon", broker=broker_url or "memory://", backend=_settings.celery.result_url)
@@ -53,6 +56,7 @@ celery.conf.update(
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
         "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
         "ledger-verify": {"task": "paralon.verify_ledger", "schedule": _settings.database.ledger_verify_interval_s},
+        "low-balance-alerts": {"task": LOW_BALANCE_ALERTS, "schedule": LOW_BALANCE_ALERTS_INTERVAL_S},
         # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
         "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
@@ -129,8 +133,17 @@ def anchor_ledger() -> dict:
             return write_anchor(engine, wiring.anchor_settings(settings), only_if_moved=True)
         except NothingToAnchor as exc:
             return {"skipped": str(exc)}
+
+
 @celery.task(name="paralon.verify_ledger")
 def verify_ledger() -> dict:
     """Prove the ledger from the last proven event; a failure is logged at ERROR and shown by /metrics."""
     with _database() as (engine, settings):
         return run_verification(engine, wiring.anchor_settings(settings).file)
+
+
+@celery.task(name=LOW_BALANCE_ALERTS)
+def low_balance_alerts_task() -> dict:
+    """Email the customers whose available balance fell below their threshold, once per crossing."""
+    with _database() as (engine, settings):
+        return low_balance_alerts.run(engine, wiring.mail_settings(settings))

@@ -1,6 +1,7 @@
 """The beat of the embedded default: with no broker there is no `paralon beat`,
 so `paralon up` runs the same schedule itself, each due task in a thread, one
-at a time (the read models, the outbox, the deposit scan, the monthly statements)."""
+at a time (the read models, the outbox, the deposit scan, the monthly statements,
+the low-balance alerts)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """The console's people: members of accounts with a role, sign-in requests
 (each emailed link kept only as its SHA-256) and server-side sessions.
 
+A management token may now be a `viewer` (a customer account, read-only).
 Every account created with an email before this revision gets that address
 as its first member (customer_admin for a customer, owner for an owner), as
 `accounts create --email` does from now on.
@@ -23,7 +24,19 @@ BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 EMAIL_CHARS_MAX, ROLE_CHARS_MAX, IP_CHARS_MAX, SHA256_BYTES = 320, 16, 45, 32
 
 
+ROLES_BEFORE = "role IN ('customer', 'accountant', 'owner', 'admin')"
+ROLES_NOW = "role IN ('customer', 'viewer', 'accountant', 'owner', 'admin')"
+MEMBER_ROLES = "role IN ('customer_admin', 'customer_viewer', 'accountant', 'owner', 'platform_admin')"
+
+
+def _token_roles(check: str) -> None:
+    with op.batch_alter_table("management_tokens") as batch:
+        batch.drop_constraint("ck_management_tokens_role", type_="check")
+        batch.create_check_constraint("ck_management_tokens_role", check)
+
+
 def upgrade() -> None:
+    _token_roles(ROLES_NOW)  # a viewer: a customer account, read-only (what a customer_viewer member does)
     op.create_table(
         "members",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
@@ -32,6 +45,7 @@ def upgrade() -> None:
         sa.Column("role", sa.String(ROLE_CHARS_MAX), nullable=False),
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.UniqueConstraint("account_id", "email", name="uq_members_account_email"),
+        sa.CheckConstraint(MEMBER_ROLES, name="ck_members_role"),
     )
     op.create_index("ix_members_email", "members", ["email"])
     op.create_table(
@@ -65,3 +79,5 @@ def downgrade() -> None:
     op.drop_table("console_sessions")
     op.drop_table("sign_in_requests")
     op.drop_table("members")
+    op.execute("DELETE FROM management_tokens WHERE role = 'viewer'")
+    _token_roles(ROLES_BEFORE)

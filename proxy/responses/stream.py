@@ -28,7 +28,7 @@ import orjson
 from ledger.money import nano_usd_to_usd_text
 from proxy import metering, sse
 from proxy.errors import NotReady, ProxyError, UpstreamFailed
-from proxy.generation import Generation
+from proxy.generation import FAILED_MID_STREAM, Generation
 from proxy.limits import RESPONSE_OUTPUT_ITEMS_MAX, TOOL_CALLS_PER_ANSWER_MAX
 from proxy.metering import utf8_bytes
 from proxy.responses.request import ResponsesRequest
@@ -329,7 +329,7 @@ class ResponsesGeneration(Generation):
                         break  # stop the worker; what it produced is billed below
                 else:
                     raise UpstreamFailed("the worker's stream ended before its response did")
-            await asyncio.shield(self.settle_once())
+            await asyncio.shield(self.settle_once(outcome=self.ended()))
             if self.settle_failed:
                 return
             final = self._final_event()
@@ -337,7 +337,7 @@ class ResponsesGeneration(Generation):
             yield final
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
             # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
-            await asyncio.shield(self.settle_once(charge=self.streaming))
+            await asyncio.shield(self.settle_once(charge=self.streaming, outcome=FAILED_MID_STREAM))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
             self.error = {"type": "error", "code": error.code, "message": str(error), "param": None}
             yield self._emit(dict(self.error))

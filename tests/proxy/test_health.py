@@ -29,6 +29,11 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{{engine="0",model_name="m"}} 12345.0
 """
+PREFIX_CACHE_METRICS = """# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {0}
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {1}
+"""
 
 
 # --- the Prometheus reader -----------------------------------------------------------
@@ -77,6 +82,33 @@ def test_generated_tokens_and_the_kv_cache_are_read_from_vllms_names():
     assert (metrics.generation_tokens, metrics.kv_capacity_tokens, metrics.free_kv_tokens()) == (4200.0, 16_000, 12_000)
 
 
+def test_prefix_cache_counters_are_read_under_the_names_the_simulated_worker_sends():
+    from prometheus_client import generate_latest
+
+    from proxy.sim.worker import build_app
+
+    worker = build_app("instant", "m")
+    worker.engine.state.prefix_cache_queries_tokens, worker.engine.state.prefix_cache_hits_tokens = 4000, 3000
+    metrics = parse_metrics(generate_latest(worker.metrics).decode())
+    assert (metrics.prefix_cache_hits, metrics.prefix_cache_queries) == (3000.0, 4000.0)
+
+
+def _prefix_cache(text: str) -> tuple[float | None, float | None]:
+    metrics = parse_metrics(text)
+    return metrics.prefix_cache_hits, metrics.prefix_cache_queries
+
+
+def test_vllms_older_prefix_cache_names_count_and_both_namings_are_not_summed():
+    old = ('vllm:gpu_prefix_cache_hits_total{model_name="m"} 30\n'
+           'vllm:gpu_prefix_cache_queries_total{model_name="m"} 40\n')
+    assert _prefix_cache(old) == (30.0, 40.0)
+    both = old + ('vllm:prefix_cache_hits_total{model_name="m"} 30\n'
+                  'vllm:prefix_cache_queries_total{model_name="m"} 40\n')
+    assert _prefix_cache(both) == (30.0, 40.0), "vLLM 0.10 sends both: one pair is read"
+    assert _prefix_cache(VLLM_METRICS.format(running=0, waiting=0)) == (None, None)
+    assert _prefix_cache('vllm:prefix_cache_hits_total{model_name="m"} 3\n') == (None, None), "a pair, or nothing"
+
+
 def test_llamacpps_names_count_too():
     text = ("llamacpp:tokens_predicted_total 300\nllamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n")
     metrics = parse_metrics(text)
@@ -92,6 +124,7 @@ class FakeWorkers:
     def __init__(self) -> None:
         self.health_status: dict[str, int] = {}
         self.busy: dict[str, tuple[int, int]] = {}
+        self.prefix_cache: dict[str, tuple[int, int]] = {}  # (hits, queries) of the workers that report them
         self.context_length = 8192
 
     def handle(self, request: httpx.Request) -> httpx.Response:
@@ -102,7 +135,10 @@ class FakeWorkers:
             return httpx.Response(200, json={"object": "list", "data": [{"id": "served-m", "max_model_len": self.context_length}]})
         if request.url.path == "/metrics":
             running, waiting = self.busy.get(base, (0, 0))
-            return httpx.Response(200, text=VLLM_METRICS.format(running=running, waiting=waiting))
+            text = VLLM_METRICS.format(running=running, waiting=waiting)
+            if base in self.prefix_cache:
+                text += PREFIX_CACHE_METRICS.format(*self.prefix_cache[base])
+            return httpx.Response(200, text=text)
         return httpx.Response(404)
 
 
@@ -217,3 +253,42 @@ def test_what_a_replica_relayed_is_added_to_every_replicas_total_once(registry_e
 
     assert asyncio.run(rounds()) == [120, 120, 150]
     assert directory.load(worker_id).unflushed() == 0
+
+
+def test_the_prefix_cache_counters_are_written_with_the_heartbeat_and_null_when_not_reported(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9009)
+    fake = FakeWorkers()
+    fake.prefix_cache[url] = (750, 1000)
+    _check(registry_engine, fake.handle)
+    stored = _stored(registry_engine, worker_id)
+    assert (stored.prefix_cache_hits_tokens, stored.prefix_cache_queries_tokens) == (750, 1000)
+    assert stored.as_dict()["prefix_cache_hit_rate"] == 0.75
+
+    fake.health_status[url] = 500
+    _check(registry_engine, fake.handle)
+    assert _stored(registry_engine, worker_id).prefix_cache_hit_rate() == 0.75, "an unhealthy probe says nothing new"
+
+    fake.health_status[url] = 200
+    del fake.prefix_cache[url]  # restarted without prefix caching
+    _check(registry_engine, fake.handle)
+    stored = _stored(registry_engine, worker_id)
+    assert (stored.prefix_cache_hits_tokens, stored.prefix_cache_queries_tokens, stored.prefix_cache_hit_rate()) == (None, None, None)
+
+
+def test_a_llamacpp_worker_reports_no_prefix_cache(registry_engine):
+    worker_id, url = _add_worker(registry_engine, 9010, "llamacpp")
+    _check(registry_engine, FakeWorkers().handle)
+    assert _stored(registry_engine, worker_id).as_dict()["prefix_cache_hit_rate"] is None
+
+
+def test_a_draining_worker_shows_the_seconds_left_before_its_deadline(registry_engine):
+    worker_id, _ = _add_worker(registry_engine, 9011)
+    with registry_engine.begin() as conn:
+        drained_from = registry.drain_worker(conn, worker_id)
+    assert drained_from.as_dict()["drain_seconds_left"] == limits.DRAIN_DEADLINE_S
+    started = drained_from.drain_requested_at
+    assert drained_from.drain_seconds_left(started + timedelta(seconds=30.5)) == limits.DRAIN_DEADLINE_S - 30
+    assert drained_from.drain_seconds_left(started + timedelta(seconds=limits.DRAIN_DEADLINE_S + 5)) == 0
+    with registry_engine.begin() as conn:
+        registry.mark_drained(conn, worker_id)
+        assert registry.get_worker(conn, worker_id).as_dict()["drain_seconds_left"] is None

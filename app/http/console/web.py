@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from http import HTTPStatus
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -26,11 +27,14 @@ from litestar.response import Redirect
 from markupsafe import Markup
 from sqlalchemy import Engine, select
 
+from app.http.errors import http_error_for
 from app.console.sessions import Session, csrf_matches, csrf_token_of, find_session
 from app.limits import SESSION_ABSOLUTE_S
 from app.members import PLATFORM_ADMIN, Membership, memberships_of
 from app.tokens import ADMIN, Principal
 from invoices.render import cents_text
+from ledger.errors import LedgerError
+from proxy.errors import ProxyError
 from ledger.schema import accounts
 
 HERE = Path(__file__).resolve().parent
@@ -207,7 +211,15 @@ def error_page(status: int, title: str, message: str) -> Response:
     return render("error.html", status=status, title=title, message=message)
 
 
+def service_error_page(request: Request, exc: LedgerError | ProxyError) -> Response:
+    """A service's typed error as the API would answer it, as a page: what is not theirs is a 404."""
+    error = http_error_for(exc) if isinstance(exc, LedgerError) else exc
+    return error_page(error.status, "Not found" if error.status == HTTPStatus.NOT_FOUND else "Not done", str(error))
+
+
 CONSOLE_EXCEPTION_HANDLERS = {
+    LedgerError: service_error_page,
+    ProxyError: service_error_page,
     SignInRequired: sign_in_redirect,
     NotThere: lambda request, exc: error_page(404, "Not found", "There is nothing here."),
     NotAllowed: lambda request, exc: error_page(403, "Not for your role", "Your role on this account may not use this page."),

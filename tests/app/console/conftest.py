@@ -21,7 +21,7 @@ from app.migrate import migrate
 from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
 from invoices.mail import MailSettings
-from invoices.service import InvoiceSettings
+from invoices.service import InvoiceSettings, issue_for_top_up
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.db import make_engine
@@ -74,6 +74,8 @@ class Console:
     worker_id: int
     other_worker_id: int
     key_id: int
+    other_key_id: int
+    invoice_number: str  # the customer's, of a card top-up
     sessions: dict[str, str] = field(default_factory=dict)  # address -> session cookie
 
     def request(self, method: str, path: str, as_: str | None = None, **kwargs):
@@ -91,8 +93,14 @@ class Console:
 
     def post_form(self, path: str, as_: str, data: dict | None = None, csrf_from: str | None = None):
         """A form as the page `csrf_from` (default: the account's home) would send it."""
-        token = CSRF.search(self.get(csrf_from or "/console/", as_).text).group(1)
-        return self.request("POST", path, as_, data={"csrf_token": token, **(data or {})})
+        return self.request("POST", path, as_, data={"csrf_token": self.csrf_token(as_, csrf_from or "/console/"), **(data or {})})
+
+    def csrf_token(self, as_: str, page: str) -> str:
+        """The CSRF token on `page` (or where it redirects to)."""
+        answer = self.get(page, as_)
+        while answer.status_code in (301, 302, 303, 307):
+            answer = self.get(answer.headers["location"], as_)
+        return CSRF.search(answer.text).group(1)
 
     def sign_in(self, address: str, ip: str = "testclient") -> str:
         """The whole flow: ask, receive the mail, confirm; returns the session cookie."""
@@ -130,6 +138,7 @@ def console(tmp_path, inbox):
     migrate(engine)
     ledger = Ledger(engine)
     made = _accounts(engine, ledger)
+    made["invoice_number"] = _invoice(engine, ledger, made["accounts"]["customer"], tmp_path / "invoices")
     app = create_app(
         ledger, key_cache_ttl_s=0, health_interval_s=60,
         stripe_settings=StripeSettings(None, None, None, 500, 1_000_000, "http://test/done", "http://test/cancelled"),
@@ -153,12 +162,19 @@ def _accounts(engine, ledger: Ledger) -> dict:
         worker = registry.add_worker(conn, made["owner"], UNREACHABLE_WORKER_URL, MODEL)
         other_worker = registry.add_worker(conn, made["other_owner"], UNREACHABLE_WORKER_URL, MODEL)
         key_id, _ = api_keys.create_key(conn, made["customer"], name="ci")
+        other_key_id, _ = api_keys.create_key(conn, made["other_customer"], name="theirs")
     ledger.append(cmd.GrantCredits(made["customer"], CREDITS_NANO_USD, "test credits", "test:grant"))
     hold = ledger.place_hold(PlaceHold(made["customer"], 10 * SETTLED_CHARGE_NANO_USD, "test:hold"))
     ledger.append(cmd.SettleRequest(hold.hold_id, made["owner"], SETTLED_CHARGE_NANO_USD, "req-settled", settlement_key("req-settled"),
                                     {"model": MODEL, "prompt_tokens": 10, "completion_tokens": 10, "worker_id": worker,
                                      "api_key_id": key_id}))
-    return dict(accounts=made, worker_id=worker, other_worker_id=other_worker, key_id=key_id)
+    return dict(accounts=made, worker_id=worker, other_worker_id=other_worker, key_id=key_id, other_key_id=other_key_id)
+
+
+def _invoice(engine, ledger: Ledger, customer: int, invoice_dir) -> str:
+    seq = ledger.append(cmd.PurchaseCredits(customer, 2_500_000_000, "card", "stripe:cs_console", "external:stripe",
+                                            "console:top-up")).seq
+    return issue_for_top_up(engine, InvoiceSettings(invoice_dir), seq)["number"]
 
 
 @pytest.fixture

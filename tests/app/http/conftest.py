@@ -13,7 +13,7 @@ from app.http.factory import create_app
 from app.migrate import migrate
 from app.payments.crypto import CryptoSettings
 from app.payments.stripe import StripeSettings
-from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, create_token, revoke_token
+from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, VIEWER, create_token, revoke_token
 from invoices.service import InvoiceSettings
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -47,7 +47,7 @@ class Site:
     key_id: int
     other_key: str  # the other customer's
     settled_request_id: str  # a request of the customer's, settled
-    tokens: dict[str, str]  # customer, accountant, owner, admin, other_customer, other_owner, revoked
+    tokens: dict[str, str]  # customer, viewer, accountant, owner, admin, other_customer, other_owner, revoked
     token_ids: dict[str, int]
 
     def call(self, method: str, path: str, token: str | None = None, **kwargs):
@@ -96,7 +96,7 @@ def _people(engine, ledger: Ledger) -> dict:
         key_id, key = api_keys.create_key(conn, customer, name="ci")
         _, other_key = api_keys.create_key(conn, other_customer)
         made = {name: create_token(conn, account, role) for name, account, role in (
-            ("customer", customer, CUSTOMER), ("accountant", customer, ACCOUNTANT), ("owner", owner, OWNER),
+            ("customer", customer, CUSTOMER), ("viewer", customer, VIEWER), ("accountant", customer, ACCOUNTANT), ("owner", owner, OWNER),
             ("admin", platform, ADMIN), ("other_customer", other_customer, CUSTOMER), ("other_owner", other_owner, OWNER),
             ("revoked", customer, CUSTOMER))}
         revoke_token(conn, made["revoked"][0])

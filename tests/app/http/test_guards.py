@@ -7,11 +7,11 @@ import pytest
 from litestar.routes import HTTPRoute
 
 from app.http.guards import requires_role
-from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES
+from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, VIEWER
 from proxy import keys as api_keys
 from proxy import workers as registry
 
-READERS = (CUSTOMER, ACCOUNTANT, ADMIN)
+READERS = (CUSTOMER, VIEWER, ACCOUNTANT, ADMIN)
 UNKNOWN = 999_999
 
 # (method, path, body, roles that may call it). Each call is made so that an allowed role
@@ -19,6 +19,8 @@ UNKNOWN = 999_999
 # method that is not configured.
 MANAGEMENT_ROUTES = [
     ("GET", "/v1/account", None, ROLES),
+    ("GET", "/v1/account/low-balance-alert", None, READERS),
+    ("PUT", "/v1/account/low-balance-alert", {"threshold_usd": "not money"}, (CUSTOMER,)),
     ("GET", "/v1/keys", None, READERS),
     ("POST", "/v1/keys", {"spend_limit_usd": "not money"}, (CUSTOMER,)),
     ("DELETE", f"/v1/keys/{UNKNOWN}", None, (CUSTOMER, ADMIN)),
@@ -27,13 +29,21 @@ MANAGEMENT_ROUTES = [
     ("POST", f"/v1/workers/{UNKNOWN}/resume", None, (ADMIN,)),
     ("POST", "/v1/credits/checkout", {"amount_usd": "25.00"}, (CUSTOMER,)),
     ("GET", "/v1/credits/crypto/address", None, (CUSTOMER,)),
+    ("GET", "/v1/credits/crypto/deposits", None, READERS),
     ("GET", "/v1/usage", None, READERS),
+    ("GET", "/v1/usage/summary", None, READERS),
+    ("GET", "/v1/activity", None, READERS),
     ("GET", "/v1/earnings", None, (OWNER, ADMIN)),
+    ("GET", "/v1/earnings/summary", None, (OWNER, ADMIN)),
     ("GET", "/v1/invoices", None, READERS),
     ("GET", "/v1/invoices/PAR-2000-000001.pdf", None, READERS),
     ("GET", "/v1/statements", None, ROLES),
     ("GET", "/v1/statements/2000-01.json", None, ROLES),
     ("GET", "/v1/exports/ledger.csv", None, ROLES),
+    ("GET", "/v1/invoices.zip?from=2000-01&to=2000-02", None, READERS),
+    ("GET", "/v1/reconciliation?from=2000-01&to=2000-02", None, ROLES),
+    ("GET", "/v1/platform/status", None, (ADMIN,)),
+    ("GET", "/v1/accounts", None, (ADMIN,)),
 ]
 INFERENCE_ROUTES = [
     ("POST", "/v1/chat/completions", {"model": "paralon-test", "messages": [{"role": "user", "content": "hi"}]}),
@@ -45,6 +55,8 @@ INFERENCE_ROUTES = [
     ("GET", "/v1/generations/req-settled", None),
 ]
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/webhooks/stripe"}  # the webhook is verified by its signature instead
+# Signing in, its static files, and where Stripe Checkout sends a customer back (a redirect to the console).
+CONSOLE_OPEN_PATHS = ("/console/sign-in", "/console/static", "/checkout/")
 
 
 def _nothing_changed(site, before: dict, key_count: int) -> None:
@@ -70,7 +82,8 @@ def test_each_role_may_call_exactly_its_routes(site):
 def test_every_route_but_health_metrics_webhooks_and_docs_has_a_guard(site):
     guarded = {path for method, path, *_ in MANAGEMENT_ROUTES} | {path for _, path, _ in INFERENCE_ROUTES}
     for route in site.client.app.routes:
-        if not isinstance(route, HTTPRoute) or route.path in OPEN_PATHS or route.path.startswith("/docs"):
+        if (not isinstance(route, HTTPRoute) or route.path in OPEN_PATHS or route.path.startswith("/docs")
+                or route.path.startswith(CONSOLE_OPEN_PATHS)):
             continue
         for handler in route.route_handlers:
             if handler.http_methods != {"OPTIONS"}:  # Litestar's own answer to a CORS preflight
@@ -81,7 +94,7 @@ def test_every_route_but_health_metrics_webhooks_and_docs_has_a_guard(site):
 
 def _template(path: str) -> str:
     """The route a concrete path of the tables calls."""
-    return (path.replace(str(UNKNOWN), "{id}").replace("PAR-2000-000001.pdf", "{name}")
+    return (path.partition("?")[0].replace(str(UNKNOWN), "{id}").replace("PAR-2000-000001.pdf", "{name}")
             .replace("2000-01.json", "{name}").replace("req-settled", "{id}"))
 
 
