@@ -98,10 +98,13 @@ PAGES = (
     Page("customer", "activity"),
     Page("customer", "keys"),
     Page("customer", "top-up"),
+    Page("customer", "alerts"),
     Page("customer", "documents"),
+    Page("customer", "reconciliation"),
     Page("owner", "earnings"),
     Page("owner", "workers"),
     Page("owner", "documents"),
+    Page("owner", "reconciliation"),
     Page("admin", "fleet"),
     Page("admin", "models"),
     Page("admin", "accounts"),
@@ -131,6 +134,7 @@ MODELS = (  # name, USD per million prompt tokens, per million completion tokens
     ("deepseek-r1-distill-qwen-32b", "0.20", "0.60"),
 )
 KEYS_BIG, KEYS_OTHER = 8, 2
+STREAMED_SHARE, CANCELLED_SHARE = 0.7, 0.02  # of the requests: streamed; cut short (the caller left)
 UNREACHABLE_WORKER_URL = "http://127.0.0.1:9"  # the discard port: health checks fail at once
 GRANT_NANO_USD = 10**15
 HOLD_NANO_USD = 5_000_000
@@ -226,7 +230,7 @@ def settlement(books: Books, rng: random.Random, hold_id: int, customer: int, k:
     request_id = f"chatcmpl-bench{k:09d}"
     meta = {"model": model, "worker_id": worker, "api_key_id": rng.choice(books.keys[customer]), "prompt_tokens": prompt,
             "completion_tokens": completion, "started_at": started_at.isoformat(), "ttft_ms": rng.randint(40, 900),
-            "outcome": "completed"}
+            "stream": rng.random() < STREAMED_SHARE, "outcome": "cancelled" if rng.random() < CANCELLED_SHARE else "completed"}
     return cmd.SettleRequest(hold_id, owner, prompt * in_price + completion * out_price, request_id,
                              settlement_key(request_id), meta)
 
