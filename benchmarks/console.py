@@ -145,6 +145,7 @@ NEXT_HOLD_IDS = "SELECT nextval(pg_get_serial_sequence('holds', 'id')) FROM gene
 INVOICED_TOP_UPS = 30  # of the big customer's, the last ones (a PDF each, about 0.1 s)
 WARM_UP_REQUESTS = 5
 ERROR_TEXT_CHARS = 300  # of a failing page's answer, in the report
+BASELINE_START_S = 120  # importing the app and capturing every page, on a loaded machine
 PG_STAT_FLUSH_S = 11  # an idle backend reports its statistics within 10 s (PostgreSQL's PGSTAT_IDLE_INTERVAL)
 SEED = "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about"  # BIP-39's test vector
 ASSET = re.compile(r'<(?:link[^>]*\bhref|script[^>]*\bsrc)="(/[^"]+)"')
@@ -410,15 +411,15 @@ def start_baseline(database_url: str, people_file: str, env: dict) -> tuple[subp
     process = subprocess.Popen([sys.executable, __file__, "--baseline-server", "--database-url", database_url,
                                 "--port", str(port), "--people-file", people_file], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit("the baseline server exited")
+    deadline = time.monotonic() + BASELINE_START_S
+    while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(url + "/ready", timeout=1).status_code == 200:
                 return process, url
         except httpx.HTTPError:
             time.sleep(0.1)
+    process.kill()
+    process.wait()
     raise SystemExit("the baseline server did not start")
 
 
@@ -514,9 +515,9 @@ def run(scratch: ScratchDatabase, events: int, generations: int, requests: int, 
     env = serve_env(invoice_dir)
     log("serving the console, and the baseline ...")
     serve = ServeProcess(url, **env).start()
-    baseline, baseline_url = start_baseline(url, str(people_file), {**os.environ, **env})
-    counters = make_engine(url, pool_size=1)
+    baseline, counters = None, make_engine(url, pool_size=1)
     try:
+        baseline, baseline_url = start_baseline(url, str(people_file), {**os.environ, **env})
         scanned_before, load_before = rows_scanned(counters), os.getloadavg()[0]
         log(f"{requests} requests per page, alternating with the baseline ...")
         pages = measure(serve.url, baseline_url, people, requests)
@@ -525,8 +526,9 @@ def run(scratch: ScratchDatabase, events: int, generations: int, requests: int, 
         scanned = {table: rows - scanned_before.get(table, 0) for table, rows in rows_scanned(counters).items()}
     finally:
         counters.dispose()
-        baseline.terminate()
-        baseline.wait(15)
+        if baseline is not None:
+            baseline.terminate()
+            baseline.wait(15)
         serve.stop()
     return {**stats, "pages": pages, "rows_read_by_sequential_scans": {t: n for t, n in sorted(scanned.items()) if n},
             "load_average_1m_before_and_after": [round(load_before, 2), round(load_after, 2)], "cpus": os.cpu_count()}
