@@ -182,8 +182,12 @@ def earnings(conn: Connection, owner_account_id: int, group_by: str, since_day: 
 def usage_summary(conn: Connection, account_id: int, today: date) -> dict:
     """Spend today and over the last 7 and 30 days (today included), and how many days the
     available credits last at the last 7 days' rate (None while nothing was spent)."""
-    totals = _window_totals(usage(conn, account_id, "day", _day_text(today, SUMMARY_WINDOW_DAYS_MAX)), "cost_nano_usd", today)
-    available = acc.read_balance(conn, account_id).available_nano_usd
+    rows = usage(conn, account_id, "day", _day_text(today, SUMMARY_WINDOW_DAYS_MAX))
+    return _spend_summary(rows, acc.read_balance(conn, account_id).available_nano_usd, today)
+
+
+def _spend_summary(rows: list[dict], available: int, today: date) -> dict:
+    totals = _window_totals(rows, "cost_nano_usd", today)
     spent_rate = totals[RATE_WINDOW_DAYS]
     days_left = None if spent_rate <= 0 else max(0, available) * RATE_WINDOW_DAYS // spent_rate
     return {**{f"spend_{n}d_nano_usd": totals[n] for n in SUMMARY_WINDOWS_DAYS},
@@ -193,8 +197,47 @@ def usage_summary(conn: Connection, account_id: int, today: date) -> dict:
 def earnings_summary(conn: Connection, owner_account_id: int, today: date) -> dict:
     """Earnings today and over the last 7 and 30 days (today included)."""
     rows = earnings(conn, owner_account_id, "day", _day_text(today, SUMMARY_WINDOW_DAYS_MAX))
+    return _earnings_totals(rows, today)
+
+
+def _earnings_totals(rows: list[dict], today: date) -> dict:
     totals = _window_totals(rows, "earnings_nano_usd", today)
     return {f"earnings_{n}d_nano_usd": totals[n] for n in SUMMARY_WINDOWS_DAYS}
+
+
+def usage_overview(conn: Connection, who: Principal, today: date) -> dict:
+    """What a customer's overview shows, from one read of the window's usage by day and
+    model: the balance (`account_view`), the spend summary (`usage_summary`), and the
+    window's usage by day and model and by model (`usage`), equal to what each gives."""
+    by_day_model = usage(conn, who.account_id, "day,model", _day_text(today, SUMMARY_WINDOW_DAYS_MAX))
+    balance = account_view(conn, who)
+    return {"balance": balance, "summary": _spend_summary(by_day_model, balance["available_nano_usd"], today),
+            "by_day_model": by_day_model, "by_model": _summed_by(by_day_model, "model", USAGE_SUMS)}
+
+
+def earnings_overview(conn: Connection, owner_account_id: int, today: date) -> dict:
+    """What an owner's earnings page shows, from one read of the window's earnings by day,
+    worker and model: the summary (`earnings_summary`) and the window's earnings by day and
+    worker and by day and model (`earnings`), equal to what each gives."""
+    names, sums = ("day", "worker", "model"), ("requests", "earnings_nano_usd")
+    columns = [earnings_daily.c[EARNINGS_GROUPS[name]] for name in names]
+    query = (select(*columns, *[func.sum(earnings_daily.c[name]).label(name) for name in sums])
+             .where(earnings_daily.c.owner_account_id == owner_account_id,
+                    earnings_daily.c.day >= _day_text(today, SUMMARY_WINDOW_DAYS_MAX)).group_by(*columns))
+    rows = [{**dict(zip(names, row)), **{name: int(getattr(row, name)) for name in sums}} for row in conn.execute(query)]
+    return {"summary": _earnings_totals(rows, today), "by_day_worker": _summed_by(rows, ("day", "worker"), sums),
+            "by_day_model": _summed_by(rows, ("day", "model"), sums)}
+
+
+def _summed_by(rows: list[dict], names: str | tuple[str, ...], sums: tuple[str, ...]) -> list[dict]:
+    """Rows summed per value of `names`, ordered by them (as `usage` and `earnings` order theirs)."""
+    names = (names,) if isinstance(names, str) else names
+    totals: dict[tuple, list[int]] = {}
+    for row in rows:
+        total = totals.setdefault(tuple(row[name] for name in names), [0] * len(sums))
+        for i, name in enumerate(sums):
+            total[i] += row[name]
+    return [{**dict(zip(names, key)), **dict(zip(sums, totals[key]))} for key in sorted(totals)]
 
 
 def _day_text(today: date, days_back: int) -> str:

@@ -152,6 +152,7 @@ SESSION_TOUCH_INTERVAL_S = 60  # a page writes its session's last use at most th
 CHECKOUT_NONCE_BYTES = 8  # a console top-up form's own idempotency key
 QR_MODULE_PX = 4  # the deposit address's QR code: pixels per module
 QR_BORDER_MODULES = 2  # its quiet zone
+QR_CODES_CACHED_MAX = 1024  # deposit addresses whose QR code a process keeps drawn (about 2 KB each)
 CONSOLE_STATIC_MAX_AGE_S = 300  # browsers reuse the console's scripts and styles this long
 
 # --- An account's activity (app/activity.py) ------------------------------------------

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, Engine, Integer, func, literal, select, tuple_
+from sqlalchemy import BigInteger, Engine, Integer, literal, select, tuple_
 
-from invoices import read_models, statements
+from invoices import posting_sums, read_models, statements
 from invoices.limits import CATCH_UP_ROUNDS_MAX, EXPORT_PAGE_ROWS
 from invoices.schema import account_postings
 from ledger.errors import InvalidInput
@@ -67,11 +67,10 @@ def prepare(engine: Engine, account_id: int, start: datetime | None, end: dateti
 
 def totals(engine: Engine, account_id: int, start: datetime | None, end: datetime | None, through_seq: int) -> ExportTotals:
     with engine.connect() as conn:
-        opening = 0 if start is None else conn.execute(select(func.coalesce(func.sum(ap.amount_nano_usd), 0)).where(
-            ap.account_id == account_id, ap.event_seq <= through_seq, ap.recorded_at < start)).scalar_one()
-        count, moved = conn.execute(select(func.count(), func.coalesce(func.sum(ap.amount_nano_usd), 0))
-                                    .where(*_period(account_id, start, end, through_seq))).one()
-    return ExportTotals(int(opening), int(opening) + int(moved), int(count), through_seq)
+        opening = 0 if start is None else posting_sums.balance_before(conn, account_id, start, through_seq)
+        period = posting_sums.sums_by_kind(conn, account_id, start, end, through_seq).values()
+    count, moved = sum(n for n, _ in period), sum(amount for _, amount in period)
+    return ExportTotals(opening, opening + moved, count, through_seq)
 
 
 def _text(value: str) -> str:

@@ -1,5 +1,6 @@
-"""Usage and earnings per day, postings by account, and every settled
-request (`generations`), as one consumer of the ledger log.
+"""Usage and earnings per day, postings by account (each one, and their sums
+per day), and every settled request (`generations`), as one consumer of the
+ledger log.
 
 Each page of events and the consumer's position are written in one
 transaction (`ledger.log.consume_once`), so every settlement counts exactly
@@ -20,7 +21,7 @@ from sqlalchemy import Connection, Engine, Integer, delete, func, select, text
 from sqlalchemy.dialects import sqlite
 
 from invoices.limits import PAGES_PER_RUN_MAX, READ_MODELS_APPLIER_LOCK_KEY, REFERENCE_CHARS_MAX
-from invoices.schema import account_postings, earnings_daily, generations, usage_daily
+from invoices.schema import account_postings, earnings_daily, generations, postings_daily, usage_daily
 from ledger import log
 from ledger.db import is_postgres
 from ledger.log import StoredEvent, consumer_position
@@ -36,6 +37,8 @@ USAGE_KEY = ("account_id", "api_key_id", "model", "day")
 USAGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "cost_nano_usd")
 EARNINGS_KEY = ("owner_account_id", "worker_id", "model", "day")
 EARNINGS_SUMS = ("requests", "earnings_nano_usd")
+POSTINGS_DAILY_KEY = ("account_id", "day", "source_type")
+POSTINGS_DAILY_SUMS = ("postings", "amount_nano_usd")
 # A request's row: described once, by its first settlement; its sums move with
 # every settlement (the rest charged after its hold closed) and reversal.
 GENERATION_KEY = ("request_id",)
@@ -111,23 +114,26 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
     earnings: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(EARNINGS_SUMS))
     requests: dict[str, dict] = {}
     postings: list[tuple] = []
+    by_day: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(POSTINGS_DAILY_SUMS))
     reversed_events = _reversed_events(conn, events)
     for event in events:
         payload = orjson.loads(event.payload_json)
-        source_type, source, sign = event.event_type, payload, 1
+        source_type, source, sign, day = event.event_type, payload, 1, event.recorded_at.date().isoformat()
         if event.event_type == "EventReversed":  # counts against what it reverses
             source_type, source = reversed_events[payload["reversed_seq"]]
             sign = -1
         meta = source.get("meta", {}) if source_type == "RequestSettled" else {}
         model, key_id, worker_id = str(meta.get("model", "")), int(meta.get("api_key_id") or 0), int(meta.get("worker_id") or 0)
         if source_type == "RequestSettled":
-            _count_settlement(usage, earnings, source, (model, key_id, worker_id), event.recorded_at.date().isoformat(), sign)
+            _count_settlement(usage, earnings, source, (model, key_id, worker_id), day, sign)
             _count_generation(requests, event, source, (model, key_id, worker_id), sign)
         reference = _reference(source_type, source)
         if sign < 0:
             reference = f"reverses event {payload['reversed_seq']}: {payload['reason']} ({reference})"
         customer, owner = source.get("customer_account_id"), source.get("owner_account_id")
         for leg, (account_id, amount) in enumerate(event.postings):
+            daily = by_day[(account_id, day, source_type)]
+            daily[0], daily[1] = daily[0] + 1, daily[1] + amount
             # Each side sees only its own: a customer not which worker answered, an owner not whose key asked.
             postings.append((account_id, event.seq, leg, event.recorded_at, event.event_type, source_type, amount, model,
                              0 if account_id == owner else key_id, 0 if account_id == customer else worker_id,
@@ -138,6 +144,7 @@ def apply_page(conn: Connection, events: list[StoredEvent]) -> None:
          {(request_id,): (*row["first"], *row["sums"], row["seq"]) for request_id, row in requests.items()},
          kept=GENERATION_FIRST, latest=("event_seq",))
     _insert(conn, account_postings, POSTING_COLUMNS, postings)
+    _add(conn, postings_daily, POSTINGS_DAILY_KEY, POSTINGS_DAILY_SUMS, by_day)
 
 
 def _add(conn: Connection, table, key_names: tuple, sum_names: tuple, deltas: dict, *, kept: tuple = (),
@@ -307,6 +314,7 @@ def rebuild(engine: Engine, progress: Callable[[int], None] | None = None) -> in
         conn.execute(delete(earnings_daily))
         conn.execute(delete(account_postings))
         conn.execute(delete(generations))
+        conn.execute(delete(postings_daily))
     total = 0
     while read := catch_up(engine, progress):
         total += read

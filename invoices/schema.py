@@ -129,6 +129,20 @@ account_postings = Table(
     Index("ix_account_postings_time", "account_id", "recorded_at", "event_seq", "leg"),
 )
 
+# The postings of each account summed per UTC day and kind (source_type, as
+# in account_postings), kept by the same consumer in the same transactions: an
+# opening balance, or a period's sums, from a row per day instead of a read of
+# every posting the account ever had.
+postings_daily = Table(
+    "postings_daily",
+    metadata,
+    Column("account_id", BigInteger, primary_key=True),
+    Column("day", String(DAY_CHARS), primary_key=True),  # YYYY-MM-DD of recorded_at, UTC
+    Column("source_type", String(EVENT_TYPE_CHARS_MAX), primary_key=True),
+    Column("postings", BigInteger, nullable=False),
+    Column("amount_nano_usd", BigInteger, nullable=False),
+)
+
 # Monthly statements of closed months, one per account and month.
 statements = Table(
     "statements",

@@ -21,7 +21,7 @@ from pathlib import Path
 from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from invoices import read_models
+from invoices import posting_sums, read_models
 from invoices.files import deployment_id, recorded_document, sha256, write_whole
 from invoices.limits import (
     CATCH_UP_ROUNDS_MAX,
@@ -33,7 +33,7 @@ from invoices.limits import (
     STATEMENT_YEAR_MIN,
 )
 from invoices.render import render_statement_pdf
-from invoices.schema import account_postings, earnings_daily, statements, usage_daily
+from invoices.schema import account_postings, earnings_daily, postings_daily, statements, usage_daily
 from invoices.service import InvoiceSettings
 from ledger.accounts import require_kind
 from ledger.commands import CUSTOMER, OWNER
@@ -115,14 +115,8 @@ def movements(conn: Connection, account_id: int, start: datetime, end: datetime,
               through_seq: int | None = None) -> tuple[int, dict[str, tuple[int, int]]]:
     """The opening balance at `start`, and the postings of [start, end) per kind: {source type: (count, amount)};
     only those of events up to `through_seq` when it is given (a reconciliation's fixed position)."""
-    ap = account_postings.c
-    applied = [] if through_seq is None else [ap.event_seq <= through_seq]
-    opening = conn.execute(select(func.coalesce(func.sum(ap.amount_nano_usd), 0))
-                           .where(ap.account_id == account_id, ap.recorded_at < start, *applied)).scalar_one()
-    sections = {r.source_type: (int(r.count), int(r.total)) for r in conn.execute(
-        select(ap.source_type, func.count().label("count"), func.sum(ap.amount_nano_usd).label("total"))
-        .where(ap.account_id == account_id, ap.recorded_at >= start, ap.recorded_at < end, *applied).group_by(ap.source_type))}
-    return int(opening), sections
+    opening = posting_sums.balance_before(conn, account_id, start, through_seq)
+    return opening, posting_sums.sums_by_kind(conn, account_id, start, end, through_seq)
 
 
 def build(conn: Connection, account_id: int, month: Month, labels: Labels, now: datetime) -> dict:
@@ -204,20 +198,27 @@ def _last_event_before(conn: Connection, end: datetime) -> tuple[int, str]:
 
 
 def reconcile(engine: Engine, end: datetime, account_id: int | None = None) -> dict[int, tuple[int, int]]:
-    """Accounts whose postings before `end` add up differently in the ledger and
-    in the read model: {account: (ledger, read model)}; empty when all agree.
+    """Accounts whose postings before `end` (a month's end) add up differently in
+    the ledger and in the read model (its postings, or their sums per day, which
+    statements are drawn from): {account: (ledger, read model)}; empty when all agree.
     One pass over the ledger's postings (which have no per-account index) checks every account at once."""
-    lp, ap = ledger_postings.c, account_postings.c
+    lp, ap, pd = ledger_postings.c, account_postings.c, postings_daily.c
     with engine.connect() as conn:
         ledger_totals = dict(conn.execute(
             select(lp.account_id, func.sum(lp.amount_nano_usd)).join(ledger_events, ledger_events.c.seq == lp.event_seq)
             .where(ledger_events.c.recorded_at < end, *([lp.account_id == account_id] if account_id else []))
             .group_by(lp.account_id)).all())
-        model_totals = dict(conn.execute(
-            select(ap.account_id, func.sum(ap.amount_nano_usd))
-            .where(ap.recorded_at < end, *([ap.account_id == account_id] if account_id else [])).group_by(ap.account_id)).all())
-    return {a: (int(ledger_totals.get(a, 0)), int(model_totals.get(a, 0)))
-            for a in ledger_totals.keys() | model_totals.keys() if ledger_totals.get(a, 0) != model_totals.get(a, 0)}
+        model_totals = [dict(conn.execute(query.group_by(table.account_id)).all()) for table, query in (
+            (ap, select(ap.account_id, func.sum(ap.amount_nano_usd)).where(
+                ap.recorded_at < end, *([ap.account_id == account_id] if account_id else []))),
+            (pd, select(pd.account_id, func.sum(pd.amount_nano_usd)).where(
+                pd.day < end.astimezone(UTC).date().isoformat(), *([pd.account_id == account_id] if account_id else []))))]
+    mismatches = {}
+    for totals in model_totals:
+        for a in ledger_totals.keys() | totals.keys():
+            if a not in mismatches and ledger_totals.get(a, 0) != totals.get(a, 0):
+                mismatches[a] = (int(ledger_totals.get(a, 0)), int(totals.get(a, 0)))
+    return mismatches
 
 
 def _require_reconciled(engine: Engine, end: datetime, account_id: int | None = None) -> None:

@@ -3,8 +3,9 @@ to the nano-dollar, equal to the monthly statements' figures and to the ledger
 export's rows and balances for the same months (the history of
 tests/invoices/test_statements.py: grants, top-ups, usage across a month
 boundary, a refund, a dispute won, a reversed request, an adjustment). A read
-model changed after its month's statement was stored, or a posting no figure
-names, is reported as not balanced; nothing a reconciliation does moves money."""
+model (the postings and their sums per day) changed after its month's
+statement was stored, or a posting no figure names, is reported as not
+balanced; nothing a reconciliation does moves money."""
 from __future__ import annotations
 
 import csv
@@ -20,7 +21,7 @@ from app.statement_labels import statement_labels
 from invoices import exports
 from invoices import reconciliation as rec
 from invoices import statements as st
-from invoices.schema import account_postings
+from invoices.schema import account_postings, postings_daily
 from ledger.errors import InvalidInput, UnknownAccount, WrongAccountKind
 from ledger.schema import accounts
 from tests.invoices.test_statements import GB, OCTOBER_CLOSING, SEPTEMBER_CLOSING, at, history  # noqa: F401 (a fixture)
@@ -120,12 +121,15 @@ def test_a_changed_read_model_or_an_unnamed_posting_does_not_balance(clocked):
     st.issue(fleet.engine, settings, fleet.customer_id, months[0], statement_labels, now=NOW)
     assert rec.reconcile(fleet.engine, fleet.customer_id, *months)["statements_checked"] == ["2026-10"]
     before = money_snapshot(fleet.engine)
-    ap = account_postings.c
+    ap, pd = account_postings.c, postings_daily.c
     with fleet.engine.begin() as conn:  # the read model's refund is one nano-dollar smaller than the statement stated
-        refund = conn.execute(select(ap.event_seq, ap.leg).where(ap.account_id == fleet.customer_id,
-                                                                 ap.source_type == "CreditsRefunded")).one()
+        refund = conn.execute(select(ap.event_seq, ap.leg, ap.recorded_at).where(ap.account_id == fleet.customer_id,
+                                                                                 ap.source_type == "CreditsRefunded")).one()
         conn.execute(update(account_postings).where(ap.account_id == fleet.customer_id, ap.event_seq == refund.event_seq)
                      .values(amount_nano_usd=ap.amount_nano_usd + 1))
+        conn.execute(update(postings_daily).where(pd.account_id == fleet.customer_id, pd.source_type == "CreditsRefunded",
+                                                  pd.day == refund.recorded_at.date().isoformat())
+                     .values(amount_nano_usd=pd.amount_nano_usd + 1))  # its sums per day, kept with it
     changed = rec.reconcile(fleet.engine, fleet.customer_id, *months)
     assert not changed["balanced"] and changed["refunds_nano_usd"] == -5 * GB + 1
     assert [p for p in changed["problems"] if "stored statement of 2026-10" in p], changed["problems"]
@@ -134,6 +138,8 @@ def test_a_changed_read_model_or_an_unnamed_posting_does_not_balance(clocked):
         conn.execute(account_postings.insert().values(
             account_id=fleet.customer_id, event_seq=refund.event_seq, leg=refund.leg + 100, recorded_at=at("2026-10-06T00:00:00"),
             event_type="Mystery", source_type="Mystery", amount_nano_usd=7, model="", api_key_id=0, worker_id=0, reference=""))
+        conn.execute(postings_daily.insert().values(account_id=fleet.customer_id, day="2026-10-06", source_type="Mystery",
+                                                    postings=1, amount_nano_usd=7))
     unnamed = rec.reconcile(fleet.engine, fleet.customer_id, *months)
     assert not unnamed["balanced"]
     assert [p for p in unnamed["problems"] if "Mystery" in p] and [p for p in unnamed["problems"] if "is not the closing" in p]
@@ -176,8 +182,8 @@ def test_the_cli_reconciles_as_the_service_does(clocked):
     for bad in (["--from", "2026-13", "--to", "2026-11"], ["--from", "2026-11", "--to", "2026-10"]):
         assert json.loads(run(str(fleet.customer_id), *bad, "--json", expect=2).stderr)["error"]["code"] == "invalid_input"
     with fleet.engine.begin() as conn:
-        conn.execute(update(account_postings).where(account_postings.c.account_id == fleet.customer_id,
-                                                    account_postings.c.source_type == "CreditsRefunded")
-                     .values(source_type="Mystery"))
+        for table in (account_postings, postings_daily):  # the postings, and their sums per day
+            conn.execute(update(table).where(table.c.account_id == fleet.customer_id, table.c.source_type == "CreditsRefunded")
+                         .values(source_type="Mystery"))
     unbalanced = run(str(fleet.customer_id), "--from", "2026-10", "--to", "2026-11", expect=1).stdout
     assert "NOT BALANCED" in unbalanced and "Mystery" in unbalanced

@@ -30,7 +30,7 @@ from app.http.guards import (
     requires_reader,
 )
 from app.http.plumbing import PathId, PathName, read, write
-from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, CHECKOUT_NONCE_BYTES, SUMMARY_WINDOW_DAYS_MAX
+from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, CHECKOUT_NONCE_BYTES
 from app.members import members_of_accounts
 from app.payments import crypto as crypto_payments
 from app.payments import stripe as stripe_payments
@@ -111,14 +111,11 @@ class AccountPages(Controller):
 
     @console_page("/overview", requires_reader, CUSTOMER_KIND)  # GET /v1/account, /v1/usage/summary, /v1/usage
     async def overview(self, request: Request, account_id: PathId) -> Response:
-        principal, day = who(request), today().date()
-        since = accounts._day_text(day, SUMMARY_WINDOW_DAYS_MAX)
-        balance = await read(request, accounts.account_view, principal)
-        summary = await read(request, accounts.usage_summary, account_id, day)
-        by_day_model = await read(request, accounts.usage, account_id, "day,model", since)
-        by_model = await read(request, accounts.usage, account_id, "model", since)
-        return account_page(request, "overview.html", title="Overview", balance=balance, summary=summary,
-                            chart=charts.daily_series(by_day_model, "model", "cost_nano_usd", day), by_model=by_model)
+        day = today().date()
+        seen = await read(request, accounts.usage_overview, who(request), day)  # what those give, in one read
+        return account_page(request, "overview.html", title="Overview", balance=seen["balance"], summary=seen["summary"],
+                            chart=charts.daily_series(seen["by_day_model"], "model", "cost_nano_usd", day),
+                            by_model=seen["by_model"])
 
     @console_page("/keys", requires_reader, CUSTOMER_KIND)  # GET /v1/keys, /v1/usage?group_by=key
     async def keys(self, request: Request, account_id: PathId) -> Response:
@@ -268,10 +265,8 @@ class AccountPages(Controller):
     @console_page("/earnings", requires_owner_or_admin, OWNER_KIND)  # GET /v1/earnings/summary, /v1/earnings
     async def earnings(self, request: Request, account_id: PathId) -> Response:
         day = today().date()
-        since = accounts._day_text(day, SUMMARY_WINDOW_DAYS_MAX)
-        summary = await read(request, accounts.earnings_summary, account_id, day)
-        by_worker = await read(request, accounts.earnings, account_id, "day,worker", since)
-        by_model = await read(request, accounts.earnings, account_id, "day,model", since)
+        seen = await read(request, accounts.earnings_overview, account_id, day)  # what those give, in one read
+        summary, by_worker, by_model = seen["summary"], seen["by_day_worker"], seen["by_day_model"]
         return account_page(request, "earnings.html", title="Earnings", summary=summary,
                             worker_chart=charts.daily_series(by_worker, "worker", "earnings_nano_usd", day),
                             model_chart=charts.daily_series(by_model, "model", "earnings_nano_usd", day),

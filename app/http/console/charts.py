@@ -5,13 +5,14 @@ with uPlot; money stays integer nano-USD until the axis labels it."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 from collections import defaultdict
 from datetime import date, timedelta
 
 import segno
 
-from app.limits import QR_BORDER_MODULES, QR_MODULE_PX, SUMMARY_WINDOW_DAYS_MAX
+from app.limits import QR_BORDER_MODULES, QR_CODES_CACHED_MAX, QR_MODULE_PX, SUMMARY_WINDOW_DAYS_MAX
 
 
 def days_ending(today: date, count: int = SUMMARY_WINDOW_DAYS_MAX) -> list[str]:
@@ -37,8 +38,11 @@ def totals(rows: list[dict], split: str, value: str) -> list[tuple[str, int]]:
     return sorted(summed.items())
 
 
+@functools.lru_cache(maxsize=QR_CODES_CACHED_MAX)
 def qr_svg_data_uri(text: str) -> str:
-    """A QR code of `text` as an SVG data URI (an <img>, allowed by the page's policy)."""
+    """A QR code of `text` as an SVG data URI (an <img>, allowed by the page's policy).
+    Drawn once per address: a customer's address never changes, and drawing
+    it took a third of the top-up page's time (5 to 12 ms of CPU)."""
     out = io.BytesIO()
     segno.make(text, error="m").save(out, kind="svg", scale=QR_MODULE_PX, border=QR_BORDER_MODULES, xmldecl=False)
     return "data:image/svg+xml;base64," + base64.b64encode(out.getvalue()).decode()
