@@ -13,6 +13,7 @@ import sys
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.harness import free_port
@@ -86,3 +87,23 @@ def test_the_banner_appears_once_the_port_accepts_and_its_example_works_at_once(
     answer = json.loads(ran.stdout)
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] > 0
+
+
+def test_the_banner_prints_a_console_sign_in_link_for_the_demo_customer_and_owner(up_process):
+    """No mail server here: the links are printed, and each signs its person in once."""
+    process, port = up_process
+    lines: list[str] = []
+    _read_until(process, END_OF_BANNER, lines)
+    printed = "".join(lines)
+    links = dict(re.findall(rf"as the demo (customer|owner): (http://127\.0\.0\.1:{port}/console/sign-in/\S+)", printed))
+    assert set(links) == {"customer", "owner"}
+    homes = {}
+    for who, link in links.items():
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", follow_redirects=False) as browser:
+            confirm = browser.get(link)
+            token = re.search(r'name="csrf_token" value="([^"]+)"', confirm.text).group(1)
+            signed_in = browser.post(link, data={"csrf_token": token, "next": "/console"})
+            assert signed_in.status_code == 302 and "paralon_session" in signed_in.cookies
+            homes[who] = browser.get(browser.get("/console").headers["location"]).headers["location"]
+            assert browser.post(link, data={"csrf_token": token}).status_code == 400  # used once
+    assert homes["customer"].endswith("/overview") and homes["owner"].endswith("/earnings")
