@@ -5,10 +5,14 @@ through the Stripe stand-in and webhooks signed with Stripe's scheme, and a
 simulated GPU worker answering the official `openai` SDK.
 
 A customer signs in, tops up by card, creates an API key, calls the API with
-it, sees the exact cost as spend and downloads the invoice the ledger
-recorded; the worker's owner sees 80 % of that cost earned on that worker and
-drains it; an accountant downloads the month's ledger CSV, whose opening and
-closing balances are the statement's. Every page is screenshotted into
+it while the Activity page is open and sees the call's row appear there within
+5 s without a reload, sees the exact cost as spend, downloads the invoice the
+ledger recorded and sets a low-balance alert; the worker's owner sees 80 % of
+that cost earned on that worker and drains it; an accountant downloads the
+month's ledger CSV, whose opening and closing balances are the statement's,
+the month's documents as one zip, and reconciles the month against the
+statement, the CSV and `paralon ledger verify`; a platform admin looks at the
+fleet, the accounts, the models and the platform's status. Every page is screenshotted into
 test-output/console/, checked with axe-core (no serious or critical
 violation) and holds no inline script; its Content-Security-Policy blocks one
 and the session cookie is out of the page's reach.
