@@ -5,10 +5,14 @@ through the Stripe stand-in and webhooks signed with Stripe's scheme, and a
 simulated GPU worker answering the official `openai` SDK.
 
 A customer signs in, tops up by card, creates an API key, calls the API with
-it, sees the exact cost as spend and downloads the invoice the ledger
-recorded; the worker's owner sees 80 % of that cost earned on that worker and
-drains it; an accountant downloads the month's ledger CSV, whose opening and
-closing balances are the statement's. Every page is screenshotted into
+it while the Activity page is open and sees the call's row appear there within
+5 s without a reload, sees the exact cost as spend, downloads the invoice the
+ledger recorded and sets a low-balance alert; the worker's owner sees 80 % of
+that cost earned on that worker and drains it; an accountant downloads the
+month's ledger CSV, whose opening and closing balances are the statement's,
+the month's documents as one zip, and reconciles the month against the
+statement, the CSV and `paralon ledger verify`; a platform admin looks at the
+fleet, the accounts, the models and the platform's status. Every page is screenshotted into
 test-output/console/, checked with axe-core (no serious or critical
 violation) and holds no inline script; its Content-Security-Policy blocks one
 and the session cookie is out of the page's reach.
@@ -21,7 +25,10 @@ import hashlib
 import io
 import json
 import re
+import time
+import zipfile
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +41,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from app.cli import main
 from app.http.console.web import CONTENT_SECURITY_POLICY, SESSION_COOKIE
+from app.jobs.ledger_check import run_verification
 from ledger.db import make_engine
 from proxy import workers as registry
 from tests.conftest import migrated_database_url
@@ -48,6 +56,7 @@ AXE_SCRIPT = REPO / "node_modules" / "axe-core" / "axe.min.js"
 BLOCKING_IMPACTS = ("serious", "critical")
 
 CUSTOMER, OWNER, ACCOUNTANT = "customer@example.com", "owner@example.com", "accountant@example.com"
+ADMIN = "admin@example.com"
 WEBHOOK_SECRET = "whsec_console_browser"
 CHECKOUT_HOST = "checkout.stripe.test"  # where the stand-in's sessions send the customer
 TOP_UP_USD, TOP_UP_NANO_USD = "25.00", 25 * 10**9
@@ -59,6 +68,8 @@ SETTLED_TIMEOUT_S = 120.0  # until a webhook, a settlement or an invoice shows t
 MAIL_TIMEOUT_S = 60.0
 SERVE_START_TIMEOUT_S = 120  # `paralon serve` took 35 s to listen on a heavily loaded machine
 CHECK_TIMEOUT_MS = 10_000  # a page's own event (a CSP violation) arrives well within this
+LIVE_ROW_TIMEOUT_MS = 5_000  # the product's promise: a request shows on an open Activity page within 5 s
+ALERT_USD, ALERT_NANO_USD = "5.00", 5 * 10**9
 
 
 @dataclass
@@ -76,6 +87,7 @@ class Site:
     worker_id: int
     customer_token: str
     accountant_token: str
+    platform_id: int
 
     def api(self, path: str, token: str) -> httpx.Response:
         return httpx.get(self.url + path, headers={"authorization": f"Bearer {token}"}, timeout=60)
@@ -125,6 +137,8 @@ def site(request, tmp_path, inbox, monkeypatch) -> Site:
     worker = _cli(database_url, "workers", "add", "--owner", str(owner["id"]), "--url", worker_server.url, "--model", MODEL)
     customer_token = _cli(database_url, "tokens", "create", str(customer["id"]), "--role", "customer")["token"]
     accountant_token = _cli(database_url, "tokens", "create", str(customer["id"]), "--role", "accountant")["token"]
+    platform = _cli(database_url, "accounts", "platform")
+    _cli(database_url, "members", "add", str(platform["id"]), "--email", ADMIN, "--role", "platform_admin")
 
     port = free_port()
     serve = ServeProcess(database_url, port=port, PARALON_PUBLIC_URL=f"http://127.0.0.1:{port}",
@@ -136,7 +150,7 @@ def site(request, tmp_path, inbox, monkeypatch) -> Site:
     engine = make_engine(database_url)
     request.addfinalizer(engine.dispose)
     return Site(serve.url, database_url, engine, inbox, standin, worker_server, customer["id"], owner["id"], worker["id"],
-                customer_token, accountant_token)
+                customer_token, accountant_token, platform["id"])
 
 
 def test_a_customer_an_owner_and_an_accountant_use_the_console(site, browser):
@@ -147,9 +161,13 @@ def test_a_customer_an_owner_and_an_accountant_use_the_console(site, browser):
     top_up_by_card(customer, TOP_UP_USD)
     overview_shows(customer, "overview-topped-up", available_nano_usd=TOP_UP_NANO_USD, spent_nano_usd=0)
     key = create_api_key(customer, "browser test")
-    cost_nano_usd = call_the_api(site, key)
+    open_the_activity(customer)
+    call = call_the_api(site, key)
+    cost_nano_usd = call.cost_nano_usd
+    the_call_shows_live(customer, call)
     overview_shows(customer, "overview-spent", available_nano_usd=TOP_UP_NANO_USD - cost_nano_usd, spent_nano_usd=cost_nano_usd)
     download_the_invoice(customer)
+    set_a_low_balance_alert(customer, ALERT_USD, ALERT_NANO_USD)
     customer.watch.assert_clean()
 
     owner = arrive(browser, site, "owner", OWNER)
@@ -161,7 +179,15 @@ def test_a_customer_an_owner_and_an_accountant_use_the_console(site, browser):
     accountant = arrive(browser, site, "accountant", ACCOUNTANT)
     sign_in(accountant)
     ledger_csv_agrees_with_the_statement(accountant, closing_nano_usd=TOP_UP_NANO_USD - cost_nano_usd)
+    download_the_months_zip(accountant)
+    reconciliation_balances(accountant, closing_nano_usd=TOP_UP_NANO_USD - cost_nano_usd)
     accountant.watch.assert_clean()
+
+    admin = arrive(browser, site, "admin", ADMIN)
+    sign_in(admin, lands=CHOOSER)
+    look(admin, "choose")
+    admin_pages_show_the_platform(admin)
+    admin.watch.assert_clean()
 
 
 # --- Who arrives, and how every page is looked at ------------------------------------------------
@@ -247,7 +273,11 @@ def reload_until(person: Person, shown, timeout_s: float = SETTLED_TIMEOUT_S) ->
 
 # --- Signing in ------------------------------------------------------------------------------
 
-def sign_in(person: Person) -> None:
+ACCOUNT_HOME = re.compile(r"/console/\d+/\w+")
+CHOOSER = re.compile(r"/console/?$")  # where a platform admin lands: any account may be theirs to look at
+
+
+def sign_in(person: Person, lands: re.Pattern = ACCOUNT_HOME) -> None:
     """Ask for a link in the browser, receive it by SMTP, open it and confirm; land on the account's home."""
     page, site = person.page, person.site
     visit(person, "/console/sign-in", "sign-in")
@@ -260,7 +290,7 @@ def sign_in(person: Person) -> None:
     assert link.startswith(site.url + "/console/sign-in/"), link
     visit(person, link, "sign-in-confirm")
     page.locator("#confirm-sign-in").click()
-    page.wait_for_url(re.compile(r"/console/\d+/\w+"))
+    page.wait_for_url(lands)
     assert any(c["name"] == SESSION_COOKIE for c in person.context.cookies()), "signed in, with a session cookie"
 
 
@@ -351,17 +381,59 @@ def create_api_key(person: Person, name: str) -> str:
     return key
 
 
-def call_the_api(site: Site, key: str) -> int:
-    """One chat completion with the official SDK; its exact cost, as the header and the usage say."""
+@dataclass(frozen=True)
+class Call:
+    request_id: str
+    cost_nano_usd: int
+    returned_at: float  # time.monotonic() when the SDK returned
+
+
+def call_the_api(site: Site, key: str) -> Call:
+    """One chat completion with the official SDK; its request id and exact cost, as the headers and the usage say."""
     client = openai.OpenAI(base_url=site.url + "/v1", api_key=key, max_retries=0, timeout=60)
     wait_for(lambda: MODEL in {m.id for m in client.models.list().data}, timeout_s=SETTLED_TIMEOUT_S, interval_s=0.2)
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello to the console."}], max_tokens=16)
+    returned_at = time.monotonic()
     completion = raw.parse()
     cost_nano_usd = int(raw.headers["x-paralon-cost-nano-usd"])
     assert cost_nano_usd > 0
     assert completion.usage.model_extra["cost_details"]["nano_usd"] == cost_nano_usd
-    return cost_nano_usd
+    return Call(raw.headers["x-request-id"], cost_nano_usd, returned_at)
+
+
+def open_the_activity(person: Person) -> None:
+    """The Activity page, open before the call it will show; it polls for new rows itself."""
+    visit(person, f"/console/{person.site.customer_id}/activity", "activity")
+    expect(person.page.locator("#activity-empty")).to_be_visible()
+
+
+def the_call_shows_live(person: Person, call: Call) -> None:
+    """Without a reload, the call's row appears within 5 s of the SDK returning, with its exact cost."""
+    page = person.page
+    url_before = page.url
+    row = page.locator(f'[id="gen-{call.request_id}"]')
+    expect(row).to_be_visible(timeout=LIVE_ROW_TIMEOUT_MS)
+    waited_s = time.monotonic() - call.returned_at
+    assert waited_s <= LIVE_ROW_TIMEOUT_MS / 1000, f"the row appeared {waited_s:.1f} s after the call returned"
+    assert page.url == url_before
+    expect(page.locator("#activity-empty")).to_be_hidden()
+    title = row.locator(".money").get_attribute("title")
+    assert title == f"{call.cost_nano_usd:,} nano-USD", (title, call.cost_nano_usd)
+    look(person, "activity-live")
+
+
+def set_a_low_balance_alert(person: Person, amount_usd: str, amount_nano_usd: int) -> None:
+    """The alert form saves a threshold, which the page then shows."""
+    page = person.page
+    visit(person, f"/console/{person.site.customer_id}/alerts", "alerts")
+    page.get_by_label("Alert me below, in USD").fill(amount_usd)
+    with page.expect_navigation(wait_until="load"):
+        page.get_by_role("button", name="Save").click()
+    expect(page.locator("#alert-threshold")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    title = page.locator("#alert-threshold .money").get_attribute("title")
+    assert title == f"{amount_nano_usd:,} nano-USD", title
+    look(person, "alerts-set")
 
 
 def download_the_invoice(person: Person) -> None:
@@ -427,3 +499,76 @@ def ledger_csv_agrees_with_the_statement(person: Person, closing_nano_usd: int) 
     figures = statement.json()
     assert (opening, closing) == (figures["opening_balance_nano_usd"], figures["closing_balance_nano_usd"])
     assert closing == closing_nano_usd
+
+
+def _this_and_next_month() -> tuple[str, str]:
+    now = datetime.now(UTC)
+    after = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=UTC)
+    return now.strftime("%Y-%m"), after.strftime("%Y-%m")
+
+
+def download_the_months_zip(person: Person) -> None:
+    """This month's PDFs in one zip from Documents: the invoice the ledger recorded (its SHA-256), and a manifest."""
+    page, site = person.page, person.site
+    month, after = _this_and_next_month()
+    invoices = [i for i in site.api("/v1/invoices", site.accountant_token).json()["data"] if i["pdf_sha256"]]
+    assert len(invoices) == 1, invoices
+    invoice = invoices[0]
+    visit(person, f"/console/{site.customer_id}/documents?from={month}&to={after}", "documents-period")
+    with page.expect_download() as download:
+        page.locator("#documents-zip").click()
+    with zipfile.ZipFile(download.value.path()) as archive:
+        names = archive.namelist()
+        assert "manifest.csv" in names, names
+        pdf_name = f"invoices/{invoice['number']}.pdf"
+        assert pdf_name in names, names
+        assert hashlib.sha256(archive.read(pdf_name)).hexdigest() == invoice["pdf_sha256"]
+        manifest = list(csv.DictReader(io.StringIO(archive.read("manifest.csv").decode())))
+    assert {"name": pdf_name, "sha256": invoice["pdf_sha256"]}.items() <= next(
+        r for r in manifest if r["name"] == pdf_name).items(), manifest
+
+
+def reconciliation_balances(person: Person, closing_nano_usd: int) -> None:
+    """This month's reconciliation adds up as shown, closes where the statement and the ledger CSV do,
+    and a full ledger verify (the CLI, on the same database) has checked at least as far."""
+    page, site = person.page, person.site
+    month, after = _this_and_next_month()
+    visit(person, f"/console/{site.customer_id}/reconciliation?from={month}&to={after}", "reconciliation")
+    opening, closing = money_of(page, "#r-opening"), money_of(page, "#r-closing")
+    figure_ids = page.locator("#reconciliation td.num").evaluate_all("(cells) => cells.map((c) => c.id)")
+    figures = [money_of(page, f"#{cell}") for cell in figure_ids if cell not in ("r-opening", "r-closing")]
+    assert figures, figure_ids
+    assert opening + sum(figures) == closing, (opening, figures, closing)
+    assert closing == closing_nano_usd
+    expect(page.locator("#r-verdict")).to_contain_text("Balanced")
+    through_seq = int(page.locator("#r-through-seq").inner_text())
+
+    statement = site.api(f"/v1/statements/{month}.json", site.accountant_token)
+    assert statement.status_code == 200, statement.text
+    assert statement.json()["closing_balance_nano_usd"] == closing
+    exported = page.request.get(f"/console/{site.customer_id}/exports/ledger.csv?from={month}&to={after}")
+    assert exported.status == 200, exported.text()
+    assert int(exported.headers["x-paralon-closing-balance-nano-usd"]) == closing
+
+    verified = _cli(site.database_url, "ledger", "verify")
+    assert verified["ok"] is True, verified
+    assert verified["events_checked"] >= through_seq, (verified, through_seq)
+
+
+# --- A platform admin's ----------------------------------------------------------------------
+
+def admin_pages_show_the_platform(person: Person) -> None:
+    """The fleet, the accounts, the models and the status, with the scheduled ledger verify's result."""
+    page, site = person.page, person.site
+    base = f"/console/{site.platform_id}"
+    visit(person, f"{base}/fleet", "fleet")
+    expect(page.get_by_text(site.worker_server.url)).to_be_visible()
+    visit(person, f"{base}/accounts", "accounts")
+    expect(page.get_by_text("Example Customer")).to_be_visible()
+    visit(person, f"{base}/models", "models")
+    expect(page.get_by_text(MODEL).first).to_be_visible()
+    verified = run_verification(site.engine)  # what the scheduled job does
+    assert verified["ok"] is True, verified
+    visit(person, f"{base}/status", "status")
+    expect(page.locator("#verify-result")).to_have_text("passed")
+    expect(page.get_by_text(f"through event {verified['verified_seq']}")).to_be_visible()
