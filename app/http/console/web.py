@@ -59,8 +59,9 @@ def money(amount_nano_usd: int | None) -> Markup:
     """Cents on the page, the exact nano-dollars on hover (and to screen readers)."""
     if amount_nano_usd is None:
         return Markup('<span class="money">—</span>')
-    return Markup('<span class="money" title="{n} nano-USD" data-nano-usd="{n}">${c}</span>').format(
-        n=f"{amount_nano_usd:,}", c=cents_text(amount_nano_usd))
+    cents = cents_text(amount_nano_usd)
+    return Markup('<span class="money" title="{n} nano-USD" data-nano-usd="{n}">{s}${c}</span>').format(
+        n=f"{amount_nano_usd:,}", s="-" if cents.startswith("-") else "", c=cents.removeprefix("-"))  # -$25.00
 
 
 templates.filters.update(money=money)
