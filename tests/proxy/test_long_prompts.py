@@ -10,6 +10,8 @@ own count (proxy/sim/requests.py: UTF-8 bytes // 4 + 4 per message). Every
 answer is checked against exact balances: the customer's, and each owner's."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import asyncio
 import time
 from datetime import UTC, datetime
@@ -209,7 +211,7 @@ def test_short_prompts_are_planned_without_a_count():
     """The decision is made before any I/O: a prompt whose byte bound fits
     every worker is planned at once; a longer one is planned on a count."""
     directory = _Directory([_view(1, LARGE_CONTEXT_TOKENS), _view(2, SMALL_CONTEXT_TOKENS)])
-    proxy = InferenceProxy(ledger=None, directory=directory, upstream=UpstreamPool())
+    proxy = InferenceProxy(ledger=SimpleNamespace(engine=None), directory=directory, upstream=UpstreamPool())  # plans only: no database
     grant = KeyGrant(1, 1, None)
     short = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 20_000}]}
     generation, candidates, _ = proxy._prepare("chat", short, grant)
