@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from email import message_from_bytes, policy
 
 import pytest
 from aiosmtpd.controller import Controller
@@ -31,6 +30,7 @@ from ledger.service import Ledger
 from proxy import keys as api_keys
 from proxy import prices
 from proxy import workers as registry
+from tests.invoices.test_mail import Inbox as MailInbox
 from tests.support.harness import free_port
 from tests.ledger.helpers import money_snapshot
 
@@ -53,14 +53,7 @@ PEOPLE = {
 }
 
 
-class Inbox:
-    def __init__(self) -> None:
-        self.messages = []
-
-    async def handle_DATA(self, server, session, envelope):
-        self.messages.append(message_from_bytes(envelope.content, policy=policy.default))
-        return "250 OK"
-
+class Inbox(MailInbox):
     def links_to(self, address: str) -> list[str]:
         return [LINK.search(m.get_content()).group(1) for m in self.messages if m["To"] == address]
 
