@@ -47,7 +47,7 @@ class DocumentController(Controller):
     async def list_invoices(self, request: Request, who: Caller, account_id: QueryId = None,
                             kind: FromQuery[str | None] = None, period_from: PeriodFrom = None, to: PeriodTo = None) -> Response:
         """`from` (inclusive) and `to` (exclusive) are YYYY-MM or YYYY-MM-DD, UTC."""
-        start, end = _period_bound(period_from, "from"), _period_bound(to, "to")
+        start, end = period_bound(period_from, "from"), period_bound(to, "to")
         with about_field("kind"):
             listed = await read(request, accounts.list_invoices, accounts.scoped_account(who, account_id), kind, start, end)
         return json_response({"data": listed})
@@ -153,8 +153,8 @@ async def statement_response(request: Request, account: int, name: str) -> Respo
 async def ledger_export_response(request: Request, account: int, period_from: str | None, to: str | None) -> Response:
     """`account` is one the caller may read (accounts.scoped_account)."""
     now = datetime.now(UTC)
-    start = _period_bound(period_from, "from") or now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    end = min(_period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
+    start = period_bound(period_from, "from") or now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = min(period_bound(to, "to") or now, now)  # what has not happened yet cannot be exported
     if end <= start:
         raise InvalidRequest("the period is empty: to must be after from, and from before now", param="to")
     engine = request.app.state.ledger.engine
@@ -167,7 +167,7 @@ async def ledger_export_response(request: Request, account: int, period_from: st
         "x-paralon-closing-balance-nano-usd": str(totals.closing_balance_nano_usd),
         "x-paralon-postings": str(totals.postings), "x-paralon-through-seq": str(totals.through_seq)})
 
-def _period_bound(value: str | None, name: str) -> datetime | None:
+def period_bound(value: str | None, name: str) -> datetime | None:
     """'2026-11' or '2026-11-29' -> the UTC datetime it starts at; None when absent."""
     if not value:
         return None
@@ -176,7 +176,7 @@ def _period_bound(value: str | None, name: str) -> datetime | None:
 
 
 def _required_bound(value: str, name: str) -> datetime:
-    bound = _period_bound(value, name)
+    bound = period_bound(value, name)
     if bound is None:
         raise InvalidRequest(f"{name} is required: YYYY-MM or YYYY-MM-DD", param=name)
     return bound

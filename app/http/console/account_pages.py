@@ -222,8 +222,8 @@ class AccountPages(Controller):
         invoices = None
         if who(request).role in requires_reader.roles and viewer_of(request).account["kind"] == cmd.CUSTOMER:
             try:
-                start = documents._period_bound(period_from, "from")
-                end = documents._period_bound(period_to, "to")
+                start = documents.period_bound(period_from, "from")
+                end = documents.period_bound(period_to, "to")
                 invoices = await read(request, accounts.list_invoices, account_id, kind, start, end)
             except LedgerError as exc:
                 raise BadForm(str(exc)) from None
