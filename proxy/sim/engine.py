@@ -163,6 +163,7 @@ class EngineState:
         self.generation_tokens_total = 0
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
+        self.prefill_seconds_total = 0.0  # scheduled prefill time: what the prefix cache saves, without a clock
         self.kv_tokens_in_use = 0
 
     @property
@@ -285,7 +286,9 @@ class Engine:
         self.state.prompt_tokens_total += prompt_tokens
         if not self.profile.paced:
             return 0.0
-        return (prompt_tokens - cached_tokens) / (self.profile.prefill_tok_s * self.time_scale)
+        prefill_s = (prompt_tokens - cached_tokens) / (self.profile.prefill_tok_s * self.time_scale)
+        self.state.prefill_seconds_total += prefill_s
+        return prefill_s
 
     async def _decode(self, request: GenerationRequest, call: Call, emitter: Emitter) -> None:
         """Emits tokens on schedule, counting them in call.tokens_generated."""

@@ -432,32 +432,31 @@ def test_paced_worker_is_not_instant(h200_fast: RunningWorker) -> None:
     assert elapsed_s >= 0.5 * expected_s
 
 
-def time_to_first_token_s(worker: RunningWorker, messages: list[dict[str, str]]) -> tuple[float, str]:
+def streamed_text(worker: RunningWorker, messages: list[dict[str, str]]) -> str:
     payload = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": 8}
-    started = time.monotonic()
-    first_token_s = None
     text = ""
     with httpx.stream("POST", f"{worker.base_url}/v1/chat/completions", json=payload, timeout=30) as response:
         for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            content = orjson.loads(line[len("data: ") :])["choices"][0]["delta"].get("content")
-            if content:
-                first_token_s = first_token_s or time.monotonic() - started
-                text += content
-    return first_token_s, text
+            if line.startswith("data: {"):
+                text += orjson.loads(line[len("data: ") :])["choices"][0]["delta"].get("content") or ""
+    return text
 
 
 def test_follow_up_on_the_worker_holding_its_prefix_starts_much_sooner(h200_fast: RunningWorker) -> None:
+    # The engine's scheduled prefill, not a wall clock, is compared: the machine's load cannot move it.
     state = h200_fast.app.state
     history = user(uuid.uuid4().hex + " context " * 3_200)  # about 8,000 tokens, never seen before
-    cold_s, answer = time_to_first_token_s(h200_fast, history)
+    prefill_before = state.prefill_seconds_total
+    answer = streamed_text(h200_fast, history)
+    cold_prefill_s = state.prefill_seconds_total - prefill_before
     hits_before = state.prefix_cache_hits_tokens
 
     follow_up = [*history, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
-    warm_s, _ = time_to_first_token_s(h200_fast, follow_up)
+    streamed_text(h200_fast, follow_up)
+    warm_prefill_s = state.prefill_seconds_total - prefill_before - cold_prefill_s
 
-    assert warm_s < cold_s / 2
+    assert answer
+    assert 0 < warm_prefill_s < cold_prefill_s / 2
     assert state.prefix_cache_hits_tokens - hits_before > 7_000
     metrics = h200_fast.metrics()
     assert metrics["vllm:prefix_cache_hits_total"] <= metrics["vllm:prefix_cache_queries_total"]
