@@ -40,7 +40,11 @@ def test_draining_under_load_drops_no_request_and_ends_drained(database_url):
                 return chunks[-1].id, chunks[-1].usage.completion_tokens
 
             async def drain_soon():
-                await asyncio.sleep(0.3)
+                # Drained once it is serving, not after a fixed delay a loaded machine could outrun.
+                deadline = time.monotonic() + 30
+                while first.app.state.requests_running == 0:
+                    assert time.monotonic() < deadline, "the first worker never served"
+                    await asyncio.sleep(0.01)
                 with fleet.engine.begin() as conn:
                     registry.drain_worker(conn, drained_id)
                 return time.monotonic()

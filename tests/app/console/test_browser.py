@@ -68,6 +68,7 @@ SETTLED_TIMEOUT_S = 120.0  # until a webhook, a settlement or an invoice shows t
 MAIL_TIMEOUT_S = 60.0
 SERVE_START_TIMEOUT_S = 120  # `paralon serve` took 35 s to listen on a heavily loaded machine
 CHECK_TIMEOUT_MS = 10_000  # a page's own event (a CSP violation) arrives well within this
+MAX_TABS = 60  # more stops than any console page has before its forms
 LIVE_ROW_TIMEOUT_MS = 5_000  # the product's promise: a request shows on an open Activity page within 5 s
 ALERT_USD, ALERT_NANO_USD = "5.00", 5 * 10**9
 
@@ -424,16 +425,30 @@ def the_call_shows_live(person: Person, call: Call) -> None:
 
 
 def set_a_low_balance_alert(person: Person, amount_usd: str, amount_nano_usd: int) -> None:
-    """The alert form saves a threshold, which the page then shows."""
+    """By keyboard alone: Tab from the top of the page reaches the skip link first and then the alert's
+    field with a visible focus ring; typing and Enter save the threshold, which the page then shows."""
     page = person.page
     visit(person, f"/console/{person.site.customer_id}/alerts", "alerts")
-    page.get_by_label("Alert me below, in USD").fill(amount_usd)
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.textContent") == "Skip to content"
+    tab_to(page, "#threshold")
+    assert page.evaluate("() => getComputedStyle(document.activeElement).outlineStyle") != "none"
+    page.keyboard.type(amount_usd)
     with page.expect_navigation(wait_until="load"):
-        page.get_by_role("button", name="Save").click()
+        page.keyboard.press("Enter")
     expect(page.locator("#alert-threshold")).to_be_visible(timeout=UI_TIMEOUT_MS)
     title = page.locator("#alert-threshold .money").get_attribute("title")
     assert title == f"{amount_nano_usd:,} nano-USD", title
     look(person, "alerts-set")
+
+
+def tab_to(page: Page, selector: str) -> None:
+    """Presses Tab until `selector` has the focus; a page that traps or skips it fails here."""
+    for _ in range(MAX_TABS):
+        if page.evaluate("(s) => document.activeElement.matches(s)", selector):
+            return
+        page.keyboard.press("Tab")
+    raise AssertionError(f"{MAX_TABS} presses of Tab never reached {selector}")
 
 
 def download_the_invoice(person: Person) -> None:
