@@ -89,6 +89,18 @@ EVM_ADDRESS_CHARS = 42  # 0x and 40 hex digits
 EVM_HASH_CHARS = 66  # 0x and 64 hex digits
 UINT256_DIGITS = 78  # decimal digits of the largest uint256: a raw amount as on chain
 
+# --- Owners' payouts (app/payments/payouts.py, app/payments/schema.py) ---------------
+PAYOUT_MIN_USD_DEFAULT = 10  # PARALON_PAYOUT_MIN_USD
+PAYOUT_MIN_USD_MAX = 1_000_000
+PAYOUT_FEE_USD_DEFAULT = 0  # PARALON_PAYOUT_FEE_USDC_USD, PARALON_PAYOUT_FEE_STRIPE_USD
+PAYOUT_DESTINATION_COOLDOWN_S = 24 * 3600  # a changed destination receives nothing before this has passed
+PAYOUT_RAIL_CHARS_MAX = 16
+PAYOUT_STATE_CHARS_MAX = 16
+PAYOUT_DESTINATION_CHARS_MAX = 255  # an EVM address or a Stripe connected account id
+PAYOUT_FAILURE_CHARS_MAX = 500
+PAYOUTS_LISTED_MAX = 200  # one page of an owner's payouts
+USDC_DECIMALS = 6  # a payout token's decimals when PARALON_PAYOUT_TOKEN does not say
+
 # --- Anchors of the chain's head (app/anchoring/) ------------------------------------
 ANCHOR_INTERVAL_S_DEFAULT = 600.0  # how often beat writes the head outside the database
 ANCHOR_INTERVAL_S_MIN = 1.0

@@ -35,6 +35,7 @@ CUSTOMER, OWNER, PLATFORM, EXTERNAL = "customer", "owner", "platform", "external
 # Kinds whose balance is money held for someone and may never go below zero.
 NON_NEGATIVE_KINDS = (CUSTOMER, OWNER, PLATFORM)
 PAYMENT_METHODS = ("card", "crypto")
+PAYOUT_RAILS = ("usdc", "stripe")
 # What an append answers: a new event, or the one a retry with the same key already made.
 CREATED, EXISTS = "created", "exists"
 
@@ -153,6 +154,49 @@ class RecordInvoice:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestPayout:
+    """Earnings set aside for a payout: the owner's balance may not go below zero."""
+
+    payout_id: int
+    owner_account_id: int
+    rail: str
+    amount_nano_usd: int
+    fee_nano_usd: int
+    destination: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordPayoutSent:
+    payout_id: int
+    rail: str
+    reference: str
+    idempotency_key: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SettlePayout:
+    payout_id: int
+    owner_account_id: int
+    rail: str
+    amount_nano_usd: int
+    fee_nano_usd: int
+    reference: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailPayout:
+    payout_id: int
+    owner_account_id: int
+    rail: str
+    amount_nano_usd: int
+    reason: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReverseEvent:
     seq: int
     reason: str
@@ -160,7 +204,8 @@ class ReverseEvent:
 
 
 Command = (GrantCredits | PurchaseCredits | RefundCredits | FreezeCredits | ForfeitFrozenCredits | AdjustBalance | SettleRequest
-           | RecordUsageDiscrepancy | RecordWorkerSuspension | RecordWorkerResumption | RecordInvoice | ReverseEvent)
+           | RecordUsageDiscrepancy | RecordWorkerSuspension | RecordWorkerResumption | RecordInvoice | ReverseEvent
+           | RequestPayout | RecordPayoutSent | SettlePayout | FailPayout)
 
 
 class HoldView(NamedTuple):
@@ -185,6 +230,16 @@ class BookView(Protocol):
 GRANTS_ACCOUNT = "external:grants"
 ADJUSTMENTS_ACCOUNT = "external:adjustments"
 PLATFORM_REVENUE_ACCOUNT = "platform:revenue"
+
+
+def payouts_in_flight_account(rail: str) -> str:
+    """Where a rail's requested payouts wait: the platform's, never below zero."""
+    return f"platform:payouts_in_flight:{rail}"
+
+
+def payouts_paid_account(rail: str) -> str:
+    """The counter-account of what left through a rail."""
+    return f"external:payouts:{rail}"
 
 
 def command_digest(command: Command) -> bytes:
@@ -231,6 +286,8 @@ def validate_shape(command: Command) -> None:
             require_positive(command.charge_nano_usd, "charge")
             require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
             _validate_meta(command.meta)
+        case RequestPayout() | SettlePayout() | FailPayout() | RecordPayoutSent():
+            _validate_payout(command)
         case ReverseEvent():
             if type(command.seq) is not int or command.seq <= 0:
                 raise InvalidInput("seq must be a positive integer")
@@ -251,6 +308,25 @@ def validate_shape(command: Command) -> None:
         case RecordWorkerResumption():
             _require_counts(command, ("worker_id", "strikes_cleared"))
             require_text(command.resumed_by, "who resumed", IDEMPOTENCY_KEY_CHARS_MAX)
+
+
+def _validate_payout(command: RequestPayout | SettlePayout | FailPayout | RecordPayoutSent) -> None:
+    _require_counts(command, ("payout_id",))
+    if command.rail not in PAYOUT_RAILS:
+        raise InvalidInput(f"a payout's rail is one of {', '.join(PAYOUT_RAILS)}")
+    if isinstance(command, RecordPayoutSent):
+        require_text(command.reference, "a payout reference", REASON_CHARS_MAX)
+        _validate_meta(command.meta)
+        return
+    require_positive(command.amount_nano_usd)
+    if isinstance(command, FailPayout):
+        return
+    if type(command.fee_nano_usd) is not int or not 0 <= command.fee_nano_usd < command.amount_nano_usd:
+        raise InvalidAmount("a payout's fee is a whole number of nano-USD from zero to below its amount")
+    if isinstance(command, RequestPayout):
+        require_text(command.destination, "a payout destination", REASON_CHARS_MAX)
+    else:
+        require_text(command.reference, "a payout reference", REASON_CHARS_MAX)
 
 
 def _require_counts(command: Command, names: tuple[str, ...]) -> None:
@@ -326,6 +402,8 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
         case RecordInvoice():
             fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
             event, postings = ev.InvoiceIssued(**fields), []
+        case RequestPayout() | RecordPayoutSent() | SettlePayout() | FailPayout():
+            event, postings = _payout(command, book)
         case _:
             raise InvalidInput(f"unknown command {type(command).__name__}")
     if sum(p.amount_nano_usd for p in postings) != 0:
@@ -359,6 +437,29 @@ def _settle(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, 
         ev.Posting(platform, platform_nano_usd),
     ]
     return event, postings
+
+
+def _payout(command: RequestPayout | RecordPayoutSent | SettlePayout | FailPayout, book: BookView) -> tuple[object, list[ev.Posting]]:
+    """A payout's step: earnings to in flight, in flight to the rail (its fee to the platform) or back."""
+    if isinstance(command, RecordPayoutSent):
+        return ev.PayoutSent(command.payout_id, command.rail, command.reference, dict(command.meta)), []
+    _require_kind(book, command.owner_account_id, OWNER)
+    owner, amount = command.owner_account_id, command.amount_nano_usd
+    in_flight = book.system_account(payouts_in_flight_account(command.rail))
+    match command:
+        case RequestPayout():
+            event = ev.PayoutRequested(command.payout_id, owner, command.rail, amount, command.fee_nano_usd, command.destination)
+            return event, [ev.Posting(owner, -amount), ev.Posting(in_flight, amount)]
+        case SettlePayout():
+            fee = command.fee_nano_usd
+            event = ev.PayoutSettled(command.payout_id, owner, command.rail, amount, fee, command.reference)
+            postings = [ev.Posting(in_flight, -amount), ev.Posting(book.system_account(payouts_paid_account(command.rail)), amount - fee)]
+            if fee:
+                postings.append(ev.Posting(book.system_account(PLATFORM_REVENUE_ACCOUNT), fee))
+            return event, postings
+        case _:
+            event = ev.PayoutFailed(command.payout_id, owner, command.rail, amount, command.reason)
+            return event, [ev.Posting(in_flight, -amount), ev.Posting(owner, amount)]
 
 
 def _reverse(command: ReverseEvent, book: BookView) -> tuple[ev.EventReversed, list[ev.Posting]]:

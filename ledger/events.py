@@ -149,6 +149,53 @@ class InvoiceIssued:
 
 
 @dataclass(frozen=True, slots=True)
+class PayoutRequested:
+    """An owner asked for earnings to be paid out: the amount leaves the owner's
+    earnings for the rail's payouts in flight, so it cannot be spent twice."""
+
+    payout_id: int
+    owner_account_id: int
+    rail: str  # "usdc" or "stripe"
+    amount_nano_usd: int
+    fee_nano_usd: int  # the rail's fee, taken when the payout settles
+    destination: str  # the address or connected account it goes to
+
+
+@dataclass(frozen=True, slots=True)
+class PayoutSent:
+    """The rail accepted the payout: its reference (a transaction hash, a Stripe
+    transfer id). A replaced transaction is sent again with a new hash. Moves no money."""
+
+    payout_id: int
+    rail: str
+    reference: str
+    meta: dict = field(default_factory=dict)  # nonce, raw on-chain amount: integers and strings
+
+
+@dataclass(frozen=True, slots=True)
+class PayoutSettled:
+    """The payout is final on its rail: in flight to the rail's counter-account, the fee to the platform."""
+
+    payout_id: int
+    owner_account_id: int
+    rail: str
+    amount_nano_usd: int
+    fee_nano_usd: int
+    reference: str
+
+
+@dataclass(frozen=True, slots=True)
+class PayoutFailed:
+    """The payout was not made (or was reversed by the rail): the whole amount is the owner's again."""
+
+    payout_id: int
+    owner_account_id: int
+    rail: str
+    amount_nano_usd: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class EventReversed:
     """A former event's postings, negated. The only way a mistake is undone."""
 

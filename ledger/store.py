@@ -259,7 +259,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
         match c:
             case cmd.GrantCredits() | cmd.PurchaseCredits() | cmd.RefundCredits() | cmd.FreezeCredits() | cmd.AdjustBalance():
                 account_ids.add(c.account_id)
-            case cmd.SettleRequest():
+            case cmd.SettleRequest() | cmd.RequestPayout() | cmd.SettlePayout() | cmd.FailPayout():
                 account_ids.add(c.owner_account_id)
             case cmd.ReverseEvent() if c.seq in book.events:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
