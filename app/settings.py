@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.limits import (
+    PAYOUT_FEE_USD_DEFAULT,
+    PAYOUT_MIN_USD_DEFAULT,
+    PAYOUT_MIN_USD_MAX,
     ANCHOR_INTERVAL_S_DEFAULT,
     ANCHOR_INTERVAL_S_MIN,
     CHECKOUT_MAX_USD_DEFAULT,
@@ -40,6 +43,7 @@ from app.limits import (
 )
 from invoices.limits import SMTP_PORT_DEFAULT
 from ledger.db import normalise_url
+from ledger.money import usd_to_nano_usd
 from ledger.limits import (
     BATCH_SIZE_MAX_DEFAULT,
     BATCH_WAIT_MS_DEFAULT,
@@ -175,6 +179,24 @@ class CryptoConfig(_Group):
     scan_interval_s: float = _env("PARALON_CRYPTO_SCAN_INTERVAL_S", CRYPTO_SCAN_INTERVAL_S_DEFAULT, gt=0)
 
 
+class PayoutConfig(_Group):
+    """Owners' payouts (app/payments/payouts.py); the USDC rail reads the chain through PARALON_CHAIN_RPC_URL."""
+
+    min_usd: int = _env("PARALON_PAYOUT_MIN_USD", PAYOUT_MIN_USD_DEFAULT, ge=1, le=PAYOUT_MIN_USD_MAX)
+    fee_usdc_usd: str = _env("PARALON_PAYOUT_FEE_USDC_USD", str(PAYOUT_FEE_USD_DEFAULT))  # a fixed fee, taken at settlement
+    fee_stripe_usd: str = _env("PARALON_PAYOUT_FEE_STRIPE_USD", str(PAYOUT_FEE_USD_DEFAULT))
+    wallet_key: SecretStr | None = _env("PARALON_PAYOUT_WALLET_KEY")  # the hot wallet: a hex private key, or a file holding one
+    token: str | None = _env("PARALON_PAYOUT_TOKEN")  # address:decimals:symbol of the token paid out
+
+    @field_validator("fee_usdc_usd", "fee_stripe_usd")
+    @classmethod
+    def _whole_nano_usd(cls, text: str) -> str:
+        usd_to_nano_usd(text)  # refused here, before anything runs, when it is not a plain amount
+        if text.strip().startswith("-"):
+            raise ValueError("a fee is not negative")
+        return text
+
+
 class MailConfig(_Group):
     smtp_host: str | None = _env("PARALON_SMTP_HOST")
     smtp_port: int = _env("PARALON_SMTP_PORT", SMTP_PORT_DEFAULT, ge=1, le=TCP_PORT_MAX)
@@ -210,6 +232,7 @@ class Settings(BaseModel):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     stripe: StripeConfig = Field(default_factory=StripeConfig)
     crypto: CryptoConfig = Field(default_factory=CryptoConfig)
+    payouts: PayoutConfig = Field(default_factory=PayoutConfig)
     mail: MailConfig = Field(default_factory=MailConfig)
     invoices: InvoiceConfig = Field(default_factory=InvoiceConfig)
     celery: CeleryConfig = Field(default_factory=CeleryConfig)
@@ -244,7 +267,7 @@ def _is_secret(variable: str) -> bool:
 
 SECRET_VARIABLES = frozenset(
     field.validation_alias
-    for group in (DatabaseConfig, ProxyConfig, StripeConfig, CryptoConfig, MailConfig, InvoiceConfig, CeleryConfig,
+    for group in (DatabaseConfig, ProxyConfig, StripeConfig, CryptoConfig, PayoutConfig, MailConfig, InvoiceConfig, CeleryConfig,
                   AnchorConfig)
     for field in group.model_fields.values()
     if SecretStr in getattr(field.annotation, "__args__", (field.annotation,))

@@ -15,13 +15,14 @@ from sqlalchemy import Engine
 
 from app.settings import Settings, SettingsError
 from ledger.db import make_engine
-from ledger.money import CENTS_PER_USD
+from ledger.money import CENTS_PER_USD, usd_to_nano_usd
 from ledger.service import Ledger
 
 if TYPE_CHECKING:
     from app.anchoring.service import AnchorSettings
     from app.console.signin import ConsoleSettings
     from app.payments.crypto import CryptoSettings
+    from app.payments.payouts import PayoutRules
     from app.payments.stripe import StripeSettings
     from invoices.mail import MailSettings
     from invoices.service import InvoiceSettings
@@ -58,6 +59,15 @@ def crypto_settings(settings: Settings) -> CryptoSettings:
     crypto = settings.crypto
     return CryptoSettings(rpc_url=crypto.rpc_url, tokens=parse_tokens(crypto.tokens), confirmations=crypto.confirmations,
                           seed=_usable_seed(read_seed(_reveal(crypto.seed))), start_block=crypto.start_block)
+
+
+def payout_rules(settings: Settings) -> PayoutRules:
+    from app.payments.payouts import STRIPE, USDC, PayoutRules, payout_token_decimals
+
+    payouts = settings.payouts
+    return PayoutRules(min_nano_usd=usd_to_nano_usd(payouts.min_usd),
+                       fee_nano_usd={USDC: usd_to_nano_usd(payouts.fee_usdc_usd), STRIPE: usd_to_nano_usd(payouts.fee_stripe_usd)},
+                       usdc_decimals=payout_token_decimals(payouts.token))
 
 
 def _usable_seed(seed: str | None) -> str | None:

@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "app.cli.ledger": ("migrate", "credits", "balance", "ledger", "holds"),
     "app.cli.members": ("members",),
     "app.cli.payments": ("stripe", "crypto"),
+    "app.cli.payouts": ("payouts",),
     "app.cli.platform": ("platform",),
     "app.cli.proxy": ("keys", "models", "workers", "sim-worker"),
     "app.cli.servers": ("serve", "worker", "beat"),

@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 
 from app import wiring
 from app import outbox
-from app.jobs import low_balance_alerts
+from app.jobs import low_balance_alerts, payout_mail
 from app.jobs.ledger_check import run_verification
 from app.limits import (
     LOW_BALANCE_ALERTS_INTERVAL_S,
@@ -29,6 +29,7 @@ from app.limits import (
     STATEMENTS_DAILY_AT_MINUTE,
     STRIPE_RETRIES_INTERVAL_S,
 )
+from app.payments import payouts
 from app.payments.crypto import connect, scan_once
 from app.payments.stripe import process_pending as stripe_process_pending
 from app.settings import Settings
@@ -37,6 +38,7 @@ from invoices import tasks as invoice_tasks
 from ledger.db import make_engine
 
 LOW_BALANCE_ALERTS = "paralon.low_balance_alerts"
+PAYOUT_DESTINATION_CHANGED = payouts.DESTINATION_CHANGED_TASK
 _settings = Settings.from_env()
 broker_url = _settings.celery.broker_url
 celery = Celery("paralon", broker=broker_url or "memory://", backend=_settings.celery.result_url)
@@ -140,6 +142,13 @@ def verify_ledger() -> dict:
     """Prove the ledger from the last proven event; a failure is logged at ERROR and shown by /metrics."""
     with _database() as (engine, settings):
         return run_verification(engine, wiring.anchor_settings(settings).file)
+
+
+@celery.task(name=PAYOUT_DESTINATION_CHANGED)
+def payout_destination_changed(owner_account_id: int, rail: str) -> int:
+    """Mail an owner's people that where they are paid on `rail` changed."""
+    with _database() as (engine, settings):
+        return payout_mail.destination_changed(engine, wiring.mail_settings(settings), owner_account_id, rail)
 
 
 @celery.task(name=LOW_BALANCE_ALERTS)

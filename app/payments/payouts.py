@@ -17,8 +17,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.exc import IntegrityError
-from web3 import Web3
 
+from app import outbox
 from app.limits import PAYOUT_DESTINATION_COOLDOWN_S, PAYOUT_FAILURE_CHARS_MAX, PAYOUTS_LISTED_MAX, USDC_DECIMALS
 from app.payments.schema import payout_destinations, payouts
 from ledger import commands as cmd
@@ -29,6 +29,7 @@ from ledger.schema import utc_now
 from ledger.store import append_one as _append_one
 
 USDC, STRIPE = "usdc", "stripe"
+DESTINATION_CHANGED_TASK = "paralon.payout_destination_changed"  # mails the owner's people (app/jobs/payout_mail.py)
 REQUESTED, SENT, SETTLED, FAILED = "requested", "sent", "settled", "failed"
 IN_FLIGHT = (REQUESTED, SENT)
 OWNERS_ONLY = "payouts are for GPU owners"
@@ -84,6 +85,18 @@ class Destination:
                 "usable": self.usable_from <= now, "weekly": self.weekly}
 
 
+def payout_token_decimals(token: str | None) -> int:
+    """The decimals of PARALON_PAYOUT_TOKEN (address:decimals:symbol); USDC's when it is not set."""
+    if not token:
+        return USDC_DECIMALS
+    from app.payments.crypto import parse_tokens  # see normalise_destination
+
+    parsed = parse_tokens(token)
+    if len(parsed) != 1:
+        raise InvalidInput("PARALON_PAYOUT_TOKEN names one token: address:decimals:symbol")
+    return parsed[0].decimals
+
+
 def require_rail(rail: str) -> str:
     if rail not in cmd.PAYOUT_RAILS:
         raise InvalidInput(f"rail must be one of {', '.join(cmd.PAYOUT_RAILS)}, not {rail!r}")
@@ -92,11 +105,13 @@ def require_rail(rail: str) -> str:
 
 def normalise_destination(rail: str, destination: str) -> str:
     """A checksummed EVM address for USDC, a connected account id (acct_…) for Stripe."""
+    from eth_utils import is_address, to_checksum_address  # only here: the command line need not load it
+
     text = (destination or "").strip()
     if require_rail(rail) == USDC:
-        if not Web3.is_address(text) or int(text, 16) == 0:
+        if not is_address(text) or int(text, 16) == 0:
             raise InvalidInput(f"not an EVM address: {destination!r}")
-        return Web3.to_checksum_address(text)
+        return to_checksum_address(text)
     if not _STRIPE_ACCOUNT.fullmatch(text):
         raise InvalidInput(f"not a Stripe connected account id (acct_…): {destination!r}")
     return text
@@ -105,7 +120,9 @@ def normalise_destination(rail: str, destination: str) -> str:
 def set_destination(conn: Connection, owner_account_id: int, rail: str, destination: str,
                     now: datetime | None = None) -> tuple[Destination, bool]:
     """Where the owner is paid on `rail`; (the destination, whether it changed).
-    A first destination is usable at once; a changed one after the cooldown."""
+    A first destination is usable at once; a changed one after the cooldown,
+    and the owner's people are mailed about it (through the outbox: dispatch
+    after the commit)."""
     require_kind(conn, owner_account_id, (cmd.OWNER,), OWNERS_ONLY)
     destination, now = normalise_destination(rail, destination), now or utc_now()
     current = get_destination(conn, owner_account_id, rail)
@@ -119,6 +136,7 @@ def set_destination(conn: Connection, owner_account_id: int, rail: str, destinat
         conn.execute(update(payout_destinations)
                      .where(payout_destinations.c.owner_account_id == owner_account_id, payout_destinations.c.rail == rail)
                      .values(previous_destination=current.destination, usable_from=usable_from, **values))
+        outbox.add(conn, DESTINATION_CHANGED_TASK, owner_account_id, rail)
     return get_destination(conn, owner_account_id, rail), current is not None
 
 

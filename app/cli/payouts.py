@@ -1,0 +1,88 @@
+"""`paralon payouts`: where owners are paid, their payout requests, and the rails' senders."""
+from __future__ import annotations
+
+import click
+
+from app import outbox, wiring
+from app.cli.output import emit, engine, handles_errors, json_option
+from app.payments import payouts as po
+from app.settings import Settings
+from ledger.commands import PAYOUT_RAILS
+from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
+from ledger.schema import utc_now
+
+
+@click.group("payouts")
+def payouts_group() -> None:
+    """Owners' payouts: USDC on chain or Stripe Connect, each paid exactly once."""
+
+
+def _destination_text(found: po.Destination, changed: bool) -> str:
+    when = f"; payouts go to it from {found.usable_from.isoformat()}" if changed else ""
+    return f"account {found.owner_account_id} is paid on {found.rail} at {found.destination}{when}"
+
+
+def _set_destination(owner_id: int, rail: str, destination: str, as_json: bool) -> None:
+    with engine().begin() as conn:
+        found, changed = po.set_destination(conn, owner_id, rail, destination)
+    if changed:
+        from app.jobs.celery import send_task  # only now: Celery is slow to import
+
+        outbox.dispatch(engine(), send_task)
+    emit(as_json, {"owner_account_id": owner_id, **found.as_dict(utc_now()), "changed": changed}, _destination_text(found, changed))
+
+
+@payouts_group.group("destination")
+def destination_group() -> None:
+    """The owner's USDC address. A change takes effect after a 24-hour cooldown and is mailed to the owner's members."""
+
+
+@destination_group.command("set")
+@click.argument("owner_id", type=int)
+@click.option("--address", required=True, help="The EVM address USDC payouts go to (0x…).")
+@json_option
+@handles_errors
+def destination_set(owner_id: int, address: str, as_json: bool) -> None:
+    _set_destination(owner_id, po.USDC, address, as_json)
+
+
+@payouts_group.group("stripe-account")
+def stripe_account_group() -> None:
+    """The owner's Stripe connected account. A change takes effect after a 24-hour cooldown."""
+
+
+@stripe_account_group.command("set")
+@click.argument("owner_id", type=int)
+@click.option("--account", "connected", required=True, help="The connected account id (acct_…).")
+@json_option
+@handles_errors
+def stripe_account_set(owner_id: int, connected: str, as_json: bool) -> None:
+    _set_destination(owner_id, po.STRIPE, connected, as_json)
+
+
+@payouts_group.command("request")
+@click.argument("owner_id", type=int)
+@click.option("--usd", required=True, help="The amount, e.g. 50 or 12.34; rounded down to the rail's unit.")
+@click.option("--rail", type=click.Choice(PAYOUT_RAILS), required=True)
+@json_option
+@handles_errors
+def payouts_request(owner_id: int, usd: str, rail: str, as_json: bool) -> None:
+    """Set the amount aside from the owner's earnings; the rail's sender pays it."""
+    rules = wiring.payout_rules(Settings.from_env())
+    payout = po.payout_view(po.request_payout(engine(), owner_id, rail, usd_to_nano_usd(usd), rules))
+    emit(as_json, payout, f"payout {payout['id']}: ${payout['amount_usd']} on {rail} to {payout['destination']}, {payout['state']}")
+
+
+@payouts_group.command("list")
+@click.argument("owner_id", type=int)
+@json_option
+@handles_errors
+def payouts_list(owner_id: int, as_json: bool) -> None:
+    with engine().connect() as conn:
+        found = [po.payout_view(row) for row in po.list_payouts(conn, owner_id)]
+    emit(as_json, {"data": found}, "\n".join(
+        f"{p['id']}\t{p['rail']}\t{p['state']}\t${nano_usd_to_usd_text(p['amount_nano_usd'])}\t{p['reference'] or ''}"
+        for p in found) or f"account {owner_id} has no payouts")
+
+
+COMMANDS = (payouts_group,)
