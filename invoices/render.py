@@ -45,6 +45,11 @@ def render_statement_pdf(statement: dict) -> bytes:
     return _pdf("statement.html", title="Statement", **statement)
 
 
+def render_payout_receipt_pdf(receipt: dict) -> bytes:
+    """receipt: app/payments/payout_receipts.py's figures of a settled payout."""
+    return _pdf("payout_receipt.html", title="Payout receipt", **receipt)
+
+
 def _pdf(template: str, **context) -> bytes:
     # Imported here: WeasyPrint takes about 0.5 s of CPU to import, which every
     # `paralon serve` replica and command would pay although only PDF work needs it.

@@ -18,6 +18,7 @@ from litestar.exceptions import HTTPException
 
 from app.accounts import NotVisible
 from app.http.plumbing import json_response
+from app.payments import payouts
 from invoices.files import DocumentUnavailable
 from invoices.statements import NoStatement, StatementNotReady
 from ledger.db import DATABASE_ERRORS, is_connection_failure
@@ -52,6 +53,16 @@ class WorkerNotSuspended(CallerMistake):
     status, error_type, code = 409, "invalid_request_error", "worker_not_suspended"
 
 
+class PayoutInFlight(CallerMistake):
+    """Another payout of the owner is in flight on that rail: it settles or fails first."""
+
+    status, error_type, code = 409, "invalid_request_error", "payout_in_flight"
+
+
+class PayoutDestinationCoolingDown(CallerMistake):
+    status, error_type, code = 409, "invalid_request_error", "payout_destination_cooling_down"
+
+
 class DocumentMismatch(ProxyError):
     """A recorded document whose stored bytes are not the recorded ones: refused, never another's."""
 
@@ -64,6 +75,9 @@ HTTP_ERROR_OF_SERVICE_ERROR: tuple[tuple[type[LedgerError], type[ProxyError]], .
     (NotVisible, NotFound),
     (NoStatement, NotFound),
     (registry.UnknownWorker, NotFound),
+    (payouts.UnknownPayout, NotFound),
+    (payouts.PayoutInFlight, PayoutInFlight),
+    (payouts.DestinationCoolingDown, PayoutDestinationCoolingDown),
     (registry.WorkerNotSuspended, WorkerNotSuspended),
     (StatementNotReady, NotReady),
     (DocumentUnavailable, DocumentMismatch),

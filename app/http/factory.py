@@ -25,6 +25,7 @@ from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
 from app.http.inference import InferenceController, browser_cors
 from app.http.management import MANAGEMENT_CONTROLLERS
+from app.http.payouts import PayoutController
 from app.http.openapi import ASSETS_PATH, complete_openapi, openapi_config, swagger_ui_assets
 from app.http.responses import ResponsesController
 from app.http.status import RoutingState, health, metrics, metrics_registry, ready
@@ -106,7 +107,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
             await client.aclose()
 
     app = Litestar(
-        route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, ActivityController,
+        route_handlers=[InferenceController, ResponsesController, EmbeddingsController, *MANAGEMENT_CONTROLLERS, PayoutController, ActivityController,
                         DocumentController, stripe_webhook, health, ready, metrics, SignInController, AccountPages, checkout_return,
                         create_static_files_router(path=ASSETS_PATH, directories=[swagger_ui_assets()], include_in_schema=False),
                         create_static_files_router(path="/console/static", directories=[STATIC_DIR], include_in_schema=False,
@@ -123,6 +124,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
     app.state.crypto = crypto_settings or wiring.crypto_settings(settings)
     app.state.invoices = invoice_settings or wiring.invoice_settings(settings)
     app.state.console = console_settings or wiring.console_settings(settings)
+    app.state.payout_rules = wiring.payout_rules(settings or Settings.from_env())
     app.state.metrics = metrics_registry(ledger.engine)
     app.state.metrics.register(RoutingState(directory))
     app.state.redis_url = wiring.redis_url(settings or Settings.from_env())  # /ready pings it when one is configured

@@ -70,6 +70,7 @@ requires_reader = requires_role(CUSTOMER, VIEWER, ACCOUNTANT, ADMIN)  # a custom
 requires_customer = requires_role(CUSTOMER)  # new API keys and top-ups
 requires_customer_or_admin = requires_role(CUSTOMER, ADMIN)  # revoking an API key
 requires_owner_or_admin = requires_role(OWNER, ADMIN)  # workers and earnings
+requires_owner = requires_role(OWNER)  # payouts and where they go: only the owner moves its own money
 requires_admin = requires_role(ADMIN)  # lifting a worker's suspension: never its own owner
 
 

@@ -17,7 +17,8 @@ from litestar import Litestar
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
-from app.limits import DOCS_EXAMPLE_MAX_TOKENS
+from app.limits import DOCS_EXAMPLE_MAX_TOKENS, PAYOUT_DESTINATION_CHARS_MAX
+from ledger.commands import PAYOUT_RAILS
 from ledger.limits import NAME_CHARS_MAX, REASON_CHARS_MAX
 from proxy.limits import EMBEDDING_DIMENSIONS_MAX, EMBEDDING_INPUTS_MAX, MAX_TOKENS_LIMIT
 
@@ -169,6 +170,14 @@ REQUEST_BODIES = {
             "type": ["string", "null"], "pattern": r"^[0-9]+(\.[0-9]{1,2})?$",
             "description": "USD with two decimals at most, above zero; null turns the alert off"}},
         "example": {"threshold_usd": "2.00"}},
+    ("post", "/v1/payouts"): {"type": "object", "required": ["amount_usd", "rail"], "properties": {
+        "amount_usd": PLAIN_USD, "rail": {"enum": list(PAYOUT_RAILS)}}, "example": {"amount_usd": "50.00", "rail": "usdc"}},
+    ("put", "/v1/payouts/destination"): {"type": "object", "required": ["rail", "destination"], "properties": {
+        "rail": {"enum": list(PAYOUT_RAILS)},
+        "destination": {"type": "string", "minLength": 1, "maxLength": PAYOUT_DESTINATION_CHARS_MAX,
+                        "description": "an EVM address (0x…) for usdc, a connected account id (acct_…) for stripe"},
+        "weekly": {"type": "boolean", "description": "pay out every Monday whatever exceeds the minimum"}},
+        "example": {"rail": "usdc", "destination": "0x00000000000000000000000000000000000000A1"}},
     ("post", "/v1/workers/{worker_id}/resume"): {"type": "object", "properties": {
         "reason": {"type": "string", "minLength": 1, "maxLength": REASON_CHARS_MAX}}},
     ("post", "/v1/chat/completions"): {"$ref": "#/components/schemas/ChatCompletionRequest"},
@@ -188,6 +197,7 @@ BINARY = {"type": "string", "format": "binary"}
 SUCCESS_CONTENT = {
     ("get", "/v1/invoices/{name}"): {"application/pdf": {"schema": BINARY}},
     ("get", "/v1/invoices.zip"): {"application/zip": {"schema": BINARY}},
+    ("get", "/v1/payouts/{name}"): {"application/json": {"schema": {}}, "application/pdf": {"schema": BINARY}},
     ("get", "/v1/statements/{name}"): {"application/pdf": {"schema": BINARY}, "application/json": {"schema": {}}},
     ("get", "/v1/exports/ledger.csv"): {"text/csv": {"schema": {"type": "string"}}},
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},

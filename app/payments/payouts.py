@@ -109,7 +109,7 @@ def normalise_destination(rail: str, destination: str) -> str:
 
     text = (destination or "").strip()
     if require_rail(rail) == USDC:
-        if not is_address(text) or int(text, 16) == 0:
+        if not is_address(text) or int(text, 0) == 0:  # base 0: the 0x says hex
             raise InvalidInput(f"not an EVM address: {destination!r}")
         return to_checksum_address(text)
     if not _STRIPE_ACCOUNT.fullmatch(text):
@@ -138,6 +138,22 @@ def set_destination(conn: Connection, owner_account_id: int, rail: str, destinat
                      .values(previous_destination=current.destination, usable_from=usable_from, **values))
         outbox.add(conn, DESTINATION_CHANGED_TASK, owner_account_id, rail)
     return get_destination(conn, owner_account_id, rail), current is not None
+
+
+def save_destination(engine: Engine, owner_account_id: int, rail: str, destination: str,
+                     weekly: bool | None = None) -> tuple[Destination, bool]:
+    """`set_destination` and, when given, `set_weekly`, in one transaction."""
+    with engine.begin() as conn:
+        found, changed = set_destination(conn, owner_account_id, rail, destination)
+        if weekly is not None:
+            found = set_weekly(conn, owner_account_id, rail, weekly)
+    return found, changed
+
+
+def list_destinations(conn: Connection, owner_account_id: int) -> list[Destination]:
+    d = payout_destinations.c
+    return [Destination(**row._mapping) for row in
+            conn.execute(select(payout_destinations).where(d.owner_account_id == owner_account_id).order_by(d.rail))]
 
 
 def set_weekly(conn: Connection, owner_account_id: int, rail: str, weekly: bool) -> Destination:

@@ -22,6 +22,7 @@ from app.limits import (
     UINT256_DIGITS,
 )
 from ledger.column_types import BigId, partial_index
+from ledger.limits import SHA256_BYTES
 from ledger.schema import UTCDateTime, metadata
 
 stripe_checkout_sessions = Table(
@@ -171,4 +172,13 @@ payout_wallets = Table(
     Column("chain_id", BigInteger, primary_key=True),
     Column("address", String(EVM_ADDRESS_CHARS), primary_key=True),
     Column("next_nonce", BigInteger, nullable=False),
+)
+
+# A settled payout's receipt, made at the first ask: served only as these bytes.
+payout_receipts = Table(
+    "payout_receipts",
+    metadata,
+    Column("payout_id", BigInteger, ForeignKey("payouts.id"), primary_key=True),
+    Column("pdf_path", Text, nullable=False),
+    Column("pdf_sha256", LargeBinary(SHA256_BYTES), nullable=False),
 )

@@ -1,5 +1,5 @@
 """Owners' payouts: destinations per rail, payouts and their states, the USDC
-rail's signed transactions and hot-wallet nonces; and, per rail, the
+rail's signed transactions and hot-wallet nonces, receipts; and, per rail, the
 platform's payouts-in-flight account (never below zero) and the external
 account of what left through it.
 
@@ -77,6 +77,12 @@ def upgrade() -> None:
         sa.Column("address", sa.String(42), primary_key=True),
         sa.Column("next_nonce", sa.BigInteger, nullable=False),
     )
+    op.create_table(
+        "payout_receipts",
+        sa.Column("payout_id", sa.BigInteger, sa.ForeignKey("payouts.id"), primary_key=True),
+        sa.Column("pdf_path", sa.Text, nullable=False),
+        sa.Column("pdf_sha256", sa.LargeBinary(32), nullable=False),
+    )
     _add_system_accounts()
 
 
@@ -94,5 +100,5 @@ def _add_system_accounts() -> None:
 
 
 def downgrade() -> None:
-    for table in ("payout_wallets", "payout_transactions", "payouts", "payout_destinations"):
+    for table in ("payout_receipts", "payout_wallets", "payout_transactions", "payouts", "payout_destinations"):
         op.drop_table(table)

@@ -44,6 +44,11 @@ MANAGEMENT_ROUTES = [
     ("GET", "/v1/reconciliation?from=2000-01&to=2000-02", None, ROLES),
     ("GET", "/v1/platform/status", None, (ADMIN,)),
     ("GET", "/v1/accounts", None, (ADMIN,)),
+    ("POST", "/v1/payouts", {"amount_usd": "not money", "rail": "usdc"}, (OWNER,)),
+    ("GET", "/v1/payouts", None, (OWNER, ADMIN)),
+    ("GET", "/v1/payouts/destinations", None, (OWNER, ADMIN)),
+    ("PUT", "/v1/payouts/destination", {"rail": "usdc", "destination": "not an address"}, (OWNER,)),
+    ("GET", f"/v1/payouts/{UNKNOWN}", None, (OWNER, ADMIN)),
 ]
 INFERENCE_ROUTES = [
     ("POST", "/v1/chat/completions", {"model": "paralon-test", "messages": [{"role": "user", "content": "hi"}]}),

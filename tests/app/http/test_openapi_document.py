@@ -22,7 +22,7 @@ OPEN_ROUTES = {("get", "/health"), ("get", "/ready"), ("get", "/metrics"), ("pos
 BODIES = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("post", "/v1/keys"),
           ("post", "/v1/responses"), ("post", "/v1/embeddings"),
           ("post", "/v1/credits/checkout"), ("post", "/v1/workers/{worker_id}/resume"), ("post", "/webhooks/stripe"),
-          ("put", "/v1/account/low-balance-alert")}
+          ("put", "/v1/account/low-balance-alert"), ("post", "/v1/payouts"), ("put", "/v1/payouts/destination")}
 BODILESS_POSTS = {("post", "/v1/workers/{worker_id}/drain")}  # a POST that reads nothing of the request but its path
 NOT_ERRORS = {("get", "/ready", "503")}  # /ready names its failed checks
 
