@@ -73,6 +73,9 @@ def _reversed_events(conn: Connection, events: list[StoredEvent]) -> dict[int, t
 def _reference(source_type: str, source: dict) -> str:
     if source_type == "RequestSettled":
         return source["request_id"]
+    if "payout_id" in source:  # a payout's steps: which payout, on which rail, and why it came back
+        reason = f": {source['reason']}" if "reason" in source else ""
+        return f"payout {source['payout_id']} ({source['rail']}){reason}"
     if "external_reference" in source:
         method = source.get("payment_method")
         return f"{method}: {source['external_reference']}" if method else source["external_reference"]

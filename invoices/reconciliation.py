@@ -25,7 +25,8 @@ from ledger.schema import utc_now
 # Each figure is signed as it moved the balance (usage negative), as the statement's sections are.
 FIGURE_OF_SOURCE = {"CreditsPurchased": "top_ups_nano_usd", "CreditsGranted": "credits_granted_nano_usd",
                     "CreditsRefunded": "refunds_nano_usd", "CreditsFrozen": "disputes_nano_usd",
-                    "BalanceAdjusted": "adjustments_nano_usd"}
+                    "BalanceAdjusted": "adjustments_nano_usd", "PayoutRequested": "payouts_nano_usd",
+                    "PayoutFailed": "payouts_returned_nano_usd"}
 SETTLED_FIGURE = {CUSTOMER: "usage_nano_usd", OWNER: "earnings_nano_usd"}  # a settlement is usage to one, earnings to the other
 
 

@@ -46,7 +46,8 @@ SETTLED = "RequestSettled"
 STATED_KINDS, STATED_RULE = (CUSTOMER, OWNER), "statements are for customers and owners"
 SECTION_TITLES = {  # in the order a statement shows them; usage (earnings) comes third
     "CreditsPurchased": "Top-ups", "CreditsGranted": "Credits granted", SETTLED: "", "CreditsRefunded": "Refunds",
-    "CreditsFrozen": "Disputes", "BalanceAdjusted": "Adjustments",
+    "CreditsFrozen": "Disputes", "BalanceAdjusted": "Adjustments", "PayoutRequested": "Payouts",
+    "PayoutFailed": "Payouts returned",
 }
 SECTION_ORDER = list(SECTION_TITLES)
 

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from app.payments import payouts as po
+from invoices import reconciliation, statements
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.errors import InsufficientFunds, InvalidInput, WrongAccountKind
@@ -178,3 +179,28 @@ def test_an_in_flight_account_cannot_pay_out_what_was_never_requested(engine, ow
     with pytest.raises(InsufficientFunds):
         append_now(engine, cmd.SettlePayout(999, owner, po.USDC, 5 * USD, 0, "0xforged", "payout:999:settled"))
     assert money(engine, owner)["paid:usdc"] == 0
+
+
+def test_an_owners_statement_and_reconciliation_show_its_payouts(engine, owner):
+    """Requested, returned and settled payouts are sections of the owner's month, which still balances."""
+    returned = po.request_payout(engine, owner, po.USDC, 30 * USD, RULES)
+    with engine.begin() as conn:
+        po.fail(conn, returned["id"], "the destination refused it")
+    paid = po.request_payout(engine, owner, po.STRIPE, 20 * USD, RULES)
+    with engine.begin() as conn:
+        po.record_sent(conn, paid["id"], "tr_1")
+        po.settle(conn, paid["id"], "tr_1")
+    now = utc_now()
+    month = statements.parse_month(now.strftime("%Y-%m"))
+    after = statements.parse_month((month.end + timedelta(days=1)).strftime("%Y-%m"))
+
+    figures = reconciliation.reconcile(engine, owner, month, after, now)
+
+    assert figures["balanced"], figures["problems"]
+    assert figures["payouts_nano_usd"] == -50 * USD and figures["payouts_returned_nano_usd"] == 30 * USD
+    assert figures["closing_balance_nano_usd"] == 80 * USD
+    with engine.connect() as conn:
+        built = statements.build(conn, owner, month, statements.Labels({}, {}), now)
+    sections = {s["title"]: s["amount_nano_usd"] for s in built["sections"]}
+    assert sections["Payouts"] == -50 * USD and sections["Payouts returned"] == 30 * USD
+    assert f"payout {returned['id']} (usdc): the destination refused it" in [line["reference"] for line in built["itemised"]]
