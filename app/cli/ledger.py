@@ -24,6 +24,7 @@ from ledger.events import GENESIS_HASH
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now, sweep_expired_holds
+from app.payments.payout_checks import payout_problems
 from ledger.verify import count_events, rebuild_balances, verify
 from ledger.verify_since import Checkpoint, verify_since
 
@@ -128,7 +129,7 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
             since = Checkpoint(start.seq, start.hash)
         with progress(count_events(conn) - since.seq, "verifying") as bar:
             report = verify_since(conn, since, bar.update)[0] if since_anchor else verify(conn, progress=bar.update)
-        for finding in read.findings + check_anchors(conn, read.anchors):
+        for finding in read.findings + check_anchors(conn, read.anchors) + payout_problems(conn):
             report.add(finding)
     data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
             "problems_total": report.problems_total, "problems": report.problems,

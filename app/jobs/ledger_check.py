@@ -12,6 +12,7 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from app.anchoring import file as anchor_file
+from app.payments.payout_checks import payout_problems
 from ledger.anchors import check_anchors
 from ledger.db import snapshot_connection
 from ledger.verify_since import read_checkpoint, record, verify_since
@@ -25,7 +26,7 @@ def run_verification(engine: Engine, anchor_path: Path | None = None) -> dict:
     with snapshot_connection(engine) as conn:  # one snapshot: appends may go on meanwhile
         start = read_checkpoint(conn)
         report, proven = verify_since(conn, start)
-        for finding in findings + check_anchors(conn, [entry.anchor for entry in anchors]):
+        for finding in findings + check_anchors(conn, [entry.anchor for entry in anchors]) + payout_problems(conn):
             report.add(finding)
     if not report.ok:
         proven = start  # a failed run proves nothing new

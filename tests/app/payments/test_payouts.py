@@ -5,13 +5,17 @@ destination or a cooling-down one, or while another is in flight on the rail;
 each step taken once however often it is asked."""
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from click.testing import CliRunner
+from sqlalchemy import select, update
 
+from app.cli import main
 from app.payments import payouts as po
+from app.payments.schema import payouts
 from invoices import reconciliation, statements
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -204,3 +208,32 @@ def test_an_owners_statement_and_reconciliation_show_its_payouts(engine, owner):
     sections = {s["title"]: s["amount_nano_usd"] for s in built["sections"]}
     assert sections["Payouts"] == -50 * USD and sections["Payouts returned"] == 30 * USD
     assert f"payout {returned['id']} (usdc): the destination refused it" in [line["reference"] for line in built["itemised"]]
+
+
+def test_ledger_verify_proves_the_payouts_table_against_the_ledger(database_url, engine, owner):
+    """`paralon ledger verify` is ok with payouts in every state, and fails when a row is
+    edited behind the ledger's back: a changed amount, a state no event moved it to."""
+    settled = po.request_payout(engine, owner, po.STRIPE, 20 * USD, RULES)
+    with engine.begin() as conn:
+        po.record_sent(conn, settled["id"], "tr_1")
+        po.settle(conn, settled["id"], "tr_1")
+    in_flight = po.request_payout(engine, owner, po.USDC, 30 * USD, RULES)
+    verify_cli = ["ledger", "verify", "--json"]
+    assert _paralon(database_url, *verify_cli)["ok"] is True
+
+    with engine.begin() as conn:
+        conn.execute(update(payouts).where(payouts.c.id == settled["id"]).values(amount_nano_usd=21 * USD))
+        conn.execute(update(payouts).where(payouts.c.id == in_flight["id"]).values(state=po.FAILED))
+    report = _paralon(database_url, *verify_cli, exit_code=1)
+
+    assert report["ok"] is False
+    assert any(f"payout {settled['id']}: event" in problem for problem in report["problems"])
+    assert any("payouts in flight on usdc: the ledger holds 30000000000 nano-USD, the payouts in flight 0" in problem
+               for problem in report["problems"])
+    assert any(f"payout {in_flight['id']} (failed) names event None as its PayoutFailed" in p for p in report["problems"])
+
+
+def _paralon(database_url: str, *args: str, exit_code: int = 0) -> dict:
+    result = CliRunner().invoke(main, list(args), env={"PARALON_DATABASE_URL": database_url})
+    assert result.exit_code == exit_code, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
