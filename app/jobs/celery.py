@@ -39,6 +39,7 @@ from ledger.db import make_engine
 
 LOW_BALANCE_ALERTS = "paralon.low_balance_alerts"
 PAYOUT_DESTINATION_CHANGED = payouts.DESTINATION_CHANGED_TASK
+WEEKLY_PAYOUTS = "paralon.weekly_payouts"
 _settings = Settings.from_env()
 broker_url = _settings.celery.broker_url
 celery = Celery("paralon", broker=broker_url or "memory://", backend=_settings.celery.result_url)
@@ -59,6 +60,8 @@ celery.conf.update(
         "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
         "ledger-verify": {"task": "paralon.verify_ledger", "schedule": _settings.database.ledger_verify_interval_s},
         "low-balance-alerts": {"task": LOW_BALANCE_ALERTS, "schedule": LOW_BALANCE_ALERTS_INTERVAL_S},
+        # Hourly on Mondays, so a beat down at midnight still pays the week; each owner and rail once a week.
+        "weekly-payouts": {"task": WEEKLY_PAYOUTS, "schedule": crontab(minute=0, day_of_week="mon")},
         # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
         "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
@@ -149,6 +152,13 @@ def payout_destination_changed(owner_account_id: int, rail: str) -> int:
     """Mail an owner's people that where they are paid on `rail` changed."""
     with _database() as (engine, settings):
         return payout_mail.destination_changed(engine, wiring.mail_settings(settings), owner_account_id, rail)
+
+
+@celery.task(name=WEEKLY_PAYOUTS)
+def weekly_payouts() -> dict:
+    """Owners on the weekly schedule: their earnings asked for, once a week per rail; the rails' senders pay them."""
+    with _database() as (engine, settings):
+        return payouts.pay_weekly(engine, wiring.payout_rules(settings))
 
 
 @celery.task(name=LOW_BALANCE_ALERTS)

@@ -11,18 +11,19 @@ app/payments/payout_stripe.py) only call these steps.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, Engine, select, update
+from sqlalchemy import Connection, Engine, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app import outbox
 from app.limits import PAYOUT_DESTINATION_COOLDOWN_S, PAYOUT_FAILURE_CHARS_MAX, PAYOUTS_LISTED_MAX, USDC_DECIMALS
 from app.payments.schema import payout_destinations, payouts
 from ledger import commands as cmd
-from ledger.accounts import require_kind
+from ledger.accounts import read_balance, require_kind
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import NANO_USD_PER_CENT, nano_usd_per_unit, nano_usd_to_usd_text
 from ledger.schema import utc_now
@@ -33,6 +34,7 @@ DESTINATION_CHANGED_TASK = "paralon.payout_destination_changed"  # mails the own
 REQUESTED, SENT, SETTLED, FAILED = "requested", "sent", "settled", "failed"
 IN_FLIGHT = (REQUESTED, SENT)
 OWNERS_ONLY = "payouts are for GPU owners"
+log = logging.getLogger("paralon.payouts")
 _STRIPE_ACCOUNT = re.compile(r"acct_[A-Za-z0-9]{1,64}")
 
 
@@ -205,6 +207,36 @@ def request_payout(engine: Engine, owner_account_id: int, rail: str, amount_nano
         if _in_flight_on(engine, owner_account_id, rail):
             raise PayoutInFlight(f"account {owner_account_id} already has a {rail} payout in flight") from None
         raise exc
+
+
+def pay_weekly(engine: Engine, rules: PayoutRules, now: datetime | None = None) -> dict:
+    """Monday's run of the weekly schedule: every owner who asked for it is paid
+    whatever of its earnings the rail can move, when that reaches the minimum.
+    Once a week per owner and rail: a payout already requested since Monday
+    00:00 UTC (by the schedule or by hand), or one in flight, is left alone."""
+    now = now or utc_now()
+    week_start = (now - timedelta(days=now.weekday())).replace(hour=0, minute=0, second=0, microsecond=0)
+    d, p = payout_destinations.c, payouts.c
+    with engine.connect() as conn:
+        due = conn.execute(select(d.owner_account_id, d.rail).where(d.weekly.is_(True), d.usable_from <= now)
+                           .order_by(d.owner_account_id, d.rail)).all()
+        asked = set(conn.execute(select(p.owner_account_id, p.rail).where(or_(p.requested_at >= week_start, p.state.in_(IN_FLIGHT)))).all())
+    report = {"requested": [], "below_minimum": 0, "already_this_week": 0, "refused": 0}
+    for owner_account_id, rail in due:
+        if (owner_account_id, rail) in asked:
+            report["already_this_week"] += 1
+            continue
+        with engine.connect() as conn:
+            earnings = read_balance(conn, owner_account_id).balance_nano_usd
+        if round_to_rail(rules, rail, earnings) < max(rules.min_nano_usd, rules.fee_nano_usd.get(rail, 0) + 1):
+            report["below_minimum"] += 1
+            continue
+        try:
+            report["requested"].append(request_payout(engine, owner_account_id, rail, earnings, rules, now)["id"])
+        except LedgerError as exc:  # spent meanwhile, or asked by hand meanwhile: next week
+            report["refused"] += 1
+            log.info("weekly payout of account %s on %s not requested: %s", owner_account_id, rail, exc)
+    return report
 
 
 def _usable_destination(conn: Connection, owner_account_id: int, rail: str, now: datetime) -> str:

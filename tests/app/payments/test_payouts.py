@@ -237,3 +237,25 @@ def _paralon(database_url: str, *args: str, exit_code: int = 0) -> dict:
     result = CliRunner().invoke(main, list(args), env={"PARALON_DATABASE_URL": database_url})
     assert result.exit_code == exit_code, (result.stdout, result.stderr)
     return json.loads(result.stdout)
+
+
+def test_the_weekly_schedule_pays_each_owner_once_a_week_what_exceeds_the_minimum(engine, owner):
+    monday = utc_now().replace(year=2030, month=12, day=2, hour=1)  # a Monday
+    with engine.begin() as conn:
+        po.set_weekly(conn, owner, po.USDC, True)
+        poor = acc.create_account(conn, cmd.OWNER, "a new owner")
+        po.set_destination(conn, poor, po.USDC, OTHER_ADDRESS, now=monday - timedelta(days=7))
+        po.set_weekly(conn, poor, po.USDC, True)
+    append_now(engine, cmd.AdjustBalance(owner, 345_678_912, "a part of a cent", "earn:more"))
+    append_now(engine, cmd.AdjustBalance(poor, 9 * USD, "below the minimum", "earn:poor"))
+
+    first = po.pay_weekly(engine, RULES, monday)
+    again = po.pay_weekly(engine, RULES, monday.replace(hour=5))
+
+    assert len(first["requested"]) == 1 and first["below_minimum"] == 1
+    assert again == {"requested": [], "below_minimum": 1, "already_this_week": 1, "refused": 0}
+    with engine.connect() as conn:
+        [payout] = po.list_payouts(conn, owner)
+    assert payout["amount_nano_usd"] == 100_345_678_000 and payout["rail"] == po.USDC
+    assert money(engine, owner)["owner"] == 912, "what a micro-USDC cannot carry stays in earnings"
+    assert po.pay_weekly(engine, RULES, monday + timedelta(days=7))["already_this_week"] == 1, "still in flight next week"
