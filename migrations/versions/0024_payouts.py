@@ -91,14 +91,18 @@ def _add_system_accounts() -> None:
                         sa.column("system_code", sa.String), sa.column("created_at", UTCDateTime))
     balances = sa.table("account_balances", sa.column("account_id", sa.BigInteger))
     bind = op.get_bind()
+    existing = set(bind.execute(sa.select(accounts.c.system_code).where(accounts.c.system_code.is_not(None))).scalars())
     for rail, name in RAILS.items():
         for code, kind, title in ((IN_FLIGHT.format(rail=rail), "platform", f"Payouts in flight ({name})"),
                                   (PAID.format(rail=rail), "external", f"Payouts paid ({name})")):
+            if code in existing:  # kept by a downgrade (accounts are never deleted): upgraded again
+                continue
             account_id = bind.execute(accounts.insert().values(kind=kind, name=title, system_code=code, created_at=datetime.now(UTC))
                                       .returning(accounts.c.id)).scalar_one()
             bind.execute(balances.insert().values(account_id=account_id))
 
 
 def downgrade() -> None:
+    """The tables go; the accounts stay (an account with postings is never deleted) and are reused by an upgrade."""
     for table in ("payout_receipts", "payout_wallets", "payout_transactions", "payouts", "payout_destinations"):
         op.drop_table(table)
