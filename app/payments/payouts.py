@@ -209,6 +209,16 @@ def request_payout(engine: Engine, owner_account_id: int, rail: str, amount_nano
         raise exc
 
 
+def retry_failed(engine: Engine, payout_id: int, rules: PayoutRules, now: datetime | None = None) -> dict:
+    """A failed payout asked for again: a new payout of the same owner, rail and
+    amount, to the rail's destination as it is now (the failed one stays failed)."""
+    with engine.connect() as conn:
+        failed = payout_row(conn, payout_id)
+    if failed["state"] != FAILED:
+        raise InvalidInput(f"payout {payout_id} is {failed['state']}, not failed: its rail's sender goes on with it")
+    return request_payout(engine, failed["owner_account_id"], failed["rail"], failed["amount_nano_usd"], rules, now)
+
+
 def pay_weekly(engine: Engine, rules: PayoutRules, now: datetime | None = None) -> dict:
     """Monday's run of the weekly schedule: every owner who asked for it is paid
     whatever of its earnings the rail can move, when that reaches the minimum.

@@ -259,3 +259,14 @@ def test_the_weekly_schedule_pays_each_owner_once_a_week_what_exceeds_the_minimu
     assert payout["amount_nano_usd"] == 100_345_678_000 and payout["rail"] == po.USDC
     assert money(engine, owner)["owner"] == 912, "what a micro-USDC cannot carry stays in earnings"
     assert po.pay_weekly(engine, RULES, monday + timedelta(days=7))["already_this_week"] == 1, "still in flight next week"
+
+
+def test_a_failed_payout_is_retried_as_a_new_one_and_nothing_else_is(engine, owner):
+    first = po.request_payout(engine, owner, po.USDC, 40 * USD, RULES)
+    with pytest.raises(InvalidInput):
+        po.retry_failed(engine, first["id"], RULES)
+    with engine.begin() as conn:
+        po.fail(conn, first["id"], "the chain dropped it")
+    again = po.retry_failed(engine, first["id"], RULES)
+    assert (again["amount_nano_usd"], again["rail"], again["state"]) == (40 * USD, po.USDC, po.REQUESTED)
+    assert again["id"] != first["id"] and money(engine, owner)["owner"] == 60 * USD
