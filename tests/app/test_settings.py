@@ -27,6 +27,7 @@ SECRETS = {
     "PARALON_CRYPTO_SEED": SEED,
     "PARALON_SMTP_PASSWORD": "correct-horse-battery-staple",
     "PARALON_ANCHOR_WALLET_KEY": "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d",
+    "PARALON_PAYOUT_WALLET_KEY": "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a",
 }
 NOT_SETTINGS = {"PARALON_SIM_TIME_SCALE"}  # read by the simulated worker, a separate program
 
