@@ -101,6 +101,22 @@ PAYOUT_FAILURE_CHARS_MAX = 500
 PAYOUTS_LISTED_MAX = 200  # one page of an owner's payouts
 USDC_DECIMALS = 6  # a payout token's decimals when PARALON_PAYOUT_TOKEN does not say
 
+# --- The USDC rail's sender (app/payments/payout_chain.py) ---------------------------
+PAYOUT_REPLACE_AFTER_S_DEFAULT = 600.0  # PARALON_PAYOUT_REPLACE_AFTER_S: a transfer not mined by then is re-signed at a higher fee
+PAYOUT_REPLACE_AFTER_S_MAX = 7 * 24 * 3600
+PAYOUT_SEND_INTERVAL_S_DEFAULT = 30.0  # PARALON_PAYOUT_SEND_INTERVAL_S: how often beat (or `payouts send`) runs the sender
+PAYOUT_SEND_INTERVAL_S_MIN = 0.1
+PAYOUT_SEND_INTERVAL_S_MAX = 3600
+PAYOUTS_SIGNED_PER_RUN_MAX = 20  # new payouts one run signs and sends
+PAYOUTS_LOOKED_AT_PER_RUN_MAX = 500  # payouts one run looks at in each pass: those with a signed transaction, then those to sign
+PAYOUT_REPLACEMENTS_MAX = 8  # re-signings of one nonce at a higher fee (9/8 each: at most about 2.6 times the first fee)
+# A replacement pays at least 9/8 of the fee it replaces, on both maxFeePerGas and
+# maxPriorityFeePerGas: nodes refuse one under +10 % (geth) or +12.5 % (others).
+PAYOUT_FEE_BUMP_NUMERATOR = 9
+PAYOUT_FEE_BUMP_DENOMINATOR = 8
+PAYOUT_BASE_FEE_MULTIPLIER = 2  # maxFeePerGas = this times the base fee plus the tip: room for six full blocks
+PAYOUT_GAS_MARGIN_PERCENT = 25  # above the node's estimate of the transfer's gas
+
 # --- Anchors of the chain's head (app/anchoring/) ------------------------------------
 ANCHOR_INTERVAL_S_DEFAULT = 600.0  # how often beat writes the head outside the database
 ANCHOR_INTERVAL_S_MIN = 1.0
@@ -110,6 +126,7 @@ ANCHOR_FILE_LINE_BYTES_MAX = 1024  # one anchor line; far below what one O_APPEN
 ANCHOR_FILE_MODE = 0o644  # readable by whoever ships the file off the host
 ANCHOR_SEQ_BYTES = 8  # the seq in an anchor transaction's data, big endian
 EVM_RECEIPT_STATUS_SUCCESS = 1  # a mined transaction that did not revert
+EVM_DYNAMIC_FEE_TX_TYPE = 2  # EIP-1559: maxFeePerGas and maxPriorityFeePerGas
 
 # --- Jobs (app/outbox.py, app/jobs/) --------------------------------------------------
 OUTBOX_DISPATCH_TASKS_MAX = 500  # tasks one dispatch sends

@@ -17,6 +17,11 @@ from app.limits import (
     PAYOUT_FEE_USD_DEFAULT,
     PAYOUT_MIN_USD_DEFAULT,
     PAYOUT_MIN_USD_MAX,
+    PAYOUT_REPLACE_AFTER_S_DEFAULT,
+    PAYOUT_REPLACE_AFTER_S_MAX,
+    PAYOUT_SEND_INTERVAL_S_DEFAULT,
+    PAYOUT_SEND_INTERVAL_S_MAX,
+    PAYOUT_SEND_INTERVAL_S_MIN,
     ANCHOR_INTERVAL_S_DEFAULT,
     ANCHOR_INTERVAL_S_MIN,
     CHECKOUT_MAX_USD_DEFAULT,
@@ -187,6 +192,11 @@ class PayoutConfig(_Group):
     fee_stripe_usd: str = _env("PARALON_PAYOUT_FEE_STRIPE_USD", str(PAYOUT_FEE_USD_DEFAULT))
     wallet_key: SecretStr | None = _env("PARALON_PAYOUT_WALLET_KEY")  # the hot wallet: a hex private key, or a file holding one
     token: str | None = _env("PARALON_PAYOUT_TOKEN")  # address:decimals:symbol of the token paid out
+    # A transfer not mined this long after it was sent is replaced: same nonce, a higher fee.
+    replace_after_s: float = _env("PARALON_PAYOUT_REPLACE_AFTER_S", PAYOUT_REPLACE_AFTER_S_DEFAULT, ge=0,
+                                  le=PAYOUT_REPLACE_AFTER_S_MAX)
+    send_interval_s: float = _env("PARALON_PAYOUT_SEND_INTERVAL_S", PAYOUT_SEND_INTERVAL_S_DEFAULT,
+                                  ge=PAYOUT_SEND_INTERVAL_S_MIN, le=PAYOUT_SEND_INTERVAL_S_MAX)  # beat's USDC sender
 
     @field_validator("fee_usdc_usd", "fee_stripe_usd")
     @classmethod

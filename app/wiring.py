@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from app.anchoring.service import AnchorSettings
     from app.console.signin import ConsoleSettings
     from app.payments.crypto import CryptoSettings
+    from app.payments.payout_chain import PayoutChainSettings
     from app.payments.payouts import PayoutRules
     from app.payments.stripe import StripeSettings
     from invoices.mail import MailSettings
@@ -68,6 +69,27 @@ def payout_rules(settings: Settings) -> PayoutRules:
     return PayoutRules(min_nano_usd=usd_to_nano_usd(payouts.min_usd),
                        fee_nano_usd={USDC: usd_to_nano_usd(payouts.fee_usdc_usd), STRIPE: usd_to_nano_usd(payouts.fee_stripe_usd)},
                        usdc_decimals=payout_token_decimals(payouts.token))
+
+
+def payout_chain_settings(settings: Settings) -> PayoutChainSettings:
+    """The USDC rail's hot wallet, token and chain; what is unset stays None
+    (the sender names it and does nothing)."""
+    from app.payments.payout_chain import PayoutChainSettings, wallet_address
+    from app.payments.crypto import parse_tokens, read_seed
+
+    payouts = settings.payouts
+    key = read_seed(_reveal(payouts.wallet_key))
+    if key is not None:
+        try:
+            wallet_address(key)
+        except (ValueError, TypeError):
+            raise SettingsError("PARALON_PAYOUT_WALLET_KEY is not a hex private key nor a file holding one "
+                                "(its value is not shown)") from None
+    tokens = parse_tokens(payouts.token) if payouts.token else ()
+    if len(tokens) > 1:
+        raise SettingsError("PARALON_PAYOUT_TOKEN names one token: address:decimals:symbol")
+    return PayoutChainSettings(rpc_url=settings.crypto.rpc_url, wallet_key=key, token=tokens[0] if tokens else None,
+                               confirmations=settings.crypto.confirmations, replace_after_s=payouts.replace_after_s)
 
 
 def _usable_seed(seed: str | None) -> str | None:

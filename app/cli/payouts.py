@@ -1,10 +1,14 @@
 """`paralon payouts`: where owners are paid, their payout requests, and the rails' senders."""
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import click
 
 from app import outbox, wiring
 from app.cli.output import emit, engine, handles_errors, json_option
+from app.limits import PAYOUT_SEND_INTERVAL_S_DEFAULT, PAYOUT_SEND_INTERVAL_S_MAX, PAYOUT_SEND_INTERVAL_S_MIN
 from app.payments import payouts as po
 from app.settings import Settings
 from ledger.commands import PAYOUT_RAILS
@@ -83,6 +87,28 @@ def payouts_list(owner_id: int, as_json: bool) -> None:
     emit(as_json, {"data": found}, "\n".join(
         f"{p['id']}\t{p['rail']}\t{p['state']}\t${nano_usd_to_usd_text(p['amount_nano_usd'])}\t{p['reference'] or ''}"
         for p in found) or f"account {owner_id} has no payouts")
+
+
+@payouts_group.command("send")
+@click.option("--once", is_flag=True, help="One bounded run, then exit (otherwise a run every --interval-s).")
+@click.option("--interval-s", default=PAYOUT_SEND_INTERVAL_S_DEFAULT, show_default=True,
+              type=click.FloatRange(PAYOUT_SEND_INTERVAL_S_MIN, PAYOUT_SEND_INTERVAL_S_MAX), help="Seconds between runs.")
+@json_option
+@handles_errors
+def payouts_send(once: bool, interval_s: float, as_json: bool) -> None:
+    """Pay requested USDC payouts from the hot wallet: sign and store, then broadcast;
+    re-broadcast or replace what is not mined; settle after N confirmations.
+    Safe after any crash: a stored transaction is broadcast again, never signed anew."""
+    from app.payments import payout_chain  # web3 loads only for this command
+
+    settings = wiring.payout_chain_settings(Settings.from_env())
+    db, w3 = engine(), payout_chain.connect(settings)
+    while True:
+        report = dataclasses.asdict(payout_chain.send_once(db, w3, settings))
+        emit(as_json, report, " ".join(f"{k}={v}" for k, v in report.items()))
+        if once:
+            return
+        time.sleep(interval_s)
 
 
 COMMANDS = (payouts_group,)

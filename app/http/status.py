@@ -16,6 +16,7 @@ from sqlalchemy import Engine, select, text
 
 from app.http.plumbing import json_response
 from app.limits import READY_CHECK_TIMEOUT_S, READY_READ_MODEL_LAG_S_MAX
+from app.payments.schema import payout_wallets
 from app.payments.stripe import parked_count
 from invoices import read_models
 from ledger.limits import MS_PER_S
@@ -88,6 +89,39 @@ class StripeParked(Collector):
         yield GaugeMetricFamily(self.NAME, self.HELP, value=parked_count(self.engine))
 
 
+WAITING_FOR_FUNDS_METRIC = "paralon_payouts_waiting_for_funds"
+WALLET_TOKEN_METRIC = "paralon_payout_wallet_token_balance_raw"
+WALLET_GAS_METRIC = "paralon_payout_wallet_gas_balance_wei"
+
+
+class PayoutWallets(Collector):
+    """What the USDC sender's last run found in each hot wallet (app/payments/payout_chain.py):
+    payouts it could not pay for want of tokens or gas, and the balances it read."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["chain_id", "address"]
+        waiting = GaugeMetricFamily(WAITING_FOR_FUNDS_METRIC, "USDC payouts waiting in requested because the hot wallet "
+                                    "cannot cover their tokens or gas (at the sender's last run).", labels=labels)
+        token = GaugeMetricFamily(WALLET_TOKEN_METRIC, "The hot wallet's payout token, in its smallest unit.", labels=labels)
+        gas = GaugeMetricFamily(WALLET_GAS_METRIC, "The hot wallet's gas balance, in wei.", labels=labels)
+        w = payout_wallets.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(w.chain_id, w.address, w.payouts_waiting_for_funds, w.token_balance_raw,
+                                       w.gas_balance_wei).where(w.balances_at.is_not(None))).all()
+        for row in rows:
+            wallet = [str(row.chain_id), row.address]
+            waiting.add_metric(wallet, row.payouts_waiting_for_funds)
+            token.add_metric(wallet, int(row.token_balance_raw))
+            gas.add_metric(wallet, int(row.gas_balance_wei))
+        yield from (waiting, token, gas)
+
+
 SPILLS_METRIC = "paralon_route_spills"  # exposed as paralon_route_spills_total
 CAPACITY_METRIC = "paralon_worker_capacity_tokens_per_s"
 
@@ -121,6 +155,7 @@ def metrics_registry(engine: Engine) -> CollectorRegistry:
     registry.register(ReadModelLag(engine))
     registry.register(LedgerVerification(engine))
     registry.register(StripeParked(engine))
+    registry.register(PayoutWallets(engine))
     return registry
 
 

@@ -29,7 +29,7 @@ from app.limits import (
     STATEMENTS_DAILY_AT_MINUTE,
     STRIPE_RETRIES_INTERVAL_S,
 )
-from app.payments import payouts
+from app.payments import payout_chain, payouts
 from app.payments.crypto import connect, scan_once
 from app.payments.stripe import process_pending as stripe_process_pending
 from app.settings import Settings
@@ -38,6 +38,7 @@ from invoices import tasks as invoice_tasks
 from ledger.db import make_engine
 
 LOW_BALANCE_ALERTS = "paralon.low_balance_alerts"
+PAYOUTS_SEND = "paralon.payouts_send"
 PAYOUT_DESTINATION_CHANGED = payouts.DESTINATION_CHANGED_TASK
 WEEKLY_PAYOUTS = "paralon.weekly_payouts"
 _settings = Settings.from_env()
@@ -62,6 +63,7 @@ celery.conf.update(
         "low-balance-alerts": {"task": LOW_BALANCE_ALERTS, "schedule": LOW_BALANCE_ALERTS_INTERVAL_S},
         # Hourly on Mondays, so a beat down at midnight still pays the week; each owner and rail once a week.
         "weekly-payouts": {"task": WEEKLY_PAYOUTS, "schedule": crontab(minute=0, day_of_week="mon")},
+        "payouts-send": {"task": PAYOUTS_SEND, "schedule": _settings.payouts.send_interval_s},
         # Daily, after the close grace of a month (invoices.limits.CLOSE_GRACE_S): the 1st issues
         # last month's statements; later days issue only what a missed or failed run left out.
         "monthly-statements": {"task": invoice_tasks.ISSUE_STATEMENTS,
@@ -166,3 +168,13 @@ def low_balance_alerts_task() -> dict:
     """Email the customers whose available balance fell below their threshold, once per crossing."""
     with _database() as (engine, settings):
         return low_balance_alerts.run(engine, wiring.mail_settings(settings))
+
+
+@celery.task(name=PAYOUTS_SEND)
+def payouts_send() -> dict:
+    """One bounded run of the USDC payouts' sender (skipped, saying why, when the wallet, token or node is not set)."""
+    with _database() as (engine, settings):
+        chain = wiring.payout_chain_settings(settings)
+        if missing := chain.missing():
+            return {"skipped": f"USDC payouts are not configured: set {', '.join(missing)}"}
+        return dataclasses.asdict(payout_chain.send_once(engine, payout_chain.connect(chain), chain))

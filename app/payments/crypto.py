@@ -79,7 +79,7 @@ def parse_tokens(text: str) -> tuple[Token, ...]:
 
 
 def read_seed(value: str | None) -> str | None:
-    """A BIP-39 mnemonic, or the path of a file holding one."""
+    """A secret (a BIP-39 mnemonic, the payout wallet's private key), or the path of a file holding one."""
     if value and Path(value).is_file():
         return Path(value).read_text().strip()
     return value.strip() if value else None

@@ -165,13 +165,20 @@ payout_transactions = Table(
     Column("broadcast_at", UTCDateTime),
 )
 
-# The hot wallet's next nonce per chain, taken under a row lock with the signing.
+# The hot wallet's next nonce per chain, taken under a row lock with the signing;
+# and what its last run found in it, for /metrics (the sender and the server are
+# different processes). Balances are decimal text: exact on SQLite too, whose
+# NUMERIC keeps only 64-bit integers exactly.
 payout_wallets = Table(
     "payout_wallets",
     metadata,
     Column("chain_id", BigInteger, primary_key=True),
     Column("address", String(EVM_ADDRESS_CHARS), primary_key=True),
     Column("next_nonce", BigInteger, nullable=False),
+    Column("token_balance_raw", String(UINT256_DIGITS)),  # the payout token, in its smallest unit
+    Column("gas_balance_wei", String(UINT256_DIGITS)),
+    Column("payouts_waiting_for_funds", BigInteger, nullable=False, server_default=text("0")),
+    Column("balances_at", UTCDateTime),
 )
 
 # A settled payout's receipt, made at the first ask: served only as these bytes.
