@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app import outbox
 from app.limits import PAYOUT_DESTINATION_COOLDOWN_S, PAYOUT_FAILURE_CHARS_MAX, PAYOUTS_LISTED_MAX, USDC_DECIMALS
-from app.payments.schema import payout_destinations, payouts
+from app.payments.schema import payout_destinations, payout_transactions, payouts
 from ledger import commands as cmd
 from ledger.accounts import read_balance, require_kind
 from ledger.errors import InvalidInput, LedgerError
@@ -123,8 +123,8 @@ def set_destination(conn: Connection, owner_account_id: int, rail: str, destinat
                     now: datetime | None = None) -> tuple[Destination, bool]:
     """Where the owner is paid on `rail`; (the destination, whether it changed).
     A first destination is usable at once; a changed one after the cooldown,
-    and the owner's people are mailed about it (through the outbox: dispatch
-    after the commit)."""
+    the owner's people are mailed about it (through the outbox: dispatch
+    after the commit), and payouts not yet sent go back to earnings."""
     require_kind(conn, owner_account_id, (cmd.OWNER,), OWNERS_ONLY)
     destination, now = normalise_destination(rail, destination), now or utc_now()
     current = get_destination(conn, owner_account_id, rail)
@@ -139,7 +139,20 @@ def set_destination(conn: Connection, owner_account_id: int, rail: str, destinat
                      .where(payout_destinations.c.owner_account_id == owner_account_id, payout_destinations.c.rail == rail)
                      .values(previous_destination=current.destination, usable_from=usable_from, **values))
         outbox.add(conn, DESTINATION_CHANGED_TASK, owner_account_id, rail)
+        _fail_unsent(conn, owner_account_id, rail, now)
     return get_destination(conn, owner_account_id, rail), current is not None
+
+
+def _fail_unsent(conn: Connection, owner_account_id: int, rail: str, now: datetime) -> None:
+    """A payout asked for but not yet signed goes back to earnings when its
+    destination changes: it would otherwise wait for an address that is no
+    longer the owner's. One signed already (a stored transaction) may be on
+    the chain, and its sender finishes it."""
+    p, signed = payouts.c, select(payout_transactions.c.payout_id)
+    unsent = conn.execute(select(p.id).where(p.owner_account_id == owner_account_id, p.rail == rail, p.state == REQUESTED,
+                                             p.id.not_in(signed))).scalars().all()
+    for payout_id in unsent:
+        fail(conn, payout_id, "the destination changed before it was sent", now)
 
 
 def save_destination(engine: Engine, owner_account_id: int, rail: str, destination: str,

@@ -391,27 +391,28 @@ def test_an_empty_hot_wallet_sends_nothing_loses_nothing_says_so_and_pays_once_f
 
 
 # --- 7. A destination inside its cooldown -----------------------------------------------
-def test_nothing_is_sent_to_a_destination_inside_its_cooldown_nor_to_one_no_longer_current(rig):
+def test_a_changed_destination_returns_the_unsent_payout_and_receives_nothing_inside_its_cooldown(rig):
     payout_id = request(rig)
     new_destination = Account.create().address
     with rig.engine.begin() as conn:
         changed, _ = po.set_destination(conn, rig.owner, po.USDC, new_destination)
-    report = rig.send()
+        assert po.payout_row(conn, payout_id)["state"] == po.FAILED, "not sent yet: back to earnings"
+    assert rig.send().signed == 0
+    assert stored(rig, payout_id) == [] and chain(rig) == unpaid() and chain(rig, new_destination) == unpaid()
+    with pytest.raises(po.DestinationCoolingDown):
+        po.request_payout(rig.engine, rig.owner, po.USDC, PAYOUT_NANO_USD, RULES)
+
+    # A payout to it made as if the cooldown were over is still not sent while the sender's clock says otherwise.
+    early = po.request_payout(rig.engine, rig.owner, po.USDC, PAYOUT_NANO_USD, RULES, now=changed.usable_from)
+    report = rig.send(now=changed.usable_from - timedelta(seconds=1))
     assert (report.signed, report.waiting_for_destination) == (0, 1)
-    after_cooldown = changed.usable_from + timedelta(seconds=1)
-    assert rig.send(now=after_cooldown).signed == 0, "the payout's destination is no longer the owner's"
+    assert stored(rig, early["id"]) == [] and chain(rig, new_destination) == unpaid()
 
-    with rig.engine.begin() as conn:  # back to the first address: a change again, cooling down again
-        back, _ = po.set_destination(conn, rig.owner, po.USDC, rig.destination)
-    assert rig.send().waiting_for_destination == 1 and rig.send(now=back.usable_from - timedelta(seconds=1)).signed == 0
-    assert stored(rig, payout_id) == [] and books(rig) == in_flight()
-    assert chain(rig) == unpaid() and chain(rig, new_destination) == unpaid()
-
-    assert rig.send(now=back.usable_from).signed == 1, "its cooldown over, the payout's own destination is paid"
+    assert rig.send(now=changed.usable_from).signed == 1, "its cooldown over, the new destination is paid"
     mine(rig.w3, CONFIRMATIONS)
-    assert rig.send(now=back.usable_from).settled == 1
-    assert chain(rig) == paid() and chain(rig, new_destination)["transfers"] == 0
-    assert books(rig) == settled() and ledger_verifies(rig)
+    assert rig.send(now=changed.usable_from).settled == 1
+    assert chain(rig, new_destination)["transfers"] == 1 and chain(rig)["transfers"] == 0
+    assert ledger_verifies(rig)
 
 
 # --- 8. A reverted transfer --------------------------------------------------------------

@@ -270,3 +270,15 @@ def test_a_failed_payout_is_retried_as_a_new_one_and_nothing_else_is(engine, own
     again = po.retry_failed(engine, first["id"], RULES)
     assert (again["amount_nano_usd"], again["rail"], again["state"]) == (40 * USD, po.USDC, po.REQUESTED)
     assert again["id"] != first["id"] and money(engine, owner)["owner"] == 60 * USD
+
+
+def test_a_destination_change_returns_payouts_not_yet_sent_and_leaves_sent_ones(engine, owner):
+    unsent = po.request_payout(engine, owner, po.USDC, 40 * USD, RULES)
+    sent = po.request_payout(engine, owner, po.STRIPE, 20 * USD, RULES)
+    with engine.begin() as conn:
+        po.record_sent(conn, sent["id"], "tr_1")
+        po.set_destination(conn, owner, po.USDC, OTHER_ADDRESS)
+        po.set_destination(conn, owner, po.STRIPE, "acct_2Other")
+        assert po.payout_row(conn, unsent["id"])["failure_reason"] == "the destination changed before it was sent"
+        assert po.payout_row(conn, sent["id"])["state"] == po.SENT
+    assert money(engine, owner)["owner"] == 80 * USD and money(engine, owner)["in_flight:usdc"] == 0
