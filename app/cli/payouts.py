@@ -89,6 +89,18 @@ def payouts_list(owner_id: int, as_json: bool) -> None:
         for p in found) or f"account {owner_id} has no payouts")
 
 
+@payouts_group.command("retry")
+@click.argument("payout_id", type=int)
+@json_option
+@handles_errors
+def payouts_retry(payout_id: int, as_json: bool) -> None:
+    """Ask again for a failed payout: a new payout of the same owner, rail and amount, to
+    the rail's destination as it is now. One still in flight is its sender's to finish."""
+    rules = wiring.payout_rules(Settings.from_env())
+    payout = po.payout_view(po.retry_failed(engine(), payout_id, rules))
+    emit(as_json, payout, f"payout {payout['id']} (again for {payout_id}): ${payout['amount_usd']} on {payout['rail']}, {payout['state']}")
+
+
 @payouts_group.command("send")
 @click.option("--once", is_flag=True, help="One bounded run, then exit (otherwise a run every --interval-s).")
 @click.option("--interval-s", default=PAYOUT_SEND_INTERVAL_S_DEFAULT, show_default=True,
