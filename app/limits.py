@@ -100,6 +100,15 @@ PAYOUT_DESTINATION_CHARS_MAX = 255  # an EVM address or a Stripe connected accou
 PAYOUT_FAILURE_CHARS_MAX = 500
 PAYOUTS_LISTED_MAX = 200  # one page of an owner's payouts
 USDC_DECIMALS = 6  # a payout token's decimals when PARALON_PAYOUT_TOKEN does not say
+# The Stripe rail (app/payments/payout_stripe.py): requested payouts one run of the sender
+# pays (the rest at the next run), and how often beat runs it.
+STRIPE_PAYOUTS_PER_RUN_MAX = 100
+STRIPE_PAYOUTS_INTERVAL_S = 60.0
+# Stripe keeps an idempotency key at least 24 h. A payout requested longer ago than this
+# is first looked up by its transfer group, so that a transfer a lost attempt made is
+# found rather than made again under a key Stripe may have forgotten.
+STRIPE_IDEMPOTENCY_KEY_TRUSTED_S = 20 * 3600
+STRIPE_TRANSFERS_LISTED_MAX = 10  # transfers of one group read by that lookup (a payout has one)
 
 # --- The USDC rail's sender (app/payments/payout_chain.py) ---------------------------
 PAYOUT_REPLACE_AFTER_S_DEFAULT = 600.0  # PARALON_PAYOUT_REPLACE_AFTER_S: a transfer not mined by then is re-signed at a higher fee

@@ -1,5 +1,6 @@
-"""Payouts per second: requests through the ledger, and whole payouts (requested,
-sent, settled) through the payouts table and the ledger.
+"""Payouts per second: requests through the ledger, whole payouts (requested,
+sent, settled) through the payouts table and the ledger, and USDC payouts
+signed and broadcast on a real EVM node (anvil).
 
 On a scratch database, OWNERS owners with earnings and a destination each.
 One process asks for one payout per owner, one after another: the payout's row
@@ -10,6 +11,14 @@ cheapest durable write: one operator adjustment per transaction (`append_now`).
 The ratios are what to read: this machine is shared and absolute numbers drift.
 With --threads N the requests are also made by N threads at once (one payout
 per owner each: the in-flight rule refuses none of them).
+
+On chain (skipped with --no-chain): anvil with the project's 6-decimal test
+token and a funded hot wallet; CHAIN_PAYOUTS owners each ask for a payout, and
+`paralon payouts send`'s function (`send_once`, at most PAYOUTS_SIGNED_PER_RUN_MAX
+a run) signs, stores and broadcasts them all, then settles them after the
+confirmations. The baseline, in the same run on the same node, is the bare
+cost of the same transfers: web3.py signing and broadcasting one ERC-20
+transfer after another from a second funded wallet, nothing stored.
 
     python benchmarks/payouts.py --json
     python benchmarks/payouts.py --database-url sqlite:///tmp/bench.db --json
@@ -121,16 +130,77 @@ def run(scratch: ScratchDatabase, owners_count: int, threads: int) -> dict:
     return result
 
 
+def run_chain(scratch: ScratchDatabase, count: int) -> dict:
+    from eth_account import Account
+
+    from app.payments.crypto import Token
+    from app.payments.payout_chain import PayoutChainSettings, send_once, transfer_data
+    from tests.support.anvil import deploy_stablecoin, mine, running_anvil
+
+    engine = scratch.engine()
+    confirmations = 2
+    try:
+        with running_anvil() as w3:
+            token = deploy_stablecoin(w3)
+            wallets = [Account.create() for _ in range(2)]
+            for wallet in wallets:
+                w3.provider.make_request("anvil_setBalance", [wallet.address, hex(10**21)])
+                w3.eth.wait_for_transaction_receipt(token.functions.mint(wallet.address, 10**15).transact({"from": w3.eth.accounts[0]}))
+            owners = make_owners(engine, count)
+            for owner in owners:
+                po.request_payout(engine, owner, po.USDC, PAYOUT_NANO_USD, RULES)
+            settings = PayoutChainSettings(w3.provider.endpoint_uri, "0x" + bytes(wallets[0].key).hex(),
+                                           Token(token.address, 6, "TUSD"), confirmations)
+            bare = per_second(count, lambda: _bare_transfers(w3, wallets[1], token.address, count, transfer_data))
+            runs = []
+
+            def send_all():
+                while sum(r.signed for r in runs) < count:
+                    runs.append(send_once(engine, w3, settings))
+            sent = per_second(count, send_all)
+            mine(w3, confirmations)
+            settled_runs = []
+
+            def settle_all():
+                while sum(r.settled for r in settled_runs) < count:
+                    settled_runs.append(send_once(engine, w3, settings))
+            settled = per_second(count, settle_all)
+            transfers = token.events.Transfer().get_logs(from_block=0, argument_filters={"from": wallets[0].address})
+        with engine.connect() as conn:
+            ok = verify(conn).ok and not payout_problems(conn)
+    finally:
+        engine.dispose()
+    return {"chain_payouts": count, "chain_transfers_on_chain": len(transfers), "bare_transfers_per_s": round(bare, 1),
+            "payouts_signed_and_broadcast_per_s": round(sent, 1), "payouts_signed_and_broadcast_ratio": round(sent / bare, 3),
+            "sender_runs": len(runs), "payouts_settled_per_s": round(settled, 1), "chain_verify_ok": ok}
+
+
+def _bare_transfers(w3, wallet, token_address: str, count: int, transfer_data) -> None:
+    nonce = w3.eth.get_transaction_count(wallet.address, "pending")
+    for i in range(count):
+        tx = {"to": token_address, "data": transfer_data(f"0x{i + 1:040x}", 1), "nonce": nonce + i, "gas": 100_000,
+              "maxFeePerGas": 2 * 10**9, "maxPriorityFeePerGas": 10**9, "chainId": w3.eth.chain_id, "type": 2}
+        w3.eth.send_raw_transaction(wallet.sign_transaction(tx).raw_transaction)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", default=os.environ.get("PARALON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--owners", type=int, default=500, help="owners, each asking for one payout per round")
     parser.add_argument("--threads", type=int, default=4, help="threads asking at once in the threaded round (1: none)")
+    parser.add_argument("--chain-payouts", type=int, default=200, help="USDC payouts signed and broadcast on anvil")
+    parser.add_argument("--no-chain", action="store_true", help="skip the anvil part")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args()
     log(f"payouts: {args.owners} owners ...")
     with ScratchDatabase(args.database_url, "paralon_bench_payouts") as scratch:
         result = run(scratch, args.owners, args.threads)
+    if not args.no_chain:
+        log(f"on chain: {args.chain_payouts} USDC payouts on anvil ...")
+        with ScratchDatabase(args.database_url, "paralon_bench_payouts_chain") as scratch:
+            result.update(run_chain(scratch, args.chain_payouts))
+        log(f"  {result['payouts_signed_and_broadcast_per_s']:.0f} signed and broadcast/s "
+            f"({result['payouts_signed_and_broadcast_ratio']:.2f}x bare web3 transfers), {result['payouts_settled_per_s']:.0f} settled/s")
     result["database"] = normalise_url(args.database_url).get_backend_name()
     log(f"  {result['payout_requests_per_s']:.0f} requests/s ({result['payout_requests_ratio']:.2f}x the baseline), "
         f"{result['payouts_sent_and_settled_per_s']:.0f} sent and settled/s")

@@ -27,9 +27,10 @@ from app.limits import (
     READ_MODELS_INTERVAL_S,
     STATEMENTS_DAILY_AT_HOUR,
     STATEMENTS_DAILY_AT_MINUTE,
+    STRIPE_PAYOUTS_INTERVAL_S,
     STRIPE_RETRIES_INTERVAL_S,
 )
-from app.payments import payout_chain, payouts
+from app.payments import payout_chain, payout_stripe, payouts
 from app.payments.crypto import connect, scan_once
 from app.payments.stripe import process_pending as stripe_process_pending
 from app.settings import Settings
@@ -39,6 +40,7 @@ from ledger.db import make_engine
 
 LOW_BALANCE_ALERTS = "paralon.low_balance_alerts"
 PAYOUTS_SEND = "paralon.payouts_send"
+PAYOUTS_SEND_STRIPE = "paralon.payouts_send_stripe"
 PAYOUT_DESTINATION_CHANGED = payouts.DESTINATION_CHANGED_TASK
 WEEKLY_PAYOUTS = "paralon.weekly_payouts"
 _settings = Settings.from_env()
@@ -57,6 +59,7 @@ celery.conf.update(
         },
         "outbox": {"task": "paralon.dispatch_outbox", "schedule": OUTBOX_INTERVAL_S},
         "stripe-retries": {"task": "paralon.stripe_retry_parked", "schedule": STRIPE_RETRIES_INTERVAL_S},
+        "stripe-payouts": {"task": PAYOUTS_SEND_STRIPE, "schedule": STRIPE_PAYOUTS_INTERVAL_S},
         "read-models": {"task": invoice_tasks.PROJECT_READ_MODELS, "schedule": READ_MODELS_INTERVAL_S},
         "anchor-ledger": {"task": "paralon.anchor_ledger", "schedule": _settings.anchors.interval_s},
         "ledger-verify": {"task": "paralon.verify_ledger", "schedule": _settings.database.ledger_verify_interval_s},
@@ -122,6 +125,16 @@ def stripe_retry_parked() -> int:
         if retried:
             outbox.dispatch(engine, send_task)
         return len(retried)
+
+
+@celery.task(name=PAYOUTS_SEND_STRIPE)
+def payouts_send_stripe() -> dict:
+    """Pay the requested Stripe payouts (a bounded batch per run; skipped when Stripe is not configured)."""
+    with _database() as (engine, settings):
+        stripe_settings = wiring.stripe_settings(settings)
+        if not stripe_settings.secret_key:
+            return {"skipped": "Stripe payouts are not configured: PARALON_STRIPE_SECRET_KEY is not set"}
+        return payout_stripe.send_pending(engine, stripe_settings).as_dict()
 
 
 @celery.task(name="paralon.dispatch_outbox")

@@ -314,6 +314,22 @@ def fail(conn: Connection, payout_id: int, reason: str, now: datetime | None = N
     return _closed(conn, payout_id, result.seq)
 
 
+def reverse_settled(conn: Connection, payout_id: int, reason: str, now: datetime | None = None) -> dict | None:
+    """A settled payout its rail took back (a reversed Stripe transfer): the
+    settlement is reversed (the amount back in flight, the fee back from the
+    platform), then the payout fails back to the owner's earnings, whole.
+    None when it is not settled (taken back already, or never settled)."""
+    row = _move(conn, payout_id, (SETTLED,), {"state": FAILED, "failure_reason": reason[:PAYOUT_FAILURE_CHARS_MAX],
+                                              "closed_at": now or utc_now()})
+    if row is None:
+        return None
+    append_one(conn, cmd.ReverseEvent(row["closed_seq"], f"payout {payout_id} taken back by its rail: {reason}",
+                                      f"payout:{payout_id}:settlement_reversed"))
+    result = append_one(conn, cmd.FailPayout(payout_id, row["owner_account_id"], row["rail"], row["amount_nano_usd"],
+                                             reason, f"payout:{payout_id}:failed"))
+    return _closed(conn, payout_id, result.seq)
+
+
 def _closed(conn: Connection, payout_id: int, seq: int) -> dict:
     conn.execute(update(payouts).where(payouts.c.id == payout_id).values(closed_seq=seq))
     return payout_row(conn, payout_id)

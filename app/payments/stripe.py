@@ -8,14 +8,15 @@ paid session that this service created credits the amount it was created for,
 once Stripe's API confirms the session paid for that amount and currency,
 keyed by the session, so any number of copies and both "completed" and
 "async_payment_succeeded" credit it once. The refunds and disputes of a
-charge never take more than it credited. An event that cannot be processed
-(a malformed shape, an unconfirmed payment, Stripe unreachable) is parked with
+charge never take more than it credited. Transfer events (owners' payouts)
+are stored and parked the same way and processed by
+app/payments/payout_stripe.py. An event that cannot be processed (a
+malformed shape, an unconfirmed payment, Stripe unreachable) is parked with
 its error and tried again with backoff, without holding up the others.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import orjson
@@ -29,22 +30,22 @@ from app.limits import (
     STRIPE_ERROR_CHARS_MAX,
     STRIPE_EVENT_ATTEMPTS_MAX,
     STRIPE_FIELD_SHOWN_CHARS_MAX,
-    STRIPE_NETWORK_RETRIES_MAX,
     STRIPE_OUTCOME_CHARS_MAX,
     STRIPE_RETRY_BACKOFF_FACTOR,
     STRIPE_RETRY_BACKOFF_S_BASE,
     STRIPE_RETRY_BACKOFF_S_MAX,
     STRIPE_SIGNATURE_TOLERANCE_S,
 )
+from app.payments import payout_stripe
 from app.payments.schema import stripe_checkout_sessions, stripe_disputes, stripe_events
-from app.payments.stripe_shapes import DISPUTE_EVENTS, PAID_SESSION_EVENTS, envelope, event_object
+from app.payments.stripe_client import NotConfirmed, StripeNotConfigured, StripeSettings, client
+from app.payments.stripe_shapes import DISPUTE_EVENTS, PAID_SESSION_EVENTS, TRANSFER_EVENTS, envelope, event_object
 from ledger import commands as cmd
 from ledger.errors import InvalidAmount, InvalidInput, LedgerError
 from ledger.money import CENT_DECIMALS, CENTS_PER_USD, NANO_USD_PER_CENT, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.store import append_one
 
-STRIPE_API_VERSION = "2026-10-28.endive"  # pinned: the shapes this module reads
 STRIPE_COUNTER_ACCOUNT = "external:stripe"
 DISPUTED_ACCOUNT = "external:stripe:disputed"
 CHECKOUT_CURRENCY = "usd"  # every session this service creates
@@ -55,28 +56,8 @@ DISPUTE_RELEASED = ("won", "warning_closed", "prevented")
 TAKING_DISPUTE_STATUSES = ("frozen", DISPUTE_LOST)  # what a charge's disputes hold or took
 
 
-class StripeNotConfigured(InvalidInput):
-    code = "stripe_not_configured"
-
-
 class BadSignature(InvalidInput):
     code = "bad_signature"
-
-
-class NotConfirmed(Exception):
-    """Stripe's API does not confirm what an event says (or cannot be asked):
-    not a ledger refusal, so the event is parked and tried again."""
-
-
-@dataclass(frozen=True)
-class StripeSettings:
-    secret_key: str | None = field(repr=False)  # secrets stay out of reprs and logs
-    webhook_secret: str | None = field(repr=False)
-    api_base: str | None
-    checkout_min_cents: int
-    checkout_max_cents: int
-    success_url: str
-    cancel_url: str
 
 
 def amount_cents(amount_usd: object, settings: StripeSettings) -> int:
@@ -91,11 +72,7 @@ def amount_cents(amount_usd: object, settings: StripeSettings) -> int:
 
 
 def _client(settings: StripeSettings) -> stripe.StripeClient:
-    if not settings.secret_key:
-        raise StripeNotConfigured("card top-ups need PARALON_STRIPE_SECRET_KEY")
-    addresses = {"api": settings.api_base} if settings.api_base else None
-    return stripe.StripeClient(settings.secret_key, stripe_version=STRIPE_API_VERSION, base_addresses=addresses,
-                               max_network_retries=STRIPE_NETWORK_RETRIES_MAX)
+    return client(settings, "card top-ups")
 
 
 def checkout_idempotency_key(account_id: int, cents: int, caller_key: str) -> str:
@@ -207,6 +184,8 @@ def _dispatch(engine: Engine, settings: StripeSettings, event: dict, obj: dict) 
         return _refund_charge(engine, event["id"], obj)
     if event["type"] in DISPUTE_EVENTS:
         return _dispute(engine, obj, closed=event["type"] == "charge.dispute.closed")
+    if event["type"] in TRANSFER_EVENTS:  # an owner's payout taken back
+        return payout_stripe.on_transfer_event(engine, settings, obj)
     return f"ignored: {event['type']}"
 
 

@@ -11,6 +11,9 @@ from ledger.errors import InvalidInput
 
 PAID_SESSION_EVENTS = ("checkout.session.completed", "checkout.session.async_payment_succeeded")
 DISPUTE_EVENTS = ("charge.dispute.created", "charge.dispute.closed")
+# A transfer to a connected account (an owner's payout) reversed; `transfer.updated`
+# too, since either says Stripe's record changed and Stripe's record decides.
+TRANSFER_EVENTS = ("transfer.reversed", "transfer.updated")
 
 
 class MalformedEvent(InvalidInput):
@@ -50,7 +53,7 @@ def event_object(event: dict) -> dict:
     """`data.object` of an event this service acts on, with the fields its type
     needs; an event of another type is returned as it is (it is ignored)."""
     kind = event.get("type")
-    if kind not in (*PAID_SESSION_EVENTS, "charge.refunded", *DISPUTE_EVENTS):
+    if kind not in (*PAID_SESSION_EVENTS, "charge.refunded", *DISPUTE_EVENTS, *TRANSFER_EVENTS):
         return {}
     data = event.get("data")
     obj = data.get("object") if isinstance(data, dict) else None
