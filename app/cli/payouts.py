@@ -12,6 +12,7 @@ from app.limits import PAYOUT_SEND_INTERVAL_S_DEFAULT, PAYOUT_SEND_INTERVAL_S_MA
 from app.payments import payouts as po
 from app.settings import Settings
 from ledger.commands import PAYOUT_RAILS
+from ledger.errors import InvalidInput
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 
@@ -95,32 +96,73 @@ def payouts_list(owner_id: int, as_json: bool) -> None:
 @handles_errors
 def payouts_retry(payout_id: int, as_json: bool) -> None:
     """Ask again for a failed payout: a new payout of the same owner, rail and amount, to
-    the rail's destination as it is now. One still in flight is its sender's to finish."""
-    rules = wiring.payout_rules(Settings.from_env())
-    payout = po.payout_view(po.retry_failed(engine(), payout_id, rules))
+    the rail's destination as it is now. A requested Stripe payout is paid now (the same
+    transfer as every attempt before). One in flight on chain is its sender's to finish."""
+    settings = Settings.from_env()
+    with engine().connect() as conn:
+        row = po.payout_row(conn, payout_id)
+    if row["rail"] == po.STRIPE and row["state"] == po.REQUESTED:  # paid now, under the same idempotency key as before
+        from app.payments import payout_stripe
+
+        payout_stripe.retry(engine(), wiring.stripe_settings(settings), payout_id)
+        with engine().connect() as conn:
+            payout = po.payout_view(po.payout_row(conn, payout_id))
+        emit(as_json, payout, f"payout {payout_id}: {payout['state']}")
+        return
+    payout = po.payout_view(po.retry_failed(engine(), payout_id, wiring.payout_rules(settings)))
     emit(as_json, payout, f"payout {payout['id']} (again for {payout_id}): ${payout['amount_usd']} on {payout['rail']}, {payout['state']}")
 
 
 @payouts_group.command("send")
+@click.option("--rail", type=click.Choice(PAYOUT_RAILS), help="Only this rail (default: every configured rail).")
 @click.option("--once", is_flag=True, help="One bounded run, then exit (otherwise a run every --interval-s).")
 @click.option("--interval-s", default=PAYOUT_SEND_INTERVAL_S_DEFAULT, show_default=True,
               type=click.FloatRange(PAYOUT_SEND_INTERVAL_S_MIN, PAYOUT_SEND_INTERVAL_S_MAX), help="Seconds between runs.")
 @json_option
 @handles_errors
-def payouts_send(once: bool, interval_s: float, as_json: bool) -> None:
-    """Pay requested USDC payouts from the hot wallet: sign and store, then broadcast;
-    re-broadcast or replace what is not mined; settle after N confirmations.
-    Safe after any crash: a stored transaction is broadcast again, never signed anew."""
-    from app.payments import payout_chain  # web3 loads only for this command
-
-    settings = wiring.payout_chain_settings(Settings.from_env())
-    db, w3 = engine(), payout_chain.connect(settings)
+def payouts_send(rail: str | None, once: bool, interval_s: float, as_json: bool) -> None:
+    """Pay requested payouts. USDC: sign and store, then broadcast; re-broadcast or replace
+    what is not mined; settle after N confirmations; safe after any crash (a stored
+    transaction is broadcast again, never signed anew). Stripe: one transfer per payout
+    under the payout's idempotency key. A rail that is not configured is skipped
+    (named with --rail, it is an error)."""
+    senders = _senders(Settings.from_env(), rail)
+    db = engine()
     while True:
-        report = dataclasses.asdict(payout_chain.send_once(db, w3, settings))
-        emit(as_json, report, " ".join(f"{k}={v}" for k, v in report.items()))
+        report = {name: send(db) for name, send in senders.items()}
+        emit(as_json, report, "\n".join(f"{name}: " + " ".join(f"{k}={v}" for k, v in r.items()) for name, r in report.items()))
         if once:
             return
         time.sleep(interval_s)
+
+
+def _senders(settings: Settings, rail: str | None) -> dict:
+    """Each configured rail's one run, as a function of the engine returning its report."""
+    from app.payments import payout_chain, payout_stripe  # web3 and Stripe load only for this command
+
+    senders, skipped = {}, {}
+    chain = wiring.payout_chain_settings(settings)
+    if chain.missing():
+        skipped[po.USDC] = f"set {', '.join(chain.missing())}"
+    else:
+        w3 = payout_chain.connect(chain)
+        senders[po.USDC] = lambda db: dataclasses.asdict(payout_chain.send_once(db, w3, chain))
+    stripe = wiring.stripe_settings(settings)
+    if stripe.secret_key:
+        senders[po.STRIPE] = lambda db: payout_stripe.send_pending(db, stripe).as_dict()
+    else:
+        skipped[po.STRIPE] = "set PARALON_STRIPE_SECRET_KEY"
+    if rail is not None:
+        if rail in skipped:
+            raise NotConfigured(f"{rail} payouts are not configured: {skipped[rail]}")
+        return {rail: senders[rail]}
+    if not senders:
+        raise NotConfigured("no payout rail is configured: " + "; ".join(f"{r}: {why}" for r, why in skipped.items()))
+    return senders
+
+
+class NotConfigured(InvalidInput):
+    code = "payouts_not_configured"
 
 
 COMMANDS = (payouts_group,)

@@ -184,7 +184,7 @@ def automine(rig: Rig, on: bool) -> None:
     rig.w3.provider.make_request("evm_setAutomine", [on])
 
 
-SEND_ONCE = [sys.executable, "-c", "from app.cli import main; main()", "payouts", "send", "--once", "--json"]
+SEND_ONCE = [sys.executable, "-c", "from app.cli import main; main()", "payouts", "send", "--rail", "usdc", "--once", "--json"]
 
 
 def sender_env(rig: Rig, tmp_path: Path, fault: str | None = None) -> dict[str, str]:
@@ -210,7 +210,7 @@ def paralon_send(rig: Rig, tmp_path: Path, fault: str | None = None) -> subproce
 
 def report_of(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, (done.stdout, done.stderr)
-    return json.loads(done.stdout)
+    return json.loads(done.stdout)[po.USDC]
 
 
 # --- 1. The way it should go ---------------------------------------------------------
@@ -493,7 +493,7 @@ def test_two_senders_at_once_sign_each_payout_once_with_its_own_nonce(pg_rig, tm
             if sender.poll() is None:
                 os.killpg(sender.pid, signal.SIGKILL)
                 sender.wait()
-    reports = [json.loads(out) for out, _ in outputs]
+    reports = [json.loads(out)[po.USDC] for out, _ in outputs]
     assert sum(r["signed"] for r in reports) == OWNERS_CONCURRENT, outputs
     mine(rig.w3, CONFIRMATIONS)
     rig.send()

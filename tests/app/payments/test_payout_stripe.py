@@ -8,6 +8,7 @@ Every case reads the owner's earnings, the rail's in-flight and paid accounts
 and the platform's revenue, and every failure shows that nothing moved."""
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
@@ -435,3 +436,28 @@ def test_a_transfer_event_that_is_not_a_payout_or_not_reversed_moves_nothing(eng
     standin.transfers_by_id["tr_not_ours"] = {**foreign, "metadata": {"payout_id": str(settled["id"])}, "amount_reversed": foreign["amount"]}
     assert process_event(engine, settings, _receive(engine, settings, transfer_event("transfer.reversed", foreign))).startswith("ignored")
     assert books(engine, owner) == PAID_40 and _payout(engine, settled["id"])["state"] == po.SETTLED
+
+
+def test_paralon_payouts_send_pays_the_stripe_rail_and_retry_pays_one_now(database_url, engine, stripe_api, owner):
+    """The operator's commands: `payouts send --once` runs every configured rail (here Stripe alone);
+    `payouts retry` pays one requested payout at once, under the same key; a second send finds nothing to do."""
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    standin, settings = stripe_api
+    env = {"PARALON_DATABASE_URL": database_url, "PARALON_STRIPE_SECRET_KEY": API_KEY, "PARALON_STRIPE_API_BASE": settings.api_base}
+    first = _requested(engine, owner)
+    sent = CliRunner().invoke(main, ["payouts", "send", "--once", "--json"], env=env)
+    assert sent.exit_code == 0, (sent.stdout, sent.stderr)
+    assert json.loads(sent.stdout) == {po.STRIPE: {"settled": [first["id"]], "failed": [], "waiting": []}}
+
+    second = po.request_payout(engine, owner, po.STRIPE, 20 * USD, RULES)
+    retried = CliRunner().invoke(main, ["payouts", "retry", str(second["id"]), "--json"], env=env)
+    assert retried.exit_code == 0, (retried.stdout, retried.stderr)
+    assert json.loads(retried.stdout)["state"] == po.SETTLED
+    assert standin.transfers_created == 2
+    again = CliRunner().invoke(main, ["payouts", "send", "--once", "--json"], env=env)
+    assert json.loads(again.stdout) == {po.STRIPE: {"settled": [], "failed": [], "waiting": []}}
+    assert books(engine, owner)["owner"] == 40 * USD
+    _verified(engine)
