@@ -99,6 +99,7 @@ PAYOUT_STATE_CHARS_MAX = 16
 PAYOUT_DESTINATION_CHARS_MAX = 255  # an EVM address or a Stripe connected account id
 PAYOUT_FAILURE_CHARS_MAX = 500
 PAYOUTS_LISTED_MAX = 200  # one page of an owner's payouts
+PAYOUT_REFERENCES_CHECKED_MAX = 1_000  # payouts of each rail `ledger verify` checks on the rail, newest first
 USDC_DECIMALS = 6  # a payout token's decimals when PARALON_PAYOUT_TOKEN does not say
 # The Stripe rail (app/payments/payout_stripe.py): requested payouts one run of the sender
 # pays (the rest at the next run), and how often beat runs it.

@@ -12,8 +12,9 @@ from app.anchoring.service import read_anchors, write_anchor
 from app.cli.output import emit, engine, fail, handles_errors, json_option, owner_engine, progress
 from app.db_roles import grant_app_role, service_role
 from app.migrate import migrate
+from app.payments.payout_checks import payout_problems
 from app.settings import Settings
-from app.wiring import anchor_settings
+from app.wiring import anchor_settings, payout_chain_settings, stripe_settings
 from invoices import exports, reconciliation, statements
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -24,7 +25,6 @@ from ledger.events import GENESIS_HASH
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now, sweep_expired_holds
-from app.payments.payout_checks import payout_problems
 from ledger.verify import count_events, rebuild_balances, verify
 from ledger.verify_since import Checkpoint, verify_since
 
@@ -131,16 +131,30 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
             report = verify_since(conn, since, bar.update)[0] if since_anchor else verify(conn, progress=bar.update)
         for finding in read.findings + check_anchors(conn, read.anchors) + payout_problems(conn):
             report.add(finding)
+        rail_notes, rail_findings = payout_rail_problems(conn)
+        for finding in rail_findings:
+            report.add(finding)
     data = {"ok": report.ok, "events_checked": report.events_checked, "accounts_checked": report.accounts_checked,
             "problems_total": report.problems_total, "problems": report.problems,
-            "anchors_checked": len(read.anchors), "anchor_notes": read.notes}
+            "anchors_checked": len(read.anchors), "anchor_notes": read.notes, "payout_notes": rail_notes}
     if since_anchor:
         data["since_seq"] = since.seq
     text = f"ok: {report.events_checked} events, {report.accounts_checked} accounts, {len(read.anchors)} anchors" if report.ok else "\n".join(
         [f"FAILED: {report.problems_total} problem(s)"] + report.problems
     )
-    emit(as_json, data, "\n".join([text, *read.notes]))
+    emit(as_json, data, "\n".join([text, *read.notes, *rail_notes]))
     sys.exit(0 if report.ok else 1)
+
+
+def payout_rail_problems(conn) -> tuple[list[str], list[str]]:
+    """The payouts' references on every configured rail (app/payments/payout_references.py); nothing when none is."""
+    settings = Settings.from_env()
+    chain, stripe = payout_chain_settings(settings), stripe_settings(settings)
+    if chain.missing() and not stripe.secret_key:
+        return [], []
+    from app.payments.payout_references import rail_problems  # web3 and Stripe load only when a rail is configured
+
+    return rail_problems(conn, chain, stripe)
 
 
 @ledger_group.command("anchor")

@@ -35,6 +35,7 @@ from app.payments import payouts as po
 from app.payments.crypto import TRANSFER_EVENT, Token
 from app.payments.payout_chain import AFTER_BROADCAST, AFTER_STORE, FAULT_ENV, PayoutChainSettings, StoredTx, send_once
 from app.payments.schema import payout_transactions, payout_wallets
+from app.payments.schema import payouts as payouts_table
 from app.settings import Settings, SettingsError
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -533,3 +534,40 @@ def test_the_wallet_key_is_read_from_a_file_and_a_wrong_one_is_refused_without_i
     with pytest.raises(SettingsError) as refused:
         wiring.payout_chain_settings(Settings.from_env())
     assert "PARALON_PAYOUT_WALLET_KEY" in str(refused.value) and wrong not in str(refused.value)
+
+
+# --- ledger verify against the chain ------------------------------------------------------
+def test_ledger_verify_checks_settled_and_in_flight_payouts_against_the_chain(rig, tmp_path):
+    """`paralon ledger verify` finds each settled payout's Transfer on chain and each in-flight
+    payout's transaction at the node; a reference that names another transaction fails it."""
+    settled_id = request(rig)
+    rig.send()
+    mine(rig.w3, CONFIRMATIONS)
+    assert rig.send().settled == 1
+    verify_cli = [sys.executable, "-c", "from app.cli import main; main()", "ledger", "verify", "--json"]
+
+    def ledger_verify() -> subprocess.CompletedProcess:
+        return subprocess.run(verify_cli, env=sender_env(rig, tmp_path), capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S, start_new_session=True)
+
+    with rig.engine.begin() as conn:  # a second owner's payout, in flight: sent, not yet mined
+        other = acc.create_account(conn, cmd.OWNER, "another farm")
+        po.set_destination(conn, other, po.USDC, Account.create().address)
+    append_now(rig.engine, cmd.AdjustBalance(other, EARNINGS_NANO_USD, "earnings", f"earn:{other}"))
+    po.request_payout(rig.engine, other, po.USDC, PAYOUT_NANO_USD, RULES)
+    rig.w3.provider.make_request("evm_setAutomine", [False])
+    try:
+        assert rig.send().signed == 1
+        done = ledger_verify()
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        assert "USDC payouts checked on chain 31337: 2" in json.loads(done.stdout)["payout_notes"]
+
+        other_tx = rig.w3.eth.get_block(1)["transactions"][0].to_0x_hex()  # the token's deployment: no payout's transfer
+        with rig.engine.begin() as conn:
+            conn.execute(payouts_table.update().where(payouts_table.c.id == settled_id).values(reference=other_tx))
+        done = ledger_verify()
+        assert done.returncode == 1
+        assert any(f"payout {settled_id} (settled by {other_tx}): no Transfer of 39750000" in p
+                   for p in json.loads(done.stdout)["problems"])
+    finally:
+        rig.w3.provider.make_request("evm_setAutomine", [True])

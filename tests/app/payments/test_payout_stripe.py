@@ -461,3 +461,24 @@ def test_paralon_payouts_send_pays_the_stripe_rail_and_retry_pays_one_now(databa
     assert json.loads(again.stdout) == {po.STRIPE: {"settled": [], "failed": [], "waiting": []}}
     assert books(engine, owner)["owner"] == 40 * USD
     _verified(engine)
+
+
+def test_ledger_verify_checks_settled_payouts_against_stripes_transfers(database_url, engine, stripe_api, owner):
+    """`paralon ledger verify` finds each settled payout's transfer on Stripe for its cents and connected
+    account; a transfer Stripe reversed without the ledger hearing of it fails verify, naming it."""
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    standin, settings = stripe_api
+    env = {"PARALON_DATABASE_URL": database_url, "PARALON_STRIPE_SECRET_KEY": API_KEY, "PARALON_STRIPE_API_BASE": settings.api_base}
+    payout = _paid(engine, standin, settings, owner)
+    ok = CliRunner().invoke(main, ["ledger", "verify", "--json"], env=env)
+    assert ok.exit_code == 0, (ok.stdout, ok.stderr)
+    assert "Stripe payouts checked on Stripe: 1" in json.loads(ok.stdout)["payout_notes"]
+
+    standin.reverse(payout["reference"])  # no webhook reaches the ledger
+    failed = CliRunner().invoke(main, ["ledger", "verify", "--json"], env=env)
+    assert failed.exit_code == 1
+    assert any(f"payout {payout['id']}: Stripe's transfer {payout['reference']}" in p and "(reversed)" in p
+               for p in json.loads(failed.stdout)["problems"])
