@@ -4,7 +4,9 @@ every refusal leaves the money where it was."""
 from __future__ import annotations
 
 import hashlib
+import io
 
+import pypdf
 import pytest
 from sqlalchemy import select
 
@@ -51,6 +53,13 @@ def test_an_owner_asks_for_a_payout_follows_it_and_downloads_its_receipt(owner_s
     with site.engine.connect() as conn:
         recorded = conn.execute(select(payout_receipts.c.pdf_sha256).where(payout_receipts.c.payout_id == payout["id"])).scalar_one()
     assert hashlib.sha256(receipt.content).digest() == recorded
+    reader = pypdf.PdfReader(io.BytesIO(receipt.content))
+    text = " ".join(reader.pages[0].extract_text().split())
+    for expected in (f"Payout receipt {payout['id']}", "GPU farm", ADDRESS, "0x" + "ab" * 32, "25.12", "25123456000 nano-USD"):
+        assert expected in text, expected
+    xmp = reader.trailer["/Root"]["/Metadata"].get_object().get_data()
+    assert b"pdfaid:part" in xmp and b"3" in xmp.split(b"pdfaid:part")[1][:6], "identifies itself as PDF/A-3"
+    assert b"pdfaid:conformance" in xmp and b"B" in xmp.split(b"pdfaid:conformance")[1][:6]
     assert site.call("GET", f"/v1/payouts/{payout['id']}.pdf", site.tokens["owner"]).content == receipt.content
 
 

@@ -282,3 +282,33 @@ def test_a_destination_change_returns_payouts_not_yet_sent_and_leaves_sent_ones(
         assert po.payout_row(conn, unsent["id"])["failure_reason"] == "the destination changed before it was sent"
         assert po.payout_row(conn, sent["id"])["state"] == po.SENT
     assert money(engine, owner)["owner"] == 80 * USD and money(engine, owner)["in_flight:usdc"] == 0
+
+
+def test_a_changed_destination_is_mailed_to_the_owners_people(engine, owner):
+    """Members and the account's address hear of it, with the old and new destination and when payouts go to it."""
+    from aiosmtpd.controller import Controller
+
+    from app.jobs.payout_mail import destination_changed
+    from app.outbox import outbox
+    from app.members import add_member
+    from invoices.mail import MailSettings
+    from tests.invoices.test_mail import Inbox
+    from tests.support.harness import free_port
+
+    with engine.begin() as conn:
+        add_member(conn, owner, "ops@farm.example", "owner")
+        changed, _ = po.set_destination(conn, owner, po.USDC, OTHER_ADDRESS)
+    with engine.connect() as conn:  # written with the change, sent once it committed
+        assert conn.execute(select(outbox.c.task, outbox.c.args)).all() == [(po.DESTINATION_CHANGED_TASK, f'[{owner},"usdc"]')]
+    inbox, port = Inbox(), free_port()
+    server = Controller(inbox, hostname="127.0.0.1", port=port)
+    server.start()
+    try:
+        assert destination_changed(engine, MailSettings("127.0.0.1", port), owner, po.USDC) == 1
+    finally:
+        server.stop()
+    [message] = inbox.messages
+    body = message.get_content()
+    assert message["To"] == "ops@farm.example" and "payout destination" in message["Subject"]
+    for expected in (changed.destination, "0x00000000000000000000000000000000000000A1", changed.usable_from.strftime("%Y-%m-%d %H:%M")):
+        assert expected in body, expected
