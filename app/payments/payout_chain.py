@@ -54,7 +54,7 @@ from app.limits import (
 )
 from app.payments import payouts as po
 from app.payments.crypto import Token
-from app.payments.schema import payout_destinations, payout_transactions, payout_wallets, payouts
+from app.payments.schema import payout_transactions, payout_wallets, payouts
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import PERCENT, nano_usd_per_unit
 from ledger.schema import utc_now
@@ -492,7 +492,7 @@ def _to_sign(run: _Run) -> list[int]:
 def _sign_and_send(run: _Run, payout_id: int, funds: _Funds) -> None:
     with run.engine.connect() as conn:
         row = po.payout_row(conn, payout_id)
-        why = _destination_problem(conn, row, run.now)
+        why = po.destination_problem(conn, row, run.now)
     if why is not None:
         run.report.waiting_for_destination += 1
         log.info("payout %s waits: %s", payout_id, why)
@@ -526,7 +526,7 @@ def _store_signed(run: _Run, payout_id: int, raw: int, transfer: dict) -> Stored
         next_nonce = conn.execute(select(payout_wallets.c.next_nonce).where(*_wallet_key(run)).with_for_update()).scalar_one()
         row = conn.execute(select(payouts).where(payouts.c.id == payout_id).with_for_update()).one()._mapping
         signed_already = conn.execute(select(payout_transactions.c.tx_hash).where(payout_transactions.c.payout_id == payout_id)).first()
-        if row["state"] != po.REQUESTED or signed_already or _destination_problem(conn, row, run.now, lock=True):
+        if row["state"] != po.REQUESTED or signed_already or po.destination_problem(conn, row, run.now, lock=True):
             return None
         nonce = max(next_nonce, run.w3.eth.get_transaction_count(run.address, "pending"))
         signed = run.account.sign_transaction({"type": EVM_DYNAMIC_FEE_TX_TYPE, "chainId": run.chain_id, "nonce": nonce, "value": 0, **transfer})
@@ -535,20 +535,6 @@ def _store_signed(run: _Run, payout_id: int, raw: int, transfer: dict) -> Stored
         conn.execute(update(payout_wallets).where(*_wallet_key(run)).values(next_nonce=nonce + 1))
     log.info("payout %s signed: %s, nonce %s, %s raw to %s", payout_id, stored.tx_hash, nonce, raw, row["destination"])
     return stored
-
-
-def _destination_problem(conn: Connection, row, now: datetime, lock: bool = False) -> str | None:
-    """Why nothing may be sent to the payout's destination now, or None."""
-    d = payout_destinations.c
-    query = select(payout_destinations).where(d.owner_account_id == row["owner_account_id"], d.rail == po.USDC)
-    current = conn.execute(query.with_for_update() if lock else query).first()
-    if current is None:
-        return "the owner has no USDC destination any more"
-    if current.destination != row["destination"]:
-        return f"its destination {row['destination']} is no longer the owner's (now {current.destination})"
-    if current.usable_from > now:
-        return f"its destination changed at {current.changed_at.isoformat()}: nothing goes to it before {current.usable_from.isoformat()}"
-    return None
 
 
 def _wait_for_funds(run: _Run, funds: _Funds, payout_id: int, raw: int, gas_cost_wei: int | None) -> None:

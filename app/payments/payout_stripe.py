@@ -102,7 +102,7 @@ def retry(engine: Engine, settings: StripeSettings, payout_id: int, now: datetim
 def _send(engine: Engine, sdk: stripe.StripeClient, deployment: str, payout: dict, now: datetime, report: SendReport) -> None:
     payout_id = payout["id"]
     with engine.connect() as conn:
-        unpayable = _unpayable(conn, payout, now)
+        unpayable = po.destination_problem(conn, payout, now)
     if unpayable:
         report.waiting.append({"payout_id": payout_id, "reason": unpayable})
         return
@@ -122,18 +122,6 @@ def _send(engine: Engine, sdk: stripe.StripeClient, deployment: str, payout: dic
         report.waiting.append({"payout_id": payout_id, "reason": f"transfer {transfer.get('id')} differs: {wrong}"})
         return
     _record(engine, payout_id, transfer, params, report)
-
-
-def _unpayable(conn: Connection, payout: dict, now: datetime) -> str | None:
-    """Why the payout's connected account is not paid now, if it is not."""
-    current = po.get_destination(conn, payout["owner_account_id"], po.STRIPE)
-    if current is None:
-        return "the owner has no connected account"
-    if current.destination != payout["destination"]:
-        return f"the connected account changed to {current.destination} after the payout was requested"
-    if current.usable_from > now:
-        return f"the connected account is paid from {current.usable_from.isoformat()} (its cooldown)"
-    return None
 
 
 def _transfer_params(deployment: str, payout: dict, cents: int) -> dict:

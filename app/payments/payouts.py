@@ -262,6 +262,22 @@ def pay_weekly(engine: Engine, rules: PayoutRules, now: datetime | None = None) 
     return report
 
 
+def destination_problem(conn: Connection, payout: dict, now: datetime, lock: bool = False) -> str | None:
+    """Why a rail may not pay `payout` to its destination now (None: it may): the owner's
+    destination on the rail is another, or it is in its cooldown. `lock` holds the destination's
+    row until the caller commits, so a change cannot slip in between the check and the sending."""
+    d = payout_destinations.c
+    query = select(payout_destinations).where(d.owner_account_id == payout["owner_account_id"], d.rail == payout["rail"])
+    current = conn.execute(query.with_for_update() if lock else query).first()
+    if current is None:
+        return f"the owner has no {payout['rail']} destination any more"
+    if current.destination != payout["destination"]:
+        return f"its destination {payout['destination']} is no longer the owner's (now {current.destination})"
+    if current.usable_from > now:
+        return f"its destination changed at {current.changed_at.isoformat()}: nothing goes to it before {current.usable_from.isoformat()} (its cooldown)"
+    return None
+
+
 def _usable_destination(conn: Connection, owner_account_id: int, rail: str, now: datetime) -> str:
     found = get_destination(conn, owner_account_id, rail)
     if found is None:
