@@ -45,6 +45,8 @@ def render_statement_pdf(statement: dict) -> bytes:
     return _pdf("statement.html", title="Statement", **statement)
 
 
+# templates/_document_head.html is the invoices' and receipts' shared style: an edit to it changes
+# the bytes of every document rendered again, which then no longer match their recorded SHA-256.
 def render_payout_receipt_pdf(receipt: dict) -> bytes:
     """receipt: app/payments/payout_receipts.py's figures of a settled payout."""
     return _pdf("payout_receipt.html", title="Payout receipt", **receipt)
