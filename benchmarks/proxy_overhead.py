@@ -1,17 +1,20 @@
 """What the proxy adds to time-to-first-token, and how many tokens it relays
 per second of its own CPU, with authentication, holds, metering and
-settlement all on.
+settlement all on, against a bare relay on the same worker in the same run.
 
 Steady closed-loop callers each stream one request after another, to a
-simulated worker paced like a real GPU (one token per chunk, h200 profile),
-once directly and once through `paralon serve`, in the same run; the phases
-alternate so that drift on this shared machine hits both alike.
+simulated worker paced like a real GPU (one token per chunk, h200 profile):
+directly, through the bare relay (benchmarks/bare_relay.py: uvicorn and httpx
+forwarding raw bytes, nothing else) and through `paralon serve`; the phases
+alternate so that drift on this shared machine hits all three alike.
 
     python benchmarks/proxy_overhead.py --json
 
-Prints one JSON line: ttft_added_ms_p50 and ttft_added_ms_p99 (16 callers),
-relayed_tokens_per_cpu_s (64 callers: tokens the callers received through the
-proxy per CPU-second of the proxy process).
+Prints one JSON line. At 16 callers: TTFT added over the direct path, p50 and
+p99, by the proxy and by the bare relay, and their ratios. At 64 callers:
+tokens the callers received per CPU-second of the relaying process, for each,
+and the proxy's ratio to the bare relay's; and the load generator's own CPU
+per phase, so that a starved client cannot hide a slow proxy.
 """
 from __future__ import annotations
 
@@ -61,6 +64,26 @@ def start_worker(port: int, profile: str) -> subprocess.Popen:
     raise SystemExit("the simulated worker did not start")
 
 
+def start_bare_relay(port: int, worker_port: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "bare_relay.py"), "--port", str(port),
+                                "--upstream", f"http://127.0.0.1:{worker_port}"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return process
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit("the bare relay did not start")
+
+
+def relayed_per_cpu_s(url: str, headers: dict, pid: int, seconds: float) -> tuple[int, float, float]:
+    """(tokens received, CPU-seconds of the relaying process, CPU-seconds of this load generator) at 64 callers."""
+    relay_before, own_before = process_cpu_s(pid), process_cpu_s(os.getpid())
+    _, tokens = asyncio.run(run_phase(url, headers, 64, seconds))
+    return tokens, process_cpu_s(pid) - relay_before, process_cpu_s(os.getpid()) - own_before
+
+
 async def caller(pool: UpstreamPool, url: str, headers: dict, deadline: float, ttfts_ms: list[float], index: int,
                  callers: int) -> int:
     """One closed-loop caller. The client is the proxy's own lean HTTP client,
@@ -103,6 +126,26 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
+def figures(ttfts: dict[str, list[float]], relay_tokens: int, relay_cpu_s: float, proxy_tokens: int, proxy_cpu_s: float) -> dict:
+    """Absolute figures, and the proxy's as ratios to the bare relay's."""
+    direct_p50, direct_p99 = statistics.median(ttfts["direct"]), percentile(ttfts["direct"], 0.99)
+    added = {name: (statistics.median(ttfts[name]) - direct_p50, percentile(ttfts[name], 0.99) - direct_p99) for name in ("relay", "proxy")}
+    relay_rate = relay_tokens / relay_cpu_s if relay_cpu_s else None
+    proxy_rate = proxy_tokens / proxy_cpu_s if proxy_cpu_s else None
+    return {
+        "ttft_added_ms_p50": round(added["proxy"][0], 2), "ttft_added_ms_p99": round(added["proxy"][1], 2),
+        "bare_relay_ttft_added_ms_p50": round(added["relay"][0], 2), "bare_relay_ttft_added_ms_p99": round(added["relay"][1], 2),
+        "ttft_direct_ms_p50": round(direct_p50, 2), "ttft_direct_ms_p99": round(direct_p99, 2),
+        "relayed_tokens_per_cpu_s": round(proxy_rate) if proxy_rate else None,
+        "bare_relay_tokens_per_cpu_s": round(relay_rate) if relay_rate else None,
+        "ttft_added_p50_ratio_to_bare": round(added["proxy"][0] / added["relay"][0], 2) if added["relay"][0] > 0 else None,
+        "ttft_added_p99_ratio_to_bare": round(added["proxy"][1] / added["relay"][1], 2) if added["relay"][1] > 0 else None,
+        "relayed_tokens_per_cpu_s_ratio_to_bare": round(proxy_rate / relay_rate, 3) if proxy_rate and relay_rate else None,
+        "relayed_tokens": proxy_tokens, "proxy_cpu_s": round(proxy_cpu_s, 2),
+        "bare_relay_tokens": relay_tokens, "bare_relay_cpu_s": round(relay_cpu_s, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
@@ -112,49 +155,41 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    worker_port = free_port()
+    worker_port, relay_port = free_port(), free_port()
     worker = start_worker(worker_port, args.profile)
+    relay = start_bare_relay(relay_port, worker_port)
     with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
         url = scratch.url.render_as_string(hide_password=False)
         fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
         proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
                              PARALON_GROUP_COMMIT_WAIT_MS="1").start()
         try:
-            direct_url = f"http://127.0.0.1:{worker_port}/v1/chat/completions"
-            proxy_url = f"{proxy.url}/v1/chat/completions"
+            path = "/v1/chat/completions"
+            direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", f"http://127.0.0.1:{relay_port}{path}", proxy.url + path
             headers = {"authorization": f"Bearer {fleet.key}"}
             asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches
-            direct_ttfts, proxy_ttfts = [], []
+            asyncio.run(run_phase(relay_url, {}, 16, 2.0))
+            ttfts = {"direct": [], "relay": [], "proxy": []}
             for round_ in range(args.rounds):
-                log(f"round {round_ + 1}: 16 callers direct, then through the proxy ...")
-                direct_ttfts += asyncio.run(run_phase(direct_url, {}, 16, args.seconds))[0]
-                proxy_ttfts += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
-            log("64 callers through the proxy ...")
-            cpu_before = process_cpu_s(proxy.process.pid)
-            _, relayed_tokens = asyncio.run(run_phase(proxy_url, headers, 64, args.seconds))
-            proxy_cpu_s = process_cpu_s(proxy.process.pid) - cpu_before
+                log(f"round {round_ + 1}: 16 callers direct, through the bare relay, then through the proxy ...")
+                ttfts["direct"] += asyncio.run(run_phase(direct_url, {}, 16, args.seconds))[0]
+                ttfts["relay"] += asyncio.run(run_phase(relay_url, {}, 16, args.seconds))[0]
+                ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
+            log("64 callers through the bare relay, then through the proxy ...")
+            relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds)
+            proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
         finally:
             proxy.stop()
-            worker.terminate()
-            worker.wait(10)
+            for process in (relay, worker):
+                process.terminate()
+                process.wait(10)
         settled = len(fleet.settlements())
         fleet.engine.dispose()
-
-    result = {
-        "ttft_added_ms_p50": round(statistics.median(proxy_ttfts) - statistics.median(direct_ttfts), 2),
-        "ttft_added_ms_p99": round(percentile(proxy_ttfts, 0.99) - percentile(direct_ttfts, 0.99), 2),
-        "ttft_direct_ms_p50": round(statistics.median(direct_ttfts), 2),
-        "ttft_proxy_ms_p50": round(statistics.median(proxy_ttfts), 2),
-        "ttft_direct_ms_p99": round(percentile(direct_ttfts, 0.99), 2),
-        "ttft_proxy_ms_p99": round(percentile(proxy_ttfts, 0.99), 2),
-        "requests_measured": {"direct": len(direct_ttfts), "proxy": len(proxy_ttfts)},
-        "relayed_tokens_per_cpu_s": round(relayed_tokens / proxy_cpu_s) if proxy_cpu_s else None,
-        "relayed_tokens": relayed_tokens,
-        "proxy_cpu_s": round(proxy_cpu_s, 2),
-        "requests_settled": settled,
-        "profile": args.profile,
-        "seconds_per_phase": args.seconds,
-    }
+    result = figures(ttfts, relay_tokens, relay_cpu_s, proxy_tokens, proxy_cpu_s)
+    result.update({"load_generator_cpu_s": {"relay_phase": round(relay_client_cpu_s, 2), "proxy_phase": round(proxy_client_cpu_s, 2)},
+                   "load_generator_cpu_share": round(proxy_client_cpu_s / args.seconds, 2),
+                   "requests_settled": settled, "profile": args.profile, "seconds_per_phase": args.seconds,
+                   "requests_measured": {name: len(values) for name, values in ttfts.items()}})
     print(json.dumps(result, sort_keys=True) if args.json else "\n".join(f"{k}: {v}" for k, v in sorted(result.items())))
 
 
