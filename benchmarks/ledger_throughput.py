@@ -67,6 +67,39 @@ def postgres_cpu_s() -> float | None:
     return total / ticks_per_s
 
 
+# Bytes on disk of each table of the schema: heap, TOAST and its indexes apart.
+_RELATION_BYTES = """
+SELECT c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid)
+FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
+"""
+
+
+def disk_snapshot(conn) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The server's WAL position (bytes) and each table's (table, index) bytes."""
+    wal_lsn = conn.exec_driver_sql("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").scalar_one()
+    return int(wal_lsn), {name: (table, index) for name, table, index in conn.exec_driver_sql(_RELATION_BYTES)}
+
+
+def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
+    """WAL written and pages grown over the load, per settlement, by table (index apart).
+
+    Growth, not writes: an update that fits its page (HOT) grows nothing but
+    still writes WAL, which is why both are shown."""
+    per = max(settled, 1)
+    by_table = {}
+    for name, (table, index) in after[1].items():
+        table_before, index_before = before[1].get(name, (0, 0))
+        grown = (table - table_before, index - index_before)
+        if any(grown):
+            by_table[name] = {"table": round(grown[0] / per, 1), "index": round(grown[1] / per, 1)}
+    return {
+        "wal_bytes_per_settlement": round((after[0] - before[0]) / per, 1),
+        "table_bytes_per_settlement": round(sum(t["table"] for t in by_table.values()), 1),
+        "index_bytes_per_settlement": round(sum(t["index"] for t in by_table.values()), 1),
+        "bytes_per_settlement_by_table": by_table,
+    }
+
+
 def pgbench_tps(server_url: str, seconds: int) -> float:
     if shutil.which("pgbench") is None:
         raise SystemExit("pgbench is not installed (Debian: postgresql-contrib or postgresql-client)")
@@ -169,14 +202,18 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     start_at = time.time() + 3.0  # every process starts producing at the same moment
     jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms)
             for p in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+    with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
+        disk_started = disk_snapshot(watcher)
+        watcher.rollback()
         postgres_cpu_started, idle_started = postgres_cpu_s(), idle_cpu_s()
         time.sleep(max(0.0, start_at + seconds - time.time()))
         postgres_cpu_used = postgres_cpu_s()  # before the producers disconnect and their backends exit
         machine_idle_share = (idle_cpu_s() - idle_started) / (seconds * (os.cpu_count() or 1))
         parts = pending.get()
+        disk_used = disk_snapshot(watcher)  # after the last settlement: each one counted is in it
+        watcher.rollback()
     with engine.connect() as conn:
         report = verify(conn)
     engine.dispose()
@@ -192,6 +229,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "postgres_cpu_us_per_settlement": (
             round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
         ),
+        **bytes_per_settlement(disk_started, disk_used, settled),
         "machine_idle_share": round(machine_idle_share, 3),
         "settlements_by_second": [sum(seconds_) for seconds_ in zip(*(part["per_second"] for part in parts))],
         "verify_ok": report.ok,
