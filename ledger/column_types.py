@@ -41,6 +41,6 @@ class UTCDateTime(TypeDecorator):
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value, dialect):
-        if value is None:
-            return None
+        if value is None or value.tzinfo is UTC:  # PostgreSQL sessions are in UTC (ledger.storage.postgres)
+            return value
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

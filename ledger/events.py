@@ -5,6 +5,7 @@ idempotency key, time, hash chain) plus its postings, which sum to zero.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -12,7 +13,7 @@ from typing import NamedTuple
 
 import orjson
 
-from ledger.limits import SHA256_BYTES
+from ledger.limits import EVENT_TYPES_CACHED_MAX, SHA256_BYTES
 
 GENESIS_HASH = bytes(SHA256_BYTES)
 
@@ -230,6 +231,12 @@ def format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+@functools.lru_cache(maxsize=EVENT_TYPES_CACHED_MAX)
+def _type_json(event_type: str) -> str:
+    """An event type's JSON: a handful of names, hashed into every event."""
+    return canonical_json(event_type)
+
+
 def event_hash(
     prev_hash: bytes,
     seq: int,
@@ -245,7 +252,7 @@ def event_hash(
     format the shared timestamp once."""
     legs = ",".join([f"[{account_id},{amount}]" for account_id, amount in postings])
     body = (
-        f'{{"seq":{seq},"type":{canonical_json(event_type)},"key":{canonical_json(idempotency_key)},'
+        f'{{"seq":{seq},"type":{_type_json(event_type)},"key":{canonical_json(idempotency_key)},'
         f'"at":"{recorded_at_text}","payload":{payload_json},"postings":[{legs}]}}'
     )
     return hashlib.sha256(f"{prev_hash.hex()}\n{body}".encode()).digest()

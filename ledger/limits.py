@@ -19,6 +19,7 @@ ACCOUNT_NAME_CHARS_MAX = 200
 EMAIL_CHARS_MAX = 320  # RFC 3696's longest address
 SYSTEM_CODE_CHARS_MAX = 64
 EVENT_TYPE_CHARS_MAX = 64
+EVENT_TYPES_CACHED_MAX = 64  # the JSON of each event type, kept for hashing (there are a few dozen)
 IDEMPOTENCY_KEY_CHARS_MAX = 200  # also request ids, references' names and metadata names
 REASON_CHARS_MAX = 500  # reasons, external references, metadata strings
 CONSUMER_NAME_CHARS_MAX = 100

@@ -16,17 +16,15 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select, text, update
 
-from ledger.log import read_events
 from ledger.schema import ledger_events, ledger_postings, ledger_verifications, utc_now
 from ledger.verify import (
     REFUND_EVENT_TYPES,
     Progress,
     VerifyReport,
     _check_balances,
-    _check_event,
     _check_hold_counters,
     _check_spend_limits,
-    check_head,
+    check_chain,
 )
 
 _POSTINGS_OF_NO_EVENT = text("""
@@ -82,20 +80,12 @@ def last_result(conn: Connection) -> dict:
 
 
 def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport, progress: Progress | None) -> Checkpoint:
-    prev_hash, expected_seq = start.hash, start.seq + 1
-    while page := read_events(conn, expected_seq - 1):
-        for event in page:
-            _check_event(event, expected_seq, prev_hash, report)
-            report.events_checked += 1
-            prev_hash, expected_seq = event.hash, event.seq + 1
-        if progress is not None:
-            progress(len(page))
-    check_head(conn, expected_seq - 1, prev_hash, report)
+    end_seq, end_hash = check_chain(conn, report, progress, start=(start.seq, start.hash))
     if start.seq:  # the checkpoint itself, which the walk from its hash does not read
         stored = conn.execute(select(ledger_events.c.hash).where(ledger_events.c.seq == start.seq)).scalar_one_or_none()
         if stored is None or bytes(stored) != start.hash:
             report.add(f"event {start.seq}: its hash is no longer the {start.hash.hex()} the checkpoint holds")
-    return Checkpoint(expected_seq - 1, prev_hash)
+    return Checkpoint(end_seq, end_hash)
 
 
 def _refunded_by_account(conn: Connection) -> dict[int, int]:

@@ -23,8 +23,10 @@ from sqlalchemy.exc import DBAPIError
 from ledger.errors import LedgerError
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import IN_CLAUSE_VALUES_MAX
-from ledger.schema import account_balances, holds, ledger_events
+from ledger.schema import account_balances, holds, ledger_events, ledger_postings
 
+# An event as the log is read back (ledger.log.StoredEvent's order, postings apart).
+STORED_EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "recorded_at", "prev_hash", "hash")
 EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
 POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
 NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id", "replica_id")
@@ -137,6 +139,21 @@ class Storage(ABC):
                 .where(self.one_of(account_balances.c.account_id, chunk))
             ).all())
         return balances
+
+    def read_log_page(self, conn: Connection, after_seq: int, limit: int) -> tuple[list[tuple], list[tuple]]:
+        """The `limit` events after `after_seq` (STORED_EVENT_COLUMNS, recorded_at
+        UTC-aware) and their postings (event seq, account_id, amount) in leg order."""
+        events = conn.execute(
+            select(*(ledger_events.c[name] for name in STORED_EVENT_COLUMNS))
+            .where(ledger_events.c.seq > after_seq).order_by(ledger_events.c.seq).limit(limit)
+        ).all()
+        if not events:
+            return [], []
+        return events, conn.execute(
+            select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
+            .where(ledger_postings.c.event_seq.between(events[0][0], events[-1][0]))
+            .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+        ).all()
 
     @abstractmethod
     def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:

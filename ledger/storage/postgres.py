@@ -29,6 +29,7 @@ from ledger.storage.base import (
     HOLD_ROW,
     NEW_HOLD_COLUMNS,
     POSTING_COLUMNS,
+    STORED_EVENT_COLUMNS,
     AppendedBatch,
     HeadRead,
     HoldRules,
@@ -48,12 +49,20 @@ _NEW_HOLD_ARRAYS = dict(zip(NEW_HOLD_COLUMNS, (ints, ints, texts, ints, nullable
 _CONNECTION_SQLSTATE_CLASS = "08"
 _SESSION_ENDED_SQLSTATES = ("57P01", "57P02", "57P03")
 
+_SESSION_IN_UTC = "-c TimeZone=UTC"
+
 # Serialisation failure, deadlock, unique violation.
 _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
 
 _LOCK_HEAD = "SELECT last_seq, last_hash FROM ledger_head WHERE id = 1 FOR UPDATE"
 _KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "
                "WHERE idempotency_key = ANY(%(keys)s::text[])")
+# A page of the log on the raw cursor: psycopg's own loaders give UTC-aware
+# times (the column is timestamptz) and plain tuples, without a Python
+# conversion per row; a replay reads a million of them.
+_LOG_EVENTS = f"SELECT {', '.join(STORED_EVENT_COLUMNS)} FROM ledger_events WHERE seq > %(after)s ORDER BY seq LIMIT %(limit)s"
+_LOG_POSTINGS = ("SELECT event_seq, account_id, amount_nano_usd FROM ledger_postings "
+                 "WHERE event_seq BETWEEN %(first)s AND %(last)s ORDER BY event_seq, leg")
 _BALANCES = "SELECT account_id, balance_nano_usd FROM account_balances WHERE account_id = ANY(%(ids)s::bigint[])"
 
 # Everything an append writes once its events are decided, as one statement
@@ -158,10 +167,13 @@ class PostgresStorage(Storage):
         # length varies, and a generic plan (estimated for ten elements, on whatever
         # statistics were current) can turn a thousand-row join quadratic. Planning
         # each batch statement afresh costs microseconds per batch.
+        # Sessions speak UTC whatever the server's default: times come back as
+        # UTC (psycopg then gives datetime.UTC itself) and days are UTC days.
         # A pooled connection is pinged before it is handed out (one that died is
         # replaced); a connection attempt and a dead path are noticed in seconds.
         return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
                              connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
+                                           "options": _SESSION_IN_UTC,
                                            "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
                                            "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
                                            "keepalives_count": DATABASE_KEEPALIVE_PROBES,
@@ -192,6 +204,12 @@ class PostgresStorage(Storage):
         log of tens of thousands of events the planner chose a scan comparing
         every row with every key, seconds for a batch of a thousand.)"""
         return {r[0]: (r[1], r[2], r[3]) for r in _rows(conn, _KNOWN_KEYS, {"keys": texts(keys)})} if keys else {}
+
+    def read_log_page(self, conn: Connection, after_seq: int, limit: int) -> tuple[list[tuple], list[tuple]]:
+        events = _rows(conn, _LOG_EVENTS, {"after": after_seq, "limit": limit})
+        if not events:
+            return [], []
+        return events, _rows(conn, _LOG_POSTINGS, {"first": events[0][0], "last": events[-1][0]})
 
     def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
         """The lock and both reads in one pipelined round trip."""
