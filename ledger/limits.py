@@ -55,6 +55,11 @@ WRITER_CLOSE_WAIT_S = 30.0  # how long closing waits for the queued commands to 
 # Reading
 LOG_PAGE_EVENTS_DEFAULT = 2000
 LOG_PAGE_EVENTS_MAX = 10_000
+# `ledger verify` walks the log in up to this many processes, one per core, when
+# each gets at least this many events (a process takes about a second to start).
+VERIFY_PROCESSES_MAX = 8
+VERIFY_EVENTS_PER_PROCESS_MIN = 100_000
+VERIFY_PROGRESS_POLL_S = 0.2
 IN_CLAUSE_VALUES_MAX = 1000  # values in one IN (...) or one array parameter
 ACCOUNT_KINDS_CACHED_MAX = 100_000  # account kinds remembered per engine
 VERIFY_PROBLEMS_LISTED_MAX = 100  # the rest are counted

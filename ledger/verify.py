@@ -2,88 +2,34 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Callable
 
-import orjson
 from sqlalchemy import Connection, bindparam, func, select, update
 
 from ledger import commands as cmd
-from ledger import events as ev
 from ledger import spend_limits
 from ledger.accounts import read_books
-from ledger.anchors import read_head
-from ledger.limits import LOG_PAGE_EVENTS_MAX, VERIFY_PROBLEMS_LISTED_MAX
-from ledger.log import iter_postings, read_events
+from ledger.chain import Progress, VerifyReport, check_head
+from ledger.log import iter_postings
+from ledger.verify_ranges import walk_log
 from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, ledger_postings, spend_limit_holds
 
 BALANCE_GUARD_TRIGGER = "account_balances_guard"  # migration 0013
-Progress = Callable[[int], None]  # called with the number of events just processed
-REFUND_EVENT_TYPES = ("CreditsRefunded", "CreditsFrozen")  # a customer's first leg is what it took back
-
-
-@dataclass
-class VerifyReport:
-    events_checked: int = 0
-    accounts_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    problems_total: int = 0
-    # Refunds and disputes may leave a customer in debt, never by more than they took back.
-    refunded_by_account: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.problems_total == 0
-
-    def add(self, problem: str) -> None:
-        self.problems_total += 1
-        if len(self.problems) < VERIFY_PROBLEMS_LISTED_MAX:
-            self.problems.append(problem)
 
 
 def count_events(conn: Connection) -> int:
     return conn.execute(select(func.count()).select_from(ledger_events)).scalar_one()
 
 
-def replay_balances(conn: Connection, report: VerifyReport | None = None, progress: Progress | None = None) -> dict[int, tuple[int, int]]:
+def replay_balances(conn: Connection, report: VerifyReport | None = None, progress: Progress | None = None,
+                    processes: int | None = 1) -> dict[int, tuple[int, int]]:
     """Balances (and the last event touching each account) from the first event on,
-    checking the chain and the zero sums when a report is given."""
+    checking the chain and the zero sums when a report is given (in `processes`
+    processes: `verify_ranges.walk_log`)."""
     if report is None:
         return _replay_postings(conn, progress)
-    balances: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    refunded = report.refunded_by_account
-
-    def replay(event) -> None:
-        if event.event_type in REFUND_EVENT_TYPES and event.postings:
-            account_id, amount = event.postings[0]
-            refunded[account_id] = refunded.get(account_id, 0) - amount
-        for account_id, amount in event.postings:
-            entry = balances[account_id]
-            entry[0] += amount
-            entry[1] = event.seq
-
-    check_chain(conn, report, progress, each=replay)
+    balances, end = walk_log(conn, report, progress, processes)
+    check_head(conn, end, report)
     return {a: (v[0], v[1]) for a, v in balances.items()}
-
-
-def check_chain(conn: Connection, report: VerifyReport, progress: Progress | None = None,
-                start: tuple[int, bytes] = (0, ev.GENESIS_HASH), each: Callable | None = None) -> tuple[int, bytes]:
-    """Walk the log from the event after `start` (seq, its hash) to the head,
-    checking each event's link, payload, hash and zero sum, and `ledger_head`;
-    `each(event)` sees every event. Returns the (seq, hash) the walk ended at."""
-    prev_hash, expected_seq = start[1], start[0] + 1
-    times = _TimeTexts()
-    while page := read_events(conn, expected_seq - 1, LOG_PAGE_EVENTS_MAX):
-        for event in page:
-            _check_event(event, expected_seq, prev_hash, times.text(event.recorded_at), report)
-            if each is not None:
-                each(event)
-            prev_hash, expected_seq = event.hash, event.seq + 1
-        report.events_checked += len(page)
-        if progress is not None:
-            progress(len(page))
-    check_head(conn, expected_seq - 1, prev_hash, report)
-    return expected_seq - 1, prev_hash
 
 
 def _replay_postings(conn: Connection, progress: Progress | None) -> dict[int, tuple[int, int]]:
@@ -105,50 +51,9 @@ def _replay_postings(conn: Connection, progress: Progress | None) -> dict[int, t
     return {a: (v[0], v[1]) for a, v in balances.items()}
 
 
-class _TimeTexts:
-    """`format_time` of each event's time; a batch's events share one, so the last is kept."""
-
-    def __init__(self) -> None:
-        self.moment, self.formatted = None, ""
-
-    def text(self, moment) -> str:
-        if moment != self.moment:
-            self.moment, self.formatted = moment, ev.format_time(moment)
-        return self.formatted
-
-
-def check_head(conn: Connection, last_seq: int, last_hash: bytes, report: VerifyReport) -> None:
-    """`ledger_head` names the event the walk of the log ended at."""
-    head_seq, head_hash = read_head(conn)
-    if (head_seq, head_hash) != (last_seq, last_hash):
-        report.add(f"ledger_head says seq {head_seq} hash {head_hash.hex()}, the log ends at seq {last_seq} hash {last_hash.hex()}")
-
-
-def _check_event(event, expected_seq: int, prev_hash: bytes, recorded_at_text: str, report: VerifyReport) -> None:
-    problems = []
-    if event.seq != expected_seq:
-        problems.append(f"expected seq {expected_seq}, the chain has a gap or a reorder")
-    if event.prev_hash != prev_hash:
-        problems.append(f"prev_hash {event.prev_hash.hex()} does not match the hash of the event before, {prev_hash.hex()}")
-    try:
-        canonical = ev.canonical_bytes(orjson.loads(event.payload_json)) == event.payload_json.encode()
-    except (ValueError, TypeError):
-        canonical = False
-    if not canonical:
-        problems.append("payload is not canonical JSON")
-    computed = ev.event_hash(event.prev_hash, event.seq, event.event_type, event.idempotency_key, recorded_at_text, event.payload_json, event.postings)
-    if computed != event.hash:
-        problems.append(f"stored hash {event.hash.hex()} but the event and its postings hash to {computed.hex()}")
-    total = sum([amount for _, amount in event.postings])
-    if total != 0:
-        problems.append(f"postings sum to {total} nano-USD, not 0")
-    for problem in problems:  # named only when there is one: a million clean events build no text
-        report.add(f"event {event.seq} ({event.event_type}): {problem}")
-
-
-def verify(conn: Connection, progress: Progress | None = None) -> VerifyReport:
+def verify(conn: Connection, progress: Progress | None = None, processes: int | None = 1) -> VerifyReport:
     report = VerifyReport()
-    replayed = replay_balances(conn, report, progress)
+    replayed = replay_balances(conn, report, progress, processes)
     _check_balances(conn, {account_id: balance for account_id, (balance, _) in replayed.items()}, report)
     _check_hold_counters(conn, report)
     _check_spend_limits(conn, report)

@@ -16,16 +16,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select, text, update
 
+from ledger.chain import REFUND_EVENT_TYPES, Progress, VerifyReport, check_head, walk
 from ledger.schema import ledger_events, ledger_postings, ledger_verifications, utc_now
-from ledger.verify import (
-    REFUND_EVENT_TYPES,
-    Progress,
-    VerifyReport,
-    _check_balances,
-    _check_hold_counters,
-    _check_spend_limits,
-    check_chain,
-)
+from ledger.verify import _check_balances, _check_hold_counters, _check_spend_limits
 
 _POSTINGS_OF_NO_EVENT = text("""
 SELECT DISTINCT p.event_seq FROM ledger_postings p
@@ -80,7 +73,8 @@ def last_result(conn: Connection) -> dict:
 
 
 def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport, progress: Progress | None) -> Checkpoint:
-    end_seq, end_hash = check_chain(conn, report, progress, start=(start.seq, start.hash))
+    _, (end_seq, end_hash) = walk(conn, report, (start.seq, start.hash), progress=progress)
+    check_head(conn, (end_seq, end_hash), report)
     if start.seq:  # the checkpoint itself, which the walk from its hash does not read
         stored = conn.execute(select(ledger_events.c.hash).where(ledger_events.c.seq == start.seq)).scalar_one_or_none()
         if stored is None or bytes(stored) != start.hash:

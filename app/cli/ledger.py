@@ -128,7 +128,7 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
         if since_anchor and (start := latest_matching(conn, read.anchors)) is not None:
             since = Checkpoint(start.seq, start.hash)
         with progress(count_events(conn) - since.seq, "verifying") as bar:
-            report = verify_since(conn, since, bar.update)[0] if since_anchor else verify(conn, progress=bar.update)
+            report = verify_since(conn, since, bar.update)[0] if since_anchor else verify(conn, progress=bar.update, processes=None)
         for finding in read.findings + check_anchors(conn, read.anchors) + payout_problems(conn):
             report.add(finding)
         rail_notes, rail_findings = payout_rail_problems(conn)
