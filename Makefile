@@ -58,7 +58,7 @@ run: venv
 	$(BIN)/paralon up
 
 test: dev-venv lint
-	$(BIN)/pytest -q -n $(TEST_PROCESSES)
+	$(BIN)/pytest -q -n $(TEST_PROCESSES) --durations=25
 
 # The layer contracts of the README's map (import-linter).
 lint: dev-venv
@@ -68,6 +68,7 @@ bench: dev-venv
 	$(BIN)/python benchmarks/ledger_throughput.py --json
 	$(BIN)/python benchmarks/proxy_overhead.py --json
 	$(BIN)/python benchmarks/invoices.py --json
+	$(BIN)/python benchmarks/verify_replay.py --json
 
 # Re-pin every dependency after editing pyproject.toml: the service's own, then
 # the test tools constrained to the same versions.

@@ -14,11 +14,12 @@ from ledger.db import snapshot_connection
 from ledger.holds import PlaceHold
 from ledger.schema import ledger_events
 from ledger.service import Ledger, append_now
+from ledger.chain import VerifyReport
 from ledger.verify import replay_balances, verify
 from tests.ledger.helpers import customer_with, key
 from tests.support.tampering import tamper_as_superuser
 
-PROCESSES = 3
+PROCESSES = 2  # one range in this process, one in another
 USD = 1_000_000_000
 
 
@@ -41,13 +42,13 @@ def busy_ledger(pg_engine):
 
 
 def _both(engine) -> tuple:
-    """(problems, events checked, balances) of one process and of PROCESSES."""
+    """What one process and PROCESSES find: problems, counts, refunds and the
+    replayed balances (which `verify` also compares with the stored ones)."""
     found = []
     for processes in (1, PROCESSES):
+        report = VerifyReport()
         with snapshot_connection(engine) as conn:
-            report = verify(conn, processes=processes)
-        with snapshot_connection(engine) as conn:
-            balances = replay_balances(conn, type(report)(), processes=processes)
+            balances = replay_balances(conn, report, processes=processes)
         found.append((report.problems, report.problems_total, report.events_checked, report.refunded_by_account, balances))
     return found[0], found[1]
 
@@ -61,6 +62,8 @@ def test_a_clean_log_checks_the_same_in_one_process_and_in_several(busy_ledger):
     one, several = _both(busy_ledger)
     assert one == several
     assert one[0] == [] and one[2] == _last_seq(busy_ledger) > 30
+    with snapshot_connection(busy_ledger) as conn:
+        assert verify(conn, processes=PROCESSES).ok
 
 
 def test_damage_anywhere_is_reported_alike(busy_ledger):
@@ -108,10 +111,10 @@ def test_several_processes_read_one_snapshot_while_appends_go_on(busy_ledger):
         writer = pool.submit(keep_appending)
         try:
             reports = []
-            for _ in range(3):
+            for _ in range(2):
                 with snapshot_connection(busy_ledger) as conn:
                     reports.append(verify(conn, processes=PROCESSES))
         finally:
             stop.set()
         assert writer.result() > 0, "appends went on while verifying"
-    assert [r.problems for r in reports] == [[], [], []]
+    assert [r.problems for r in reports] == [[], []]
