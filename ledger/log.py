@@ -42,7 +42,8 @@ def read_events(conn: Connection, after_seq: int, limit: int = LOG_PAGE_EVENTS_D
         return [StoredEvent._make(r) for r in rows]
     by_seq: dict[int, list[tuple[int, int]]] = {r[0]: [] for r in rows}
     for seq, account_id, amount in postings:
-        by_seq[seq].append((account_id, amount))
+        if (legs := by_seq.get(seq)) is not None:  # a posting whose event is gone: verify reports it, reading must not fail
+            legs.append((account_id, amount))
     return [StoredEvent._make((*r, by_seq[r[0]])) for r in rows]  # _make: tuple.__new__, no Python __new__
 
 
