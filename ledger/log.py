@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine, select, update
 
 from ledger.db import storage_of
 from ledger.limits import LOG_PAGE_EVENTS_DEFAULT, LOG_PAGE_EVENTS_MAX
-from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
+from ledger.schema import consumer_positions, ledger_postings, utc_now
 
 
 class StoredEvent(NamedTuple):
@@ -57,13 +57,6 @@ def iter_postings(conn: Connection, through_seq: int, page_events: int = LOG_PAG
             .where(ledger_postings.c.event_seq > start, ledger_postings.c.event_seq <= min(start + page_events, through_seq))
             .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
         ).all()
-
-
-def iter_events(conn: Connection, page_size: int = LOG_PAGE_EVENTS_DEFAULT) -> Iterator[StoredEvent]:
-    position = 0
-    while page := read_events(conn, position, page_size):
-        yield from page
-        position = page[-1].seq
 
 
 Handler = Callable[[Connection, list[StoredEvent]], None]
