@@ -6,6 +6,7 @@ import uuid
 from sqlalchemy import func, select
 
 from ledger import commands as cmd
+from ledger.service import append_now
 from ledger.schema import account_balances, holds, ledger_events, ledger_postings
 
 
@@ -29,3 +30,12 @@ def money_snapshot(engine) -> dict:
             "postings": conn.execute(select(func.count()).select_from(ledger_postings)).scalar_one(),
             "active_holds": conn.execute(select(func.count()).select_from(holds)).scalar_one(),
         }
+
+
+def keep_granting(engine, account: int, stop) -> int:
+    """Grant 1 nano-USD again and again until `stop` is set; how many were appended."""
+    appended = 0
+    while not stop.is_set():
+        append_now(engine, cmd.GrantCredits(account, 1, "more", key("grant")))
+        appended += 1
+    return appended

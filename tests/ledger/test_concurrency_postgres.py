@@ -20,7 +20,7 @@ from ledger.schema import ledger_events
 from ledger.service import Ledger, append_now
 from ledger.store import append_batch
 from ledger.verify import verify
-from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.ledger.helpers import customer_with, keep_granting, key, money_snapshot
 
 HOLD = 1_000_000
 
@@ -199,15 +199,8 @@ def test_verify_while_appends_go_on_reads_one_state_and_finds_nothing_wrong(pg_e
     ledger.close()
     stop = threading.Event()
 
-    def keep_appending() -> int:
-        appended = 0
-        while not stop.is_set():
-            append_now(pg_engine, cmd.GrantCredits(account, 1, "more", key("grant")))
-            appended += 1
-        return appended
-
     with ThreadPoolExecutor(max_workers=2) as pool:
-        writers = [pool.submit(keep_appending) for _ in range(2)]
+        writers = [pool.submit(keep_granting, pg_engine, account, stop) for _ in range(2)]
         try:
             reports = []
             for _ in range(30):

@@ -13,10 +13,10 @@ from ledger import commands as cmd
 from ledger.db import snapshot_connection
 from ledger.holds import PlaceHold
 from ledger.schema import ledger_events
-from ledger.service import Ledger, append_now
+from ledger.service import Ledger
 from ledger.chain import VerifyReport
 from ledger.verify import replay_balances, verify
-from tests.ledger.helpers import customer_with, key
+from tests.ledger.helpers import customer_with, keep_granting, key
 from tests.support.tampering import tamper_as_superuser
 
 PROCESSES = 2  # one range in this process, one in another
@@ -100,15 +100,8 @@ def test_several_processes_read_one_snapshot_while_appends_go_on(busy_ledger):
     ledger.close()
     stop = threading.Event()
 
-    def keep_appending() -> int:
-        appended = 0
-        while not stop.is_set():
-            append_now(busy_ledger, cmd.GrantCredits(account, 1, "more", key("grant")))
-            appended += 1
-        return appended
-
     with ThreadPoolExecutor(max_workers=1) as pool:
-        writer = pool.submit(keep_appending)
+        writer = pool.submit(keep_granting, busy_ledger, account, stop)
         try:
             reports = []
             for _ in range(2):
