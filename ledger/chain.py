@@ -92,7 +92,10 @@ def check_head(conn: Connection, end: ChainEnd, report: VerifyReport) -> None:
 
 def _pages(conn: Connection, after_seq: int, through_seq: int | None) -> Iterator[list[StoredEvent]]:
     while through_seq is None or after_seq < through_seq:
-        page = read_events(conn, after_seq, LOG_PAGE_EVENTS_MAX)
+        # A range's last page reads no further than its end (seqs are unique, so
+        # at most through_seq - after_seq events lie in it; a gap leaves fewer).
+        limit = LOG_PAGE_EVENTS_MAX if through_seq is None else min(LOG_PAGE_EVENTS_MAX, through_seq - after_seq)
+        page = read_events(conn, after_seq, limit)
         if through_seq is not None:
             page = [event for event in page if event.seq <= through_seq]
         if not page:

@@ -10,11 +10,11 @@ import json
 from datetime import datetime
 from typing import Callable, Iterator, NamedTuple
 
-from sqlalchemy import Connection, Engine, select, update
+from sqlalchemy import Connection, Engine, func, select, update
 
 from ledger.db import storage_of
 from ledger.limits import LOG_PAGE_EVENTS_DEFAULT, LOG_PAGE_EVENTS_MAX
-from ledger.schema import consumer_positions, ledger_postings, utc_now
+from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
 
 
 class StoredEvent(NamedTuple):
@@ -45,6 +45,11 @@ def read_events(conn: Connection, after_seq: int, limit: int = LOG_PAGE_EVENTS_D
         if (legs := by_seq.get(seq)) is not None:  # a posting whose event is gone: verify reports it, reading must not fail
             legs.append((account_id, amount))
     return [StoredEvent._make((*r, by_seq[r[0]])) for r in rows]  # _make: tuple.__new__, no Python __new__
+
+
+def last_seq(conn: Connection) -> int:
+    """The seq of the newest event in the log (0 when it is empty)."""
+    return conn.execute(select(func.max(ledger_events.c.seq))).scalar_one() or 0
 
 
 def iter_postings(conn: Connection, through_seq: int, page_events: int = LOG_PAGE_EVENTS_MAX) -> Iterator[list[tuple[int, int, int]]]:

@@ -9,7 +9,7 @@ from ledger import commands as cmd
 from ledger import spend_limits
 from ledger.accounts import read_books
 from ledger.chain import Progress, VerifyReport, check_head
-from ledger.log import iter_postings
+from ledger.log import iter_postings, last_seq
 from ledger.verify_ranges import walk_log
 from ledger.schema import account_balances, accounts, customer_holds, holds, ledger_events, ledger_head, ledger_postings, spend_limit_holds
 
@@ -36,7 +36,7 @@ def _replay_postings(conn: Connection, progress: Progress | None) -> dict[int, t
     """Balances from the postings alone, in order: a rebuild trusts the chain
     (`verify` proves it) and need not read the events' payloads and hashes."""
     balances: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    through_seq = conn.execute(select(func.max(ledger_events.c.seq))).scalar_one() or 0
+    through_seq = last_seq(conn)
     shown = 0
     for page in iter_postings(conn, through_seq):
         for seq, account_id, amount in page:
@@ -124,7 +124,7 @@ def rebuild_balances(conn: Connection, progress: Progress | None = None) -> int:
         conn.execute(
             update(account_balances).where(account_balances.c.account_id == bindparam("id"))
             .values(balance_nano_usd=bindparam("balance"), last_event_seq=bindparam("seq")),
-            [{"id": a, "balance": replayed.get(a, (0, 0))[0], "seq": replayed.get(a, (0, 0))[1]} for a in account_ids],
+            [{"id": a, "balance": balance, "seq": seq} for a in account_ids for balance, seq in [replayed.get(a, (0, 0))]],
         )
     if guarded:
         conn.exec_driver_sql(f"ALTER TABLE account_balances ENABLE TRIGGER {BALANCE_GUARD_TRIGGER}")

@@ -17,12 +17,13 @@ import queue
 import re
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, select
 
 from ledger import events as ev
 from ledger.chain import Balances, ChainEnd, Progress, VerifyReport, add_balances, walk
 from ledger.db import make_engine
 from ledger.limits import VERIFY_EVENTS_PER_PROCESS_MIN, VERIFY_PROCESSES_MAX, VERIFY_PROGRESS_POLL_S
+from ledger.log import last_seq
 from ledger.schema import ledger_events
 
 _SNAPSHOT_ID = re.compile(r"^[0-9A-F]+-[0-9A-F]+-[0-9]+$")  # what pg_export_snapshot returns
@@ -38,7 +39,7 @@ def walk_log(conn: Connection, report: VerifyReport, progress: Progress | None =
     More than one starts processes by "spawn", which imports the caller's main
     module again: only a program whose main module allows it (a guarded
     `__main__`, the `paralon` command) should ask for more than one."""
-    through_seq = conn.execute(select(func.max(ledger_events.c.seq))).scalar_one() or 0
+    through_seq = last_seq(conn)
     if processes is None:
         processes = min(os.cpu_count() or 1, VERIFY_PROCESSES_MAX, through_seq // VERIFY_EVENTS_PER_PROCESS_MIN)
     if processes <= 1 or conn.dialect.name != "postgresql" or multiprocessing.current_process().daemon:
