@@ -58,6 +58,7 @@ REPLACE_AFTER_S = 600.0
 TOKEN_BALANCES_SLOT = 3  # TestUSD's `balanceOf` mapping (after name, symbol and totalSupply; decimals is immutable)
 KILLED = -signal.SIGKILL
 CLI_TIMEOUT_S = 120
+CHAIN_WAIT_S = 30
 
 
 @dataclass
@@ -283,7 +284,7 @@ def test_a_transfer_whose_block_leaves_the_chain_is_broadcast_again_and_settled_
     fork_point = snapshot(rig.w3)
     assert rig.send().signed == 1
     tx_hash = payout(rig, payout_id)["reference"]
-    mined_in = rig.w3.eth.get_transaction_receipt(tx_hash)["blockNumber"]
+    mined_in = mined(rig, tx_hash)["blockNumber"]
     assert rig.send().settled == 0 and payout(rig, payout_id)["confirmations"] == 1
 
     revert(rig.w3, fork_point)  # the block with the transfer is gone, and the node forgot the transaction
@@ -294,7 +295,7 @@ def test_a_transfer_whose_block_leaves_the_chain_is_broadcast_again_and_settled_
 
     after = rig.send()
     assert (after.reorganised, after.broadcast, after.signed) == (1, 1, 0)
-    receipt = rig.w3.eth.get_transaction_receipt(tx_hash)
+    receipt = mined(rig, tx_hash)
     assert receipt["blockNumber"] > mined_in, "the same stored transaction, mined in a new block"
     assert payout(rig, payout_id)["state"] == po.SENT and books(rig) == in_flight()
     mine(rig.w3, CONFIRMATIONS - 1)
@@ -342,6 +343,12 @@ def test_a_dropped_transaction_is_replaced_at_a_higher_fee_under_its_nonce_and_o
 
 def _fees(raw: bytes) -> dict:
     return StoredTx("", 0, bytes(raw), utc_now(), None).fields
+
+
+def mined(rig: Rig, tx_hash: str):
+    """Its receipt once the node has mined it: anvil's automine answers the
+    broadcast before its block is in, so a lookup at once can miss it."""
+    return rig.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=CHAIN_WAIT_S, poll_latency=0.05)
 
 
 def _receipt(rig: Rig, tx_hash: str):
