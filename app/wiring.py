@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
+from app.payments.chain_settings import CryptoSettings, PayoutChainSettings, parse_tokens, read_seed
 from app.settings import Settings, SettingsError
 from ledger.db import make_engine
 from ledger.money import CENTS_PER_USD, usd_to_nano_usd
@@ -21,8 +22,6 @@ from ledger.service import Ledger
 if TYPE_CHECKING:
     from app.anchoring.service import AnchorSettings
     from app.console.signin import ConsoleSettings
-    from app.payments.crypto import CryptoSettings
-    from app.payments.payout_chain import PayoutChainSettings
     from app.payments.payouts import PayoutRules
     from app.payments.stripe import StripeSettings
     from invoices.mail import MailSettings
@@ -55,8 +54,6 @@ def stripe_settings(settings: Settings) -> StripeSettings:
 
 
 def crypto_settings(settings: Settings) -> CryptoSettings:
-    from app.payments.crypto import CryptoSettings, parse_tokens, read_seed  # see the module's docstring
-
     crypto = settings.crypto
     return CryptoSettings(rpc_url=crypto.rpc_url, tokens=parse_tokens(crypto.tokens), confirmations=crypto.confirmations,
                           seed=_usable_seed(read_seed(_reveal(crypto.seed))), start_block=crypto.start_block)
@@ -74,12 +71,11 @@ def payout_rules(settings: Settings) -> PayoutRules:
 def payout_chain_settings(settings: Settings) -> PayoutChainSettings:
     """The USDC rail's hot wallet, token and chain; what is unset stays None
     (the sender names it and does nothing)."""
-    from app.payments.payout_chain import PayoutChainSettings, wallet_address
-    from app.payments.crypto import parse_tokens, read_seed
-
     payouts = settings.payouts
     key = read_seed(_reveal(payouts.wallet_key))
     if key is not None:
+        from app.payments.payout_chain import wallet_address  # see the module's docstring
+
         try:
             wallet_address(key)
         except (ValueError, TypeError):
@@ -95,11 +91,11 @@ def payout_chain_settings(settings: Settings) -> PayoutChainSettings:
 def _usable_seed(seed: str | None) -> str | None:
     """A seed that derives addresses. A wrong one is refused here, in words of our
     own: the wallet library's error quotes the mnemonic."""
-    from app.payments.crypto import derive_address  # see the module's docstring
-    from eth_utils.exceptions import ValidationError
-
     if seed is None:
         return None
+    from app.payments.deposits import derive_address  # see the module's docstring
+    from eth_utils.exceptions import ValidationError
+
     try:
         derive_address(seed, 0)
     except ValidationError:

@@ -149,10 +149,7 @@ def ledger_verify(since_anchor: bool, chain_from_block: int | None, as_json: boo
 def payout_rail_problems(conn) -> tuple[list[str], list[str]]:
     """The payouts' references on every configured rail (app/payments/payout_references.py); nothing when none is."""
     settings = Settings.from_env()
-    stripe = stripe_settings(settings)
-    if not settings.payouts.wallet_key and not stripe.secret_key:  # neither rail: web3 need not even load
-        return [], []
-    chain = payout_chain_settings(settings)
+    chain, stripe = payout_chain_settings(settings), stripe_settings(settings)
     if chain.missing() and not stripe.secret_key:
         return [], []
     from app.payments.payout_references import rail_problems  # web3 and Stripe load only when a rail is configured

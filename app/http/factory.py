@@ -31,7 +31,7 @@ from app.http.responses import ResponsesController
 from app.http.status import RoutingState, health, metrics, metrics_registry, ready
 from app.http.webhooks import stripe_webhook
 from app.jobs.embedded_beat import run_embedded_beat
-from app.payments.crypto import CryptoSettings
+from app.payments.chain_settings import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.limits import (
     CONSOLE_STATIC_MAX_AGE_S,

@@ -30,7 +30,7 @@ from app.http.guards import (
 from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
 from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX, CHECKOUT_RETRY_WINDOW_S
-from app.payments import crypto as crypto_payments
+from app.payments import deposits as stablecoin_deposits
 from app.payments import stripe as stripe_payments
 from app.platform import platform_status
 from ledger.limits import INT64_MAX
@@ -108,8 +108,8 @@ class AccountController(Controller):
         engine, settings = request.app.state.ledger.engine, request.app.state.crypto
 
         def work() -> dict:
-            address = crypto_payments.deposit_address(engine, settings, who.account_id)
-            return {"address": address, "chain_id": crypto_payments.connect(settings).eth.chain_id if settings.rpc_url else None}
+            address = stablecoin_deposits.deposit_address(engine, settings, who.account_id)
+            return {"address": address, "chain_id": _chain_id(settings)}
 
         return json_response(await asyncio.to_thread(work))
 
@@ -117,7 +117,7 @@ class AccountController(Controller):
          summary="Stablecoin deposits seen on chain and not yet credited, with their confirmations")
     async def crypto_deposits(self, request: Request, who: Caller, account_id: QueryId = None) -> Response:
         account, required = accounts.scoped_account(who, account_id), request.app.state.crypto.confirmations
-        return json_response({"data": await read(request, crypto_payments.pending_deposits, account, required)})
+        return json_response({"data": await read(request, stablecoin_deposits.pending_deposits, account, required)})
 
     @get("/usage", guards=[requires_reader], summary="Usage of the account from the read models, grouped by day, model or key")
     async def usage(self, request: Request, who: Caller, group_by: FromQuery[str] = "day",
@@ -201,3 +201,13 @@ class PlatformController(Controller):
 
 
 MANAGEMENT_CONTROLLERS = [AccountController, WorkerController, PlatformController]
+
+
+def _chain_id(settings) -> int | None:
+    """The id of the chain deposits go to, from its node. Runs in a worker thread;
+    web3 is loaded already wherever a seed is set (app.wiring checks it at start)."""
+    if not settings.rpc_url:
+        return None
+    from app.payments import crypto
+
+    return crypto.connect(settings).eth.chain_id

@@ -30,8 +30,7 @@ from app.limits import (
     STRIPE_PAYOUTS_INTERVAL_S,
     STRIPE_RETRIES_INTERVAL_S,
 )
-from app.payments import payout_chain, payout_stripe, payouts
-from app.payments.crypto import connect, scan_once
+from app.payments import payouts
 from app.payments.stripe import process_pending as stripe_process_pending
 from app.settings import Settings
 from app.statement_labels import statement_labels
@@ -111,6 +110,8 @@ def crypto_scan() -> dict:
         crypto = wiring.crypto_settings(settings)
         if not (crypto.rpc_url and crypto.tokens):
             return {"skipped": "crypto deposits are not configured"}
+        from app.payments.crypto import connect, scan_once  # web3: only where a chain is configured
+
         report = scan_once(engine, connect(crypto), crypto)
         if report.credited:
             outbox.dispatch(engine, send_task)  # the invoices, now that the credits are committed
@@ -134,6 +135,8 @@ def payouts_send_stripe() -> dict:
         stripe_settings = wiring.stripe_settings(settings)
         if not stripe_settings.secret_key:
             return {"skipped": "Stripe payouts are not configured: PARALON_STRIPE_SECRET_KEY is not set"}
+        from app.payments import payout_stripe
+
         return payout_stripe.send_pending(engine, stripe_settings).as_dict()
 
 
@@ -190,4 +193,6 @@ def payouts_send() -> dict:
         chain = wiring.payout_chain_settings(settings)
         if missing := chain.missing():
             return {"skipped": f"USDC payouts are not configured: set {', '.join(missing)}"}
+        from app.payments import payout_chain  # web3: only where a wallet is configured
+
         return dataclasses.asdict(payout_chain.send_once(engine, payout_chain.connect(chain), chain))

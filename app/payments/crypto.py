@@ -1,5 +1,5 @@
-"""Stablecoin top-ups: each customer's own deposit address, and a scanner that
-credits ERC-20 `Transfer`s to those addresses after N confirmations.
+"""Stablecoin top-ups: the scanner that credits ERC-20 `Transfer`s to the
+customers' deposit addresses (app/payments/deposits.py) after N confirmations.
 
 Exactly once per (chain, transaction, log index): the credit is appended in
 the transaction that records it on the transfer row. The scanner keeps the
@@ -10,12 +10,10 @@ reversed. Scans are bounded in blocks and go on from where they stopped.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from eth_abi import encode
 from eth_abi.exceptions import DecodingError
-from eth_account import Account
 from sqlalchemy import Connection, Engine, delete, select, update
 from web3 import Web3
 from web3.exceptions import LogTopicError, MismatchedABI
@@ -23,12 +21,12 @@ from web3.types import EventData
 
 from app import outbox
 from app.limits import CHAIN_RPC_TIMEOUT_S, CRYPTO_REORG_DEPTH_BLOCKS, CRYPTO_SCAN_BLOCKS_MAX
+from app.payments.chain_settings import CryptoSettings, Token, parse_tokens, read_seed  # noqa: F401 (this module's API too)
+from app.payments.deposits import CryptoNotConfigured, deposit_address, derive_address, pending_deposits  # noqa: F401 (as above)
 from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
-from ledger.accounts import create_system_account, require_kind
-from ledger.errors import InvalidInput
-from ledger.money import NANO_USD_DECIMALS, nano_usd_per_unit
-from ledger.schema import utc_now
+from ledger.accounts import create_system_account
+from ledger.money import nano_usd_per_unit
 from ledger.store import append_one
 
 # ERC-20's Transfer event, decoded by web3 from its ABI (a log of any other shape is not one).
@@ -38,83 +36,7 @@ TRANSFER_EVENT_ABI = {
                {"name": "value", "type": "uint256", "indexed": False}],
 }
 TRANSFER_EVENT = Web3().eth.contract(abi=[TRANSFER_EVENT_ABI]).events.Transfer()
-Account.enable_unaudited_hdwallet_features()
 logger = logging.getLogger(__name__)
-
-
-class CryptoNotConfigured(InvalidInput):
-    code = "crypto_not_configured"
-
-
-@dataclass(frozen=True)
-class Token:
-    address: str  # checksummed
-    decimals: int
-    symbol: str
-
-
-@dataclass(frozen=True)
-class CryptoSettings:
-    rpc_url: str | None
-    tokens: tuple[Token, ...]
-    confirmations: int
-    seed: str | None = field(repr=False)  # secrets stay out of reprs and logs
-    start_block: int = 0
-
-
-def parse_tokens(text: str) -> tuple[Token, ...]:
-    """'0xabc…:6:USDC,0xdef…:6:USDT' -> tokens; a stablecoin of at most 9 decimals
-    converts to nano-USD exactly."""
-    tokens = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        try:
-            address, decimals, symbol = item.split(":")
-            token = Token(Web3.to_checksum_address(address), int(decimals), symbol)
-        except ValueError:
-            raise InvalidInput(f"PARALON_CRYPTO_TOKENS wants address:decimals:symbol, got {item!r}") from None
-        if not 0 <= token.decimals <= NANO_USD_DECIMALS:
-            raise InvalidInput(f"{token.symbol}: at most {NANO_USD_DECIMALS} decimals convert to nano-USD exactly")
-        tokens.append(token)
-    return tuple(tokens)
-
-
-def read_seed(value: str | None) -> str | None:
-    """A secret (a BIP-39 mnemonic, the payout wallet's private key), or the path of a file holding one."""
-    if value and Path(value).is_file():
-        return Path(value).read_text().strip()
-    return value.strip() if value else None
-
-
-def derive_address(seed: str, index: int) -> str:
-    return Account.from_mnemonic(seed, account_path=f"m/44'/60'/0'/0/{index}").address
-
-
-def deposit_address(engine: Engine, settings: CryptoSettings, account_id: int) -> str:
-    """The customer's own address (derived once by HD path from the seed, then kept)."""
-    if not settings.seed:
-        raise CryptoNotConfigured("crypto deposits need PARALON_CRYPTO_SEED")
-    with engine.begin() as conn:
-        require_kind(conn, account_id, (cmd.CUSTOMER,), "deposit addresses are for customer accounts")
-        known = conn.execute(select(crypto_deposit_addresses.c.address).where(crypto_deposit_addresses.c.account_id == account_id)).scalar()
-        if known:
-            return known
-        address = derive_address(settings.seed, account_id)
-        conn.execute(crypto_deposit_addresses.insert().values(account_id=account_id, address=address,
-                                                              derivation_index=account_id, created_at=utc_now()))
-        return address
-
-
-def pending_deposits(conn: Connection, account_id: int, confirmations_required: int) -> list[dict]:
-    """Transfers to the customer's address seen on chain and not yet credited, with the
-    confirmations they have as of the last scan (the block the scan got to, not a node call)."""
-    scanned = dict(conn.execute(select(crypto_scan_positions.c.chain_id, crypto_scan_positions.c.next_block)).all())
-    rows = conn.execute(select(crypto_transfers).where(crypto_transfers.c.account_id == account_id,
-                                                       crypto_transfers.c.credit_seq.is_(None))
-                        .order_by(crypto_transfers.c.block_number, crypto_transfers.c.log_index))
-    return [{"chain_id": r.chain_id, "tx_hash": r.tx_hash, "log_index": r.log_index, "block_number": r.block_number,
-             "token": r.token, "amount_nano_usd": r.amount_nano_usd,
-             "confirmations": max(0, scanned.get(r.chain_id, r.block_number) - r.block_number),
-             "confirmations_required": confirmations_required} for r in rows]
 
 
 def connect(settings: CryptoSettings) -> Web3:

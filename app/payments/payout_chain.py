@@ -47,13 +47,12 @@ from app.limits import (
     PAYOUT_FEE_BUMP_DENOMINATOR,
     PAYOUT_FEE_BUMP_NUMERATOR,
     PAYOUT_GAS_MARGIN_PERCENT,
-    PAYOUT_REPLACE_AFTER_S_DEFAULT,
     PAYOUT_REPLACEMENTS_MAX,
     PAYOUTS_LOOKED_AT_PER_RUN_MAX,
     PAYOUTS_SIGNED_PER_RUN_MAX,
 )
 from app.payments import payouts as po
-from app.payments.crypto import Token
+from app.payments.chain_settings import PayoutChainSettings, Token  # noqa: F401 (this module's API too)
 from app.payments.schema import payout_transactions, payout_wallets, payouts
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import PERCENT, nano_usd_per_unit
@@ -88,20 +87,6 @@ class InexactPayoutAmount(LedgerError):
     """The payout's net amount is not a whole number of the token's smallest unit: never rounded, never sent."""
 
     code = "payout_amount_inexact"
-
-
-@dataclass(frozen=True)
-class PayoutChainSettings:
-    rpc_url: str | None = field(repr=False)  # may hold an API key
-    wallet_key: str | None = field(repr=False)  # the hot wallet's private key: never shown
-    token: Token | None
-    confirmations: int
-    replace_after_s: float = PAYOUT_REPLACE_AFTER_S_DEFAULT
-
-    def missing(self) -> list[str]:
-        wanted = (("PARALON_PAYOUT_WALLET_KEY", self.wallet_key), ("PARALON_PAYOUT_TOKEN", self.token),
-                  ("PARALON_CHAIN_RPC_URL", self.rpc_url))
-        return [name for name, value in wanted if not value]
 
 
 def wallet_address(wallet_key: str) -> str:

@@ -91,7 +91,7 @@ def payout_token_decimals(token: str | None) -> int:
     """The decimals of PARALON_PAYOUT_TOKEN (address:decimals:symbol); USDC's when it is not set."""
     if not token:
         return USDC_DECIMALS
-    from app.payments.crypto import parse_tokens  # see normalise_destination
+    from app.payments.chain_settings import parse_tokens
 
     parsed = parse_tokens(token)
     if len(parsed) != 1:

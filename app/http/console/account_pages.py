@@ -32,7 +32,7 @@ from app.http.guards import (
 from app.http.plumbing import PathId, PathName, read, write
 from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, CHECKOUT_NONCE_BYTES
 from app.members import members_of_accounts
-from app.payments import crypto as crypto_payments
+from app.payments import deposits as stablecoin_deposits
 from app.payments import stripe as stripe_payments
 from app.platform import platform_status
 from app.tokens import Principal
@@ -192,8 +192,8 @@ class AccountPages(Controller):
         settings = request.app.state.crypto
         address = deposits = None
         if settings.seed:
-            address = await asyncio.to_thread(crypto_payments.deposit_address, request.app.state.ledger.engine, settings, account_id)
-            deposits = await read(request, crypto_payments.pending_deposits, account_id, settings.confirmations)
+            address = await asyncio.to_thread(stablecoin_deposits.deposit_address, request.app.state.ledger.engine, settings, account_id)
+            deposits = await read(request, stablecoin_deposits.pending_deposits, account_id, settings.confirmations)
         stripe = request.app.state.stripe
         return account_page(request, "top_up.html", title="Top up", address=address, deposits=deposits,
                             qr=charts.qr_svg_data_uri(address) if address else None,

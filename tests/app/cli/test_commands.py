@@ -5,6 +5,7 @@ here first. After an intended change, write the record again with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,21 @@ def test_a_command_imports_only_its_own_module():
     program = ("import sys; from app.cli import main; main(['balance', '--help'], standalone_mode=False); "
                "print(sorted(m for m in ('web3', 'celery', 'litestar', 'app.cli.payments', 'app.cli.servers') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    assert loaded == "[]"
+
+
+def test_the_service_loads_no_chain_library_where_no_chain_is_configured(tmp_path):
+    """`paralon serve` and the Celery app start without web3 (about a second of
+    imports) unless a seed or a payout wallet is set."""
+    program = ("import sys; from app import wiring; from app.settings import Settings; from app.http.factory import create_app; "
+               "import app.http.server, app.jobs.celery; settings = Settings.from_env(); "
+               "create_app(wiring.open_ledger(settings), crypto_settings=wiring.crypto_settings(settings)); "
+               "wiring.payout_chain_settings(settings); "
+               "print(sorted(m for m in ('web3', 'eth_account', 'eth_utils') if m in sys.modules))")
+    env = {**os.environ, "PARALON_DATABASE_URL": f"sqlite:///{tmp_path / 'paralon.db'}"}
+    for name in ("PARALON_CRYPTO_SEED", "PARALON_PAYOUT_WALLET_KEY", "PARALON_CRYPTO_TOKENS", "PARALON_PAYOUT_TOKEN"):
+        env.pop(name, None)
+    loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True, env=env).stdout.splitlines()[-1]
     assert loaded == "[]"
 
 
