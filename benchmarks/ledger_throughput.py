@@ -22,8 +22,12 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import psycopg
+from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -98,6 +102,52 @@ def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
         "index_bytes_per_settlement": round(sum(t["index"] for t in by_table.values()), 1),
         "bytes_per_settlement_by_table": by_table,
     }
+
+
+# The appending backends inside a batch (every busy client backend of the
+# scratch database but the holds' writers, which only call paralon_place_holds)
+# and what each is doing.
+_BACKENDS = """
+SELECT state, wait_event_type, wait_event FROM pg_stat_activity
+WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
+  AND state <> 'idle' AND query NOT LIKE '%%paralon_place_holds%%'
+"""
+APPENDER_STATES = ("waiting_for_append_lock", "flushing_wal", "executing", "client_in_transaction")
+
+
+def appender_state(state: str | None, wait_type: str | None, wait_event: str | None) -> str:
+    if wait_type == "Lock":
+        return "waiting_for_append_lock"  # the head row: the only lock appends wait for
+    if wait_event and wait_event.startswith("WAL"):
+        return "flushing_wal"
+    if state == "active":
+        return "executing"
+    return "client_in_transaction"  # idle in transaction: its process is deciding, hashing, encoding
+
+
+class AppenderSampler(threading.Thread):
+    """Samples pg_stat_activity every few milliseconds during the load: of the
+    time the appending backends spend inside a batch, the shares waiting for
+    the append lock, flushing the WAL at commit, executing, and waiting on their
+    own process (its Python work inside the transaction)."""
+
+    def __init__(self, url: str, interval_s: float = 0.005) -> None:
+        super().__init__(name="appender-sampler", daemon=True)
+        self.url, self.interval_s = url, interval_s
+        self.counts = dict.fromkeys(APPENDER_STATES, 0)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self.stopping.wait(self.interval_s):
+                for row in conn.execute(_BACKENDS):
+                    self.counts[appender_state(*row)] += 1
+
+    def shares(self) -> dict[str, float]:
+        self.stopping.set()
+        self.join()
+        total = max(sum(self.counts.values()), 1)
+        return {state: round(count / total, 3) for state, count in self.counts.items()}
 
 
 def pgbench_tps(server_url: str, seconds: int) -> float:
@@ -200,6 +250,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     warm_up(ledger, customers, owners)
     ledger.close()
     start_at = time.time() + 3.0  # every process starts producing at the same moment
+    libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms)
             for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
@@ -208,8 +259,11 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         disk_started = disk_snapshot(watcher)
         watcher.rollback()
         postgres_cpu_started, idle_started = postgres_cpu_s(), idle_cpu_s()
+        sampler = AppenderSampler(libpq_url)
+        sampler.start()
         time.sleep(max(0.0, start_at + seconds - time.time()))
         postgres_cpu_used = postgres_cpu_s()  # before the producers disconnect and their backends exit
+        appender_time_shares = sampler.shares()
         machine_idle_share = (idle_cpu_s() - idle_started) / (seconds * (os.cpu_count() or 1))
         parts = pending.get()
         disk_used = disk_snapshot(watcher)  # after the last settlement: each one counted is in it
@@ -231,6 +285,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         ),
         **bytes_per_settlement(disk_started, disk_used, settled),
         "machine_idle_share": round(machine_idle_share, 3),
+        "appender_backend_time_shares": appender_time_shares,
         "settlements_by_second": [sum(seconds_) for seconds_ in zip(*(part["per_second"] for part in parts))],
         "verify_ok": report.ok,
     }
