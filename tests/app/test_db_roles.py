@@ -137,14 +137,33 @@ def test_postings_of_a_new_event_must_sum_to_zero(books):
     owner, service, customer = books
     with owner.connect() as conn:
         head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
-    forged_event = (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "
-                    f"recorded_at) VALUES ({head.last_seq + 1}, 'CreditsGranted', '{{}}', 'forged', '\\x00', "
-                    f"'\\x{bytes(head.last_hash).hex()}', '\\x00', now())")
     _refused_and_nothing_moved(owner, service, [
-        forged_event,
+        _forged_event(head),
         f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
         f"VALUES ({head.last_seq + 1}, 0, :c, {THOUSAND_USD})",
     ], customer, "sum to 1000000000000 nano-USD, not 0")
+
+
+def test_a_new_events_postings_are_summed_per_statement(books):
+    """The guard sums each statement's own postings: an event's legs split over
+    two statements that do not each sum to zero are refused at the first."""
+    owner, service, customer = books
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+        platform = conn.execute(text("SELECT id FROM accounts WHERE system_code = 'platform:revenue'")).scalar_one()
+    seq = head.last_seq + 1
+    _refused_and_nothing_moved(owner, service, [
+        _forged_event(head),
+        f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES ({seq}, 0, :c, {THOUSAND_USD})",
+        f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES ({seq}, 1, {platform}, -{THOUSAND_USD})",
+    ], customer, "sum to 1000000000000 nano-USD, not 0")
+
+
+def _forged_event(head) -> str:
+    """The next event of the chain, written by hand as the service's role could."""
+    return (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "
+            f"recorded_at) VALUES ({head.last_seq + 1}, 'CreditsGranted', '{{}}', 'forged', '\\x00', "
+            f"'\\x{bytes(head.last_hash).hex()}', '\\x00', now())")
 
 
 def test_the_scheduled_verification_finds_a_posting_added_to_an_old_event(books):
