@@ -133,8 +133,8 @@ def run(scratch: ScratchDatabase, owners_count: int, threads: int) -> dict:
 def run_chain(scratch: ScratchDatabase, count: int) -> dict:
     from eth_account import Account
 
-    from app.payments.crypto import Token
-    from app.payments.payout_chain import PayoutChainSettings, send_once, transfer_data
+    from app.payments.chain_settings import PayoutChainSettings, Token
+    from app.payments.payout_chain import send_once, transfer_data
     from tests.support.anvil import deploy_stablecoin, mine, running_anvil
 
     engine = scratch.engine()

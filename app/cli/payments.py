@@ -12,7 +12,8 @@ from app.cli.output import emit, engine, handles_errors, json_option
 from app import outbox
 from app.jobs.celery import send_task
 from app.limits import CRYPTO_SCAN_INTERVAL_S_DEFAULT, CRYPTO_SCAN_INTERVAL_S_MAX, CRYPTO_SCAN_INTERVAL_S_MIN
-from app.payments.crypto import connect, deposit_address, pending_deposits, scan_once
+from app.payments.crypto import connect, scan_once
+from app.payments.deposits import deposit_address, pending_deposits
 from app.payments.stripe import parked_events, process_pending, replay
 from app import wiring
 from app.settings import Settings

@@ -31,6 +31,7 @@ from app.http.openapi import MANAGEMENT_TOKEN
 from app.http.plumbing import PathId, QueryId, json_object, json_response, read, usd_text, write
 from app.limits import ACCOUNTS_PAGE_ROWS_DEFAULT, ACCOUNTS_PAGE_ROWS_MAX, CHECKOUT_RETRY_WINDOW_S
 from app.payments import deposits as stablecoin_deposits
+from app.payments.chain_settings import CryptoSettings
 from app.payments import stripe as stripe_payments
 from app.platform import platform_status
 from ledger.limits import INT64_MAX
@@ -203,7 +204,7 @@ class PlatformController(Controller):
 MANAGEMENT_CONTROLLERS = [AccountController, WorkerController, PlatformController]
 
 
-def _chain_id(settings) -> int | None:
+def _chain_id(settings: CryptoSettings) -> int | None:
     """The id of the chain deposits go to, from its node. Runs in a worker thread;
     web3 is loaded already wherever a seed is set (app.wiring checks it at start)."""
     if not settings.rpc_url:

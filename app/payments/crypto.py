@@ -21,8 +21,8 @@ from web3.types import EventData
 
 from app import outbox
 from app.limits import CHAIN_RPC_TIMEOUT_S, CRYPTO_REORG_DEPTH_BLOCKS, CRYPTO_SCAN_BLOCKS_MAX
-from app.payments.chain_settings import CryptoSettings, Token, parse_tokens, read_seed  # noqa: F401 (this module's API too)
-from app.payments.deposits import CryptoNotConfigured, deposit_address, derive_address, pending_deposits  # noqa: F401 (as above)
+from app.payments.chain_settings import CryptoSettings
+from app.payments.deposits import CryptoNotConfigured
 from app.payments.schema import crypto_blocks, crypto_deposit_addresses, crypto_scan_positions, crypto_transfers
 from ledger import commands as cmd
 from ledger.accounts import create_system_account

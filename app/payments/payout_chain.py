@@ -52,7 +52,7 @@ from app.limits import (
     PAYOUTS_SIGNED_PER_RUN_MAX,
 )
 from app.payments import payouts as po
-from app.payments.chain_settings import PayoutChainSettings, Token  # noqa: F401 (this module's API too)
+from app.payments.chain_settings import PayoutChainSettings
 from app.payments.schema import payout_transactions, payout_wallets, payouts
 from ledger.errors import InvalidInput, LedgerError
 from ledger.money import PERCENT, nano_usd_per_unit

@@ -25,7 +25,7 @@ from sqlalchemy import select, update
 
 from app.cli import main
 from app.http.factory import create_app
-from app.payments.crypto import CryptoSettings
+from app.payments.chain_settings import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.statement_labels import statement_labels
 from app.tokens import CUSTOMER, create_token

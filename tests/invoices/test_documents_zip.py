@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 from app.cli import main
 from app.documents_zip import MANIFEST_COLUMNS, MANIFEST_NAME, documents_zip
 from app.http.factory import create_app
-from app.payments.crypto import CryptoSettings
+from app.payments.chain_settings import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.statement_labels import statement_labels
 from app.tokens import create_token

@@ -17,7 +17,7 @@ from app.http.console.web import SESSION_COOKIE
 from app.http.factory import create_app
 from app.members import add_member
 from app.migrate import migrate
-from app.payments.crypto import CryptoSettings
+from app.payments.chain_settings import CryptoSettings
 from app.payments.stripe import StripeSettings
 from invoices.mail import MailSettings
 from invoices.service import InvoiceSettings, issue_for_top_up

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from app.http.factory import create_app
 from app.migrate import migrate
-from app.payments.crypto import CryptoSettings
+from app.payments.chain_settings import CryptoSettings
 from app.payments.stripe import StripeSettings
 from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, VIEWER, create_token, revoke_token
 from invoices.service import InvoiceSettings

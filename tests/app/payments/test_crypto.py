@@ -11,7 +11,9 @@ from eth_abi import encode
 from sqlalchemy import select
 from web3 import Web3
 
-from app.payments.crypto import TRANSFER_EVENT, CryptoSettings, Token, deposit_address, derive_address, scan_once
+from app.payments.chain_settings import CryptoSettings, Token
+from app.payments.crypto import TRANSFER_EVENT, scan_once
+from app.payments.deposits import deposit_address, derive_address
 from app.payments.schema import crypto_transfers
 from invoices.service import list_invoices
 from ledger import accounts as acc

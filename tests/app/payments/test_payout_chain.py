@@ -32,8 +32,10 @@ from app.http.status import metrics_registry
 from app import wiring
 from app.jobs.celery import PAYOUTS_SEND, celery
 from app.payments import payouts as po
-from app.payments.crypto import TRANSFER_EVENT, Token
-from app.payments.payout_chain import AFTER_BROADCAST, AFTER_STORE, FAULT_ENV, PayoutChainSettings, StoredTx, send_once
+from app.payments.chain_settings import Token
+from app.payments.crypto import TRANSFER_EVENT
+from app.payments.chain_settings import PayoutChainSettings
+from app.payments.payout_chain import AFTER_BROADCAST, AFTER_STORE, FAULT_ENV, StoredTx, send_once
 from app.payments.schema import payout_transactions, payout_wallets
 from app.payments.schema import payouts as payouts_table
 from app.settings import Settings, SettingsError
