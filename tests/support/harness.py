@@ -26,6 +26,7 @@ from proxy import keys, prices
 from proxy import workers as registry
 from proxy.sim.worker import build_app
 from tests.support.db_roles import app_role_url
+from tests.support.serve_forks import ForkedProcess, fork_serve
 
 MODEL = "paralon-test"
 START_TIMEOUT_S = 90.0  # importing the service takes 30 s on a loaded 2-core machine
@@ -77,18 +78,16 @@ class ServeProcess:
         self.port = port or free_port()
         self.env = {**os.environ, "PARALON_DATABASE_URL": app_role_url(database_url), "PARALON_HEALTH_INTERVAL_MS": "200",
                     "PARALON_KEY_CACHE_TTL_MS": "0", "PARALON_GROUP_COMMIT_WAIT_MS": "1", **env}
-        self.process: subprocess.Popen | None = None
+        self.process: ForkedProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ServeProcess":
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(self.port)],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,  # its own process group, so a test can kill it whole (tests/support/faults.py)
-        )
+        # Forked with the libraries imported (tests/support/serve_forks.py), in a process
+        # group of its own, so that a test can kill it whole (tests/support/faults.py).
+        self.process = fork_serve(["serve", "--port", str(self.port)], self.env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.process.poll() is not None:

@@ -105,7 +105,8 @@ def test_an_owner_sees_state_capacity_traffic_share_and_prefix_cache_of_its_own_
         assert shown["throughput_tokens_per_s"] == fleet.worker(worker_id).throughput_tokens_per_s >= 1
 
     drained = _post(proxy, f"/v1/workers/{extra['draining']}/drain", tokens["owner"]).json()
-    assert (drained["state"], drained["drain_seconds_left"]) == ("draining", limits.DRAIN_DEADLINE_S)
+    # counted from when the drain was asked: the call itself (a row lock behind a heartbeat) may take a second
+    assert drained["state"] == "draining" and limits.DRAIN_DEADLINE_S - 2 <= drained["drain_seconds_left"] <= limits.DRAIN_DEADLINE_S
     own = _seen(proxy, tokens["owner"])
     assert set(own) == {mine, extra["draining"], extra["suspended"]}, "the other owner's worker is not listed"
     assert own[extra["draining"]]["state"] == "draining" and 0 < own[extra["draining"]]["drain_seconds_left"] <= 120
