@@ -71,8 +71,9 @@ def sim_worker(profile: str = "instant", model: str = MODEL, **options) -> Threa
 
 
 class ServeProcess:
-    """`paralon serve` as operators run it, on its own port: on PostgreSQL as a
-    role that owns nothing (tests/support/db_roles.py)."""
+    """`paralon serve` as operators run it (its own process, environment and
+    process group; forked with the libraries already imported), on its own
+    port: on PostgreSQL as a role that owns nothing (tests/support/db_roles.py)."""
 
     def __init__(self, database_url: str, port: int | None = None, **env: str) -> None:
         self.port = port or free_port()
