@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
-from tests.support.harness import MODEL, ServeProcess, free_port, make_fleet  # noqa: E402
+from tests.support.harness import MODEL, ServeProcess, SimWorkerProcess, free_port, make_fleet  # noqa: E402
 
 MAX_TOKENS = 64  # per request, give or take MAX_TOKENS_SPREAD
 MAX_TOKENS_SPREAD = 16
@@ -49,19 +49,6 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def start_worker(port: int, profile: str) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(port),
-                                "--profile", profile, "--model", MODEL])
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("the simulated worker did not start")
 
 
 def start_bare_relay(port: int, worker_port: int) -> subprocess.Popen:
@@ -156,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
 
     worker_port, relay_port = free_port(), free_port()
-    worker = start_worker(worker_port, args.profile)
+    worker = SimWorkerProcess(args.profile, port=worker_port).start()
     relay = start_bare_relay(relay_port, worker_port)
     with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
         url = scratch.url.render_as_string(hide_password=False)
@@ -180,9 +167,9 @@ def main() -> None:
             proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
         finally:
             proxy.stop()
-            for process in (relay, worker):
-                process.terminate()
-                process.wait(10)
+            worker.stop()
+            relay.terminate()
+            relay.wait(10)
         settled = len(fleet.settlements())
         fleet.engine.dispose()
     result = figures(ttfts, relay_tokens, relay_cpu_s, proxy_tokens, proxy_cpu_s)

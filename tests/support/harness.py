@@ -70,6 +70,45 @@ def sim_worker(profile: str = "instant", model: str = MODEL, **options) -> Threa
     return ThreadedServer(build_app(profile, model, **options)).start()
 
 
+class SimWorkerProcess:
+    """A simulated worker in a process of its own (`paralon sim-worker`): where
+    a test's load would starve one sharing the test process's interpreter, and
+    so slow its health checks past their timeout."""
+
+    def __init__(self, profile: str = "instant", model: str = MODEL, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.argv = [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(self.port),
+                     "--profile", profile, "--model", model]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "SimWorkerProcess":
+        self.process = subprocess.Popen(self.argv, start_new_session=True, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the simulated worker did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
 class ServeProcess:
     """`paralon serve` as operators run it (its own process, environment and
     process group; forked with the libraries already imported), on its own
