@@ -30,6 +30,7 @@ from tests.support.serve_forks import ForkedProcess, fork_serve
 
 MODEL = "paralon-test"
 START_TIMEOUT_S = 90.0  # importing the service takes 30 s on a loaded 2-core machine
+STOP_WAIT_S = 15.0
 
 
 def free_port() -> int:
@@ -87,26 +88,11 @@ class SimWorkerProcess:
 
     def start(self) -> "SimWorkerProcess":
         self.process = subprocess.Popen(self.argv, start_new_session=True, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the simulated worker did not start")
-            time.sleep(0.05)
+        _await_health(self, "the simulated worker")
+        return self
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        _stop(self.process)
 
 
 class ServeProcess:
@@ -128,27 +114,40 @@ class ServeProcess:
         # Forked with the libraries imported (tests/support/serve_forks.py), in a process
         # group of its own, so that a test can kill it whole (tests/support/faults.py).
         self.process = fork_serve(["serve", "--port", str(self.port)], self.env)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"paralon serve exited: {self.process.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("paralon serve did not answer in time")
-            time.sleep(0.05)
+        _await_health(self, "paralon serve")
+        return self
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        _stop(self.process)
+
+
+def _await_health(server: SimWorkerProcess | ServeProcess, what: str) -> None:
+    """Until its /health answers 200; stopped, and an error naming it, if it exits or takes too long."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if server.process.poll() is not None:
+            said = server.process.stdout.read() if server.process.stdout else ""
+            raise RuntimeError(f"{what} exited: {said}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"{what} did not answer in time")
+        time.sleep(0.05)
+
+
+def _stop(process: subprocess.Popen | ForkedProcess | None) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within STOP_WAIT_S; reaped either way."""
+    if process and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
