@@ -55,6 +55,8 @@ def stripe_settings(settings: Settings) -> StripeSettings:
 
 def crypto_settings(settings: Settings) -> CryptoSettings:
     crypto = settings.crypto
+    if crypto.rpc_url:  # a configured chain loads web3 now, not on the thread of the first request that asks the node
+        import app.payments.crypto  # noqa: F401
     return CryptoSettings(rpc_url=crypto.rpc_url, tokens=parse_tokens(crypto.tokens), confirmations=crypto.confirmations,
                           seed=_usable_seed(read_seed(_reveal(crypto.seed))), start_block=crypto.start_block)
 

@@ -206,7 +206,7 @@ MANAGEMENT_CONTROLLERS = [AccountController, WorkerController, PlatformControlle
 
 def _chain_id(settings: CryptoSettings) -> int | None:
     """The id of the chain deposits go to, from its node. Runs in a worker thread;
-    web3 is loaded already wherever a seed is set (app.wiring checks it at start)."""
+    web3 is loaded at start wherever a node is set (app.wiring.crypto_settings)."""
     if not settings.rpc_url:
         return None
     from app.payments import crypto
