@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from ledger import commands as cmd
 from ledger import holds as hl
+from ledger.hold_commands import PlaceHold
+from ledger.service import append_now
 from ledger.storage.postgres import PostgresStorage
 from tests.conftest import migrated_database_url
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
@@ -34,3 +37,19 @@ class TestPostgresStorage(StorageContract):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
         with engine.connect() as conn:
             assert conn.connection.driver_connection.prepare_threshold is None
+
+    def test_the_hold_function_plans_for_the_holds_open_now(self, engine, customer):
+        """A connection that placed its first holds while the table was empty
+        must not keep that moment's plan (a scan of every hold for each key)
+        once thousands are open (migration 0027)."""
+        append_now(engine, cmd.GrantCredits(customer, 10**12, "credits", "grant"))
+        with engine.connect() as holder:
+            for i in range(8):  # past the calls after which a cached generic plan may be kept
+                with holder.begin():
+                    hl.place_holds(holder, [PlaceHold(customer, 1, f"early-{i}")])
+            with engine.begin() as other:
+                hl.place_holds(other, [PlaceHold(customer, 1, f"open-{i}") for i in range(3000)])
+            with holder.begin():
+                hl.place_holds(holder, [PlaceHold(customer, 1, "late")])
+                scans = holder.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'holds'").scalar_one()
+        assert scans == 0, "the key lookup scanned the whole holds table"
