@@ -1,6 +1,9 @@
 """The storage contract on PostgreSQL, and what only PostgreSQL's storage promises."""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from ledger import commands as cmd
@@ -53,3 +56,28 @@ class TestPostgresStorage(StorageContract):
                 hl.place_holds(holder, [PlaceHold(customer, 1, "late")])
                 scans = holder.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'holds'").scalar_one()
         assert scans == 0, "the key lookup scanned the whole holds table"
+
+    def test_the_reads_after_a_waited_for_lock_see_what_committed_meanwhile(self, engine, storage, customer):
+        """The lock and the reads travel together, but each read takes its
+        snapshot after the lock is held: a batch that committed while this
+        one waited is seen (its key, its balance, the head it moved)."""
+        with engine.connect() as first:
+            first.begin()
+            storage.lock_head_and_read(first, ["k-1"], [customer])
+            storage.write_appended(first, self._batch(customer, seq=1, key_="k-1", amount=5))
+            with ThreadPoolExecutor(1) as pool, engine.begin() as second:
+                waiting = pool.submit(storage.lock_head_and_read, second, ["k-1"], [customer])
+                _wait_for_lock_wait(engine)
+                first.commit()
+                head = waiting.result(timeout=30)
+        assert (head.last_seq, head.known_keys, head.balances) == (1, {"k-1": (b"d" * 32, 1, "CreditsGranted")}, {customer: 5})
+
+
+def _wait_for_lock_wait(engine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with engine.connect() as watcher:
+        while watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                      "AND wait_event_type = 'Lock'").scalar_one() == 0:
+            assert time.monotonic() < deadline, "the second batch never waited for the lock"
+            watcher.rollback()
+            time.sleep(0.01)
