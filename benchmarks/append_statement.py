@@ -7,7 +7,10 @@ This runs settlement batches through the ledger's own `append_batch` with the
 write statement under EXPLAIN (ANALYZE, WAL): it is executed as usual, and the
 server reports the time and WAL bytes of each insert, update and trigger.
 Medians over the measured batches, per settlement; the shares of each part
-are the ratios to read (absolute times drift on a shared machine).
+are the ratios to read (absolute times drift on a shared machine). Before
+those, as many batches without EXPLAIN give `client_cpu_us_per_settlement`:
+the CPU this process spends in `append_batch` per settlement, the appender's
+own share of the CPU a settlement costs.
 
     python benchmarks/append_statement.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
 
@@ -21,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -56,12 +60,18 @@ def _parts(plan: dict) -> dict[str, tuple[float, int]]:
     return found
 
 
-def _batch(engine, customers: list[int], owners: list[int], tag: str, size: int) -> None:
+def _batch(engine, customers: list[int], owners: list[int], tag: str, size: int) -> float:
+    """Place `size` holds and settle them in one batch; returns the CPU seconds
+    this process spent in `append_batch` (deciding, hashing, encoding, and
+    its driver's share of the round trips)."""
     with engine.begin() as conn:
         holds = place_holds(conn, [PlaceHold(customers[i % CUSTOMERS], HOLD_NANO_USD, f"h:{tag}:{i}") for i in range(size)])
+    settles = [cmd.SettleRequest(h.hold_id, owners[i % OWNERS], 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
+                                 {"model": "bench", "prompt_tokens": 900 + i % 97}) for i, h in enumerate(holds)]
     with engine.begin() as conn:
-        append_batch(conn, [cmd.SettleRequest(h.hold_id, owners[i % OWNERS], 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
-                                              {"model": "bench", "prompt_tokens": 900 + i % 97}) for i, h in enumerate(holds)])
+        started = time.process_time()
+        append_batch(conn, settles)
+        return time.process_time() - started
 
 
 def measure(engine, batches: int, batch_size: int, warm_up_batches: int) -> dict:
@@ -84,6 +94,7 @@ def measure(engine, batches: int, batch_size: int, warm_up_batches: int) -> dict
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE")
         conn.commit()
+    client_cpu_s = [_batch(engine, customers, owners, f"cpu{b}", batch_size) for b in range(batches)]
     originals = (pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS)
     pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS = (EXPLAIN + sql for sql in originals)
     try:
@@ -93,7 +104,8 @@ def measure(engine, batches: int, batch_size: int, warm_up_batches: int) -> dict
     finally:
         pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS = originals
         engine.dispose()
-    return summarise(plans, batch_size)
+    return {**summarise(plans, batch_size),
+            "client_cpu_us_per_settlement": round(statistics.median(client_cpu_s) / batch_size * 1e6, 2)}
 
 
 def summarise(plans: list[dict], batch_size: int) -> dict:
