@@ -53,6 +53,13 @@ def idle_cpu_s() -> float:
     return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds used so far by one thread of this process (Linux /proc)."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def postgres_cpu_s() -> float | None:
     """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
     total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
@@ -186,6 +193,9 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms)
     latencies_ms: list[float] = []
     await asyncio.sleep(max(0.0, start_at - time.time()))
+    threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
+               "holder": ledger.holder.native_thread_id}
+    thread_cpu_started = {name: thread_cpu_s(tid) for name, tid in threads.items()}
     cpu_started = time.process_time()
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
@@ -194,11 +204,13 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
         for i in range(producers)
     ))
     cpu_s = time.process_time() - cpu_started
+    thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
     batches = ledger.appender.batches_committed
     ledger.close()
     engine.dispose()
-    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "batches": batches, "per_second": per_second}
+    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
+            "batches": batches, "per_second": per_second}
 
 
 async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
@@ -280,6 +292,11 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
+        # The same CPU by thread: the callers' event loop, the durable writer, the holds' writer.
+        "producer_cpu_us_per_settlement_by_thread": {
+            name: round(sum(part["thread_cpu_s"][name] for part in parts) / max(settled, 1) * 1e6, 1)
+            for name in ("event_loop", "appender", "holder")
+        },
         "postgres_cpu_us_per_settlement": (
             round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
         ),

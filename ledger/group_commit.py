@@ -85,6 +85,11 @@ class GroupCommitWriter(Generic[C, R]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def native_thread_id(self) -> int | None:
+        """The writer thread's id in the operating system (for per-thread CPU)."""
+        return self._thread.native_id
+
     def _put(self, command: C, waiter) -> None:
         if self._closed:
             raise WriterClosed("the writer is closed")
