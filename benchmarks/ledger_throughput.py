@@ -243,10 +243,13 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
-             balance_guard: bool = True, postings_guard: bool = True) -> dict:
+             balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
+    if not flush_wait:  # what waiting for the WAL flush at each commit costs: every session of the database skips it
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{engine.url.database}" SET synchronous_commit = off')
     if not balance_guard:  # what the guard of migration 0013 costs: measure without it
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP TRIGGER account_balances_guard ON account_balances")
@@ -319,6 +322,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--without-balance-guard", action="store_true", help="drop migration 0013's balance guard first")
     parser.add_argument("--without-postings-guard", action="store_true", help="drop migration 0016's postings guard first")
+    parser.add_argument("--without-flush-wait", action="store_true",
+                        help="commit without waiting for the WAL flush (not durable: a measurement of what the wait costs)")
     args = parser.parse_args()
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
@@ -329,7 +334,7 @@ def main() -> None:
     with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
         result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                           args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
-                          not args.without_postings_guard)
+                          not args.without_postings_guard, not args.without_flush_wait)
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -342,6 +347,7 @@ def main() -> None:
         seconds=args.seconds,
         balance_guard=not args.without_balance_guard,
         postings_guard=not args.without_postings_guard,
+        flush_wait=not args.without_flush_wait,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))
