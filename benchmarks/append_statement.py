@@ -19,9 +19,6 @@ database of the benchmark's own.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -37,7 +34,7 @@ from ledger import commands as cmd  # noqa: E402
 from ledger.accounts import create_account  # noqa: E402
 from ledger.holds import PlaceHold, place_holds  # noqa: E402
 from ledger.store import append_batch  # noqa: E402
-from scratch import ScratchDatabase, log  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, log, print_result  # noqa: E402
 
 CUSTOMERS = 64
 OWNERS = 8
@@ -125,18 +122,12 @@ def summarise(plans: list[dict], batch_size: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
-    parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
-    parser.add_argument("--warm-up-batches", type=int, default=5)
-    parser.add_argument("--json", action="store_true", help="print one JSON line")
-    args = parser.parse_args()
+    args = batch_arguments(__doc__.split("\n\n")[0], batches=20)
     with ScratchDatabase(args.database_url, "paralon_append_statement") as scratch:
         if scratch.sqlite:
             raise SystemExit("the write statement is PostgreSQL's: give a postgresql:// URL")
         result = measure(scratch.engine(), args.batches, args.batch_size, args.warm_up_batches)
-    print(json.dumps(result, sort_keys=True) if args.json else json.dumps(result, indent=2, sort_keys=True))
+    print_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 dropped), and progress lines on stderr (stdout is the JSON)."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 import uuid
@@ -17,6 +19,21 @@ from ledger.db import make_engine, normalise_url  # noqa: E402
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def batch_arguments(description: str, batches: int) -> argparse.Namespace:
+    """The options of a benchmark that writes settlement batches to a scratch database."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument("--batches", type=int, default=batches)
+    parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
+    parser.add_argument("--warm-up-batches", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    return parser.parse_args()
+
+
+def print_result(result: dict, one_line: bool) -> None:
+    print(json.dumps(result, sort_keys=True) if one_line else json.dumps(result, indent=2, sort_keys=True))
 
 
 class ScratchDatabase:
