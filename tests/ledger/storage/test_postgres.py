@@ -1,7 +1,6 @@
 """The storage contract on PostgreSQL, and what only PostgreSQL's storage promises."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +12,7 @@ from ledger.service import append_now
 from ledger.storage.postgres import PostgresStorage
 from tests.conftest import migrated_database_url
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
+from tests.support.harness import wait_for
 
 
 class TestPostgresStorage(StorageContract):
@@ -67,17 +67,14 @@ class TestPostgresStorage(StorageContract):
             storage.write_appended(first, self._batch(customer, seq=1, key_="k-1", amount=5))
             with ThreadPoolExecutor(1) as pool, engine.begin() as second:
                 waiting = pool.submit(storage.lock_head_and_read, second, ["k-1"], [customer])
-                _wait_for_lock_wait(engine)
+                wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)  # the second batch waits
                 first.commit()
                 head = waiting.result(timeout=30)
         assert (head.last_seq, head.known_keys, head.balances) == (1, {"k-1": (b"d" * 32, 1, "CreditsGranted")}, {customer: 5})
 
 
-def _wait_for_lock_wait(engine, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def _lock_waits(engine) -> int:
+    """Sessions of the test's database waiting for a lock."""
     with engine.connect() as watcher:
-        while watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                      "AND wait_event_type = 'Lock'").scalar_one() == 0:
-            assert time.monotonic() < deadline, "the second batch never waited for the lock"
-            watcher.rollback()
-            time.sleep(0.01)
+        return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                       "AND wait_event_type = 'Lock'").scalar_one()
