@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from functools import partial
 from typing import NamedTuple
 
 from sqlalchemy import Engine
@@ -36,7 +37,7 @@ class Ledger:
     ) -> None:
         self.engine = engine
         self.appender: GroupCommitWriter[cmd.Command, AppendResult] = GroupCommitWriter(
-            engine, append_batch, name="ledger-appender", batch_size_max=batch_size_max,
+            engine, partial(append_batch, closing_keys_to_the_index=True), name="ledger-appender", batch_size_max=batch_size_max,
             batch_wait_ms=batch_wait_ms, validate=cmd.validate_shape,
         )
         self.holder: GroupCommitWriter[hl.PlaceHold, hl.HoldResult] = GroupCommitWriter(

@@ -11,6 +11,7 @@ import weakref
 from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, select
+from sqlalchemy.exc import IntegrityError
 
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -87,11 +88,20 @@ class _BatchBook:
             raise InvariantBroken(f"system account {code!r} is missing: run `paralon migrate`") from None
 
 
-def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendResult | LedgerError]:
+def append_batch(conn: Connection, commands: list[cmd.Command], *,
+                 closing_keys_to_the_index: bool = False) -> list[AppendResult | LedgerError]:
     """Decide and write `commands` in the caller's transaction; one result per command.
 
     A command that fails (overdraft, conflict, bad input) gets its error and
     writes nothing; the others in the batch are unaffected.
+
+    `closing_keys_to_the_index` is for a group-commit writer, which runs a
+    batch again when the database refuses it: the key of a settlement that
+    closed its hold is then not looked up under the lock (its hold shows it
+    was not settled before, and any other event with its key is a caller's
+    mistake), and the log's unique index refuses such a key instead. The
+    batch that follows on the connection then looks up every key, and the
+    mistake gets its `IdempotencyConflict`.
 
     Work is split around the append lock so that the lock, which every
     durable append in every process waits for, is held as briefly as possible:
@@ -110,7 +120,9 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, pending, book, results)
 
-    head_seq, head_hash, late = _lock_and_read(conn, book, [(i, commands[i], digests[i]) for i in prepared], prepared.values())
+    every_key = not closing_keys_to_the_index or conn.info.pop(_LOOK_UP_EVERY_KEY, False)
+    keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
+    head_seq, head_hash, late = _lock_and_read(conn, book, keyed, prepared.values())
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
@@ -150,13 +162,22 @@ def append_batch(conn: Connection, commands: list[cmd.Command]) -> list[AppendRe
     storage = storage_of(conn)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
-        storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
-                                                   holds_closed, limit_usage, seq, prev_hash, recorded_at))
+        try:
+            storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
+                                                       holds_closed, limit_usage, seq, prev_hash, recorded_at))
+        except IntegrityError:
+            if closing_keys_to_the_index:
+                conn.info[_LOOK_UP_EVERY_KEY] = True
+            raise
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):
         raise InvariantBroken("a command in the batch got no result")
     return results  # type: ignore[return-value]
+
+
+# Set on a connection whose batch the database refused (see `append_batch`).
+_LOOK_UP_EVERY_KEY = "paralon_look_up_every_key"
 
 
 def append_one(conn: Connection, command: cmd.Command) -> AppendResult:

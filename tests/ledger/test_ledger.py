@@ -124,6 +124,28 @@ def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
     assert money_snapshot(engine) == before
 
 
+def test_a_settlement_whose_key_another_event_has_is_a_conflict_and_its_hold_stays(ledger, engine):
+    """The writer leaves a closing settlement's key to the log's unique index:
+    refused there, its batch runs again looking up every key, and the
+    settlement gets its conflict while the others of the batch are appended."""
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    taken = key("settle")
+    ledger.append(cmd.GrantCredits(customer, USD, "welcome", taken))
+    hold, other = (ledger.place_hold(PlaceHold(customer, USD, key("hold"))) for _ in range(2))
+    before = money_snapshot(engine)
+    reused = ledger.appender.submit(cmd.SettleRequest(hold.hold_id, owner, USD // 2, "req-1", taken, {}))
+    fine = ledger.appender.submit(cmd.SettleRequest(other.hold_id, owner, USD // 4, "req-2", key("settle"), {}))
+    with pytest.raises(IdempotencyConflict):
+        reused.result()
+    assert fine.result().status == "created"
+    assert money_snapshot(engine)["events"] == before["events"] + 1
+    assert ledger.balance(customer).held_nano_usd == USD, "the conflicting settlement's hold is still held"
+    assert ledger.append(cmd.SettleRequest(hold.hold_id, owner, USD // 2, "req-1", key("settle"), {})).status == "created"
+    with engine.connect() as conn:
+        assert verify(conn).ok
+
+
 def test_holds_never_take_available_below_zero(ledger, engine):
     customer = customer_with(ledger, 10 * USD)
     ledger.place_hold(PlaceHold(customer, 6 * USD, key("hold")))
