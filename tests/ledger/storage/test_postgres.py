@@ -41,10 +41,10 @@ class TestPostgresStorage(StorageContract):
         with engine.connect() as conn:
             assert conn.connection.driver_connection.prepare_threshold is None
 
-    def test_the_hold_function_plans_for_the_holds_open_now(self, engine, customer):
+    def test_the_hold_function_never_scans_every_open_hold(self, engine, customer):
         """A connection that placed its first holds while the table was empty
-        must not keep that moment's plan (a scan of every hold for each key)
-        once thousands are open (migration 0027)."""
+        must not keep a plan that scans every hold for each key once
+        thousands are open (migrations 0027 and 0028)."""
         append_now(engine, cmd.GrantCredits(customer, 10**12, "credits", "grant"))
         with engine.connect() as holder:
             for i in range(8):  # past the calls after which a cached generic plan may be kept
