@@ -206,11 +206,11 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     cpu_s = time.process_time() - cpu_started
     thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
-    batches = ledger.appender.batches_committed
+    batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed
     ledger.close()
     engine.dispose()
     return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
-            "batches": batches, "per_second": per_second}
+            "batches": batches, "hold_batches": hold_batches, "per_second": per_second}
 
 
 async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
@@ -294,6 +294,8 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p50": round(statistics.median(latencies_ms), 2),
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
+        # Holds are placed one per settlement, each batch one call of the hold function.
+        "hold_batch_size_mean": round(settled / max(sum(part["hold_batches"] for part in parts), 1), 1),
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
         # The same CPU by thread: the callers' event loop, the durable writer, the holds' writer.
         "producer_cpu_us_per_settlement_by_thread": {

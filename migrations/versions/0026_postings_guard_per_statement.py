@@ -19,10 +19,9 @@ Revision ID: 0026
 Revises: 0025
 Create Date: 2026-12-01
 """
-import importlib.util
-from pathlib import Path
-
 from alembic import op
+
+from app.migrate import earlier_revision
 
 revision = "0026"
 down_revision = "0025"
@@ -65,11 +64,7 @@ END $$
 
 
 def _guard_of_0016() -> str:
-    path = Path(__file__).with_name("0016_postings_guard.py")
-    spec = importlib.util.spec_from_file_location("migration_0016", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.GUARD_POSTINGS.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+    return earlier_revision("0016_postings_guard.py").GUARD_POSTINGS.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
 
 
 def upgrade() -> None:

@@ -25,10 +25,9 @@ Revision ID: 0028
 Revises: 0027
 Create Date: 2026-12-01
 """
-import importlib.util
-from pathlib import Path
-
 from alembic import op
+
+from app.migrate import earlier_revision
 
 revision = "0028"
 down_revision = "0027"
@@ -77,11 +76,7 @@ GRANTED_IN_FULL = """\
 
 
 def _function_of_0015() -> str:
-    path = Path(__file__).with_name("0015_hold_replicas.py")
-    spec = importlib.util.spec_from_file_location("migration_0015", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.PLACE_HOLDS.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+    return earlier_revision("0015_hold_replicas.py").PLACE_HOLDS.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
 
 
 def place_holds_function() -> str:

@@ -10,6 +10,7 @@ from ledger import holds as hl
 from ledger.hold_commands import PlaceHold
 from ledger.service import append_now
 from ledger.storage.postgres import PostgresStorage
+from ledger.store import append_batch
 from tests.conftest import migrated_database_url
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
 from tests.support.harness import wait_for
@@ -56,6 +57,21 @@ class TestPostgresStorage(StorageContract):
                 hl.place_holds(holder, [PlaceHold(customer, 1, "late")])
                 scans = holder.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'holds'").scalar_one()
         assert scans == 0, "the key lookup scanned the whole holds table"
+
+    def test_an_append_never_scans_the_whole_log(self, engine, customer):
+        """A writer that appended its first batches while the log was nearly
+        empty must not keep a plan that reads every event (the postings
+        guard's range read, migration 0029) once thousands are in it."""
+        with engine.connect() as writer:
+            for i in range(8):  # past the calls after which a cached generic plan may be kept
+                with writer.begin():
+                    append_batch(writer, [cmd.GrantCredits(customer, 1, "early", f"early-{i}")])
+            with engine.begin() as other:
+                append_batch(other, [cmd.GrantCredits(customer, 1, "many", f"many-{i}") for i in range(3000)])
+            with writer.begin():
+                append_batch(writer, [cmd.GrantCredits(customer, 1, "late", "late")])
+                scans = writer.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'ledger_events'").scalar_one()
+        assert scans == 0, "an append read the whole log"
 
     def test_the_reads_after_a_waited_for_lock_see_what_committed_meanwhile(self, engine, storage, customer):
         """The lock and the reads travel together, but each read takes its
