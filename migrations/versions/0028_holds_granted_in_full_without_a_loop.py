@@ -5,8 +5,9 @@ near the end of their credits gets what is left, down to each request's
 minimum, in order. Most batches never come near that: every customer's (and
 every spend limit's) requests add up to less than what is available, and
 then each request gets exactly what it asked for, whatever the order. Such a
-batch is now one set-based insert and two counter updates, with the same rows
-locked in the same order first; any other batch (a retried key, an unknown or
+batch is now one set-based insert, with the same rows locked in the same
+order first and the same counter updates after (each customer's and limit's
+requests summed once, for the check and for the counters); any other batch (a retried key, an unknown or
 non-customer account, a customer or limit that cannot cover all of its
 requests) takes the loop as before. Measured on batches of 400 holds for 64
 customers: the call took 7.7 ms before and 4.5 ms after (`auto_explain`), and
@@ -36,22 +37,29 @@ depends_on = None
 
 SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], text[], timestamptz)"
 
-# Inserted into 0015's function after the locks and reads, before its loop.
-_LOOP_STARTS_AFTER = "    lim_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(lim_ids), 0)]);\n"
+# Wrapped around 0015's loop and the statement that writes its decisions: the
+# counter updates after them (what acc_placed and lim_placed say) serve both.
+_LOOP_STARTS = "    FOR i IN 1 .. n LOOP\n"
+_LOOP_WRITTEN = "      FROM generate_subscripts(p_key, 1) AS i LEFT JOIN inserted ON inserted.idempotency_key = p_key[i];\n"
+_DECLARED = "    e int; j int; k int; want bigint; lowest bigint; granted bigint;\n"
+WANTED = "    acc_wanted bigint[]; lim_wanted bigint[];  -- each customer's and each limit's requests, summed\n"
 GRANTED_IN_FULL = """\
-    -- No key seen before, and each customer and limit covers the sum of its requests:
-    -- every request gets what it asked for.
-    IF ex_keys IS NULL AND NOT EXISTS (
-        SELECT 1 FROM (SELECT r.account_id, sum(r.amount) AS wanted FROM unnest(p_account, p_amount) AS r(account_id, amount)
-                        GROUP BY r.account_id) AS w
-          LEFT JOIN unnest(acc_ids, acc_kinds, acc_available) AS a(id, kind, available) ON a.id = w.account_id
-         WHERE a.id IS NULL OR a.kind <> 'customer' OR a.available < w.wanted
-    ) AND NOT EXISTS (
-        SELECT 1 FROM (SELECT r.limit_id, sum(r.amount) AS wanted FROM unnest(p_limit, p_amount) AS r(limit_id, amount)
-                        WHERE r.limit_id IS NOT NULL GROUP BY r.limit_id) AS w
-          LEFT JOIN unnest(lim_ids, lim_available) AS l(id, available) ON l.id = w.limit_id
-         WHERE l.id IS NULL OR l.available < w.wanted
-    ) THEN
+    acc_wanted := ARRAY(SELECT coalesce(sum(r.amount), 0)::bigint FROM unnest(acc_ids) WITH ORDINALITY AS a(id, pos)
+                          LEFT JOIN unnest(p_account, p_amount) AS r(account_id, amount) ON r.account_id = a.id
+                         GROUP BY a.pos ORDER BY a.pos);
+    lim_wanted := ARRAY(SELECT coalesce(sum(r.amount), 0)::bigint FROM unnest(lim_ids) WITH ORDINALITY AS l(id, pos)
+                          LEFT JOIN unnest(p_limit, p_amount) AS r(limit_id, amount) ON r.limit_id = l.id
+                         GROUP BY l.pos ORDER BY l.pos);
+    -- No key seen before, every account found and a customer's, every limit found, and each
+    -- customer and limit covers the sum of its requests: every request gets what it asked for.
+    IF ex_keys IS NULL
+       AND coalesce(cardinality(acc_ids), 0) = (SELECT count(DISTINCT x.id) FROM unnest(p_account) AS x(id))
+       AND coalesce(cardinality(lim_ids), 0) = (SELECT count(DISTINCT x.id) FROM unnest(p_limit) AS x(id))
+       AND NOT EXISTS (SELECT 1 FROM unnest(acc_kinds, acc_available, acc_wanted) AS a(kind, available, wanted)
+                        WHERE a.kind <> 'customer' OR a.available < a.wanted)
+       AND NOT EXISTS (SELECT 1 FROM unnest(lim_available, lim_wanted) AS l(available, wanted) WHERE l.available < l.wanted) THEN
+        acc_placed := acc_wanted;
+        lim_placed := lim_wanted;
         RETURN QUERY
         WITH inserted AS (
             INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id, replica_id)
@@ -60,18 +68,9 @@ GRANTED_IN_FULL = """\
                    AS r(account_id, amount, key, ttl_s, limit_id, replica_id)
             RETURNING holds.id, holds.idempotency_key, holds.amount_nano_usd, holds.expires_at
         )
-        SELECT (r.i - 1)::int, 'created'::text, inserted.id, inserted.amount_nano_usd, inserted.expires_at, NULL::text
-          FROM unnest(p_key) WITH ORDINALITY AS r(key, i) JOIN inserted ON inserted.idempotency_key = r.key;
-        UPDATE customer_holds c SET holds_placed_nano_usd = c.holds_placed_nano_usd + w.wanted
-          FROM (SELECT r.account_id, sum(r.amount)::bigint AS wanted FROM unnest(p_account, p_amount) AS r(account_id, amount)
-                 GROUP BY r.account_id) AS w
-         WHERE c.account_id = w.account_id;
-        UPDATE spend_limit_holds l SET holds_placed_nano_usd = l.holds_placed_nano_usd + w.wanted
-          FROM (SELECT r.limit_id, sum(r.amount)::bigint AS wanted FROM unnest(p_limit, p_amount) AS r(limit_id, amount)
-                 WHERE r.limit_id IS NOT NULL GROUP BY r.limit_id) AS w
-         WHERE l.limit_id = w.limit_id;
-        RETURN;
-    END IF;
+        SELECT (r.pos - 1)::int, 'created'::text, inserted.id, inserted.amount_nano_usd, inserted.expires_at, NULL::text
+          FROM unnest(p_key) WITH ORDINALITY AS r(key, pos) JOIN inserted ON inserted.idempotency_key = r.key;
+    ELSE
 """
 
 
@@ -81,9 +80,11 @@ def _function_of_0015() -> str:
 
 def place_holds_function() -> str:
     original = _function_of_0015()
-    if original.count(_LOOP_STARTS_AFTER) != 1:
-        raise RuntimeError("0015's hold function is not where this revision expects it")
-    return original.replace(_LOOP_STARTS_AFTER, _LOOP_STARTS_AFTER + GRANTED_IN_FULL, 1)
+    if any(original.count(part) != 1 for part in (_DECLARED, _LOOP_STARTS, _LOOP_WRITTEN)):
+        raise RuntimeError("0015's hold function is not what this revision expects")
+    return (original.replace(_DECLARED, _DECLARED + WANTED, 1)
+            .replace(_LOOP_STARTS, GRANTED_IN_FULL + _LOOP_STARTS, 1)
+            .replace(_LOOP_WRITTEN, _LOOP_WRITTEN + "    END IF;\n", 1))
 
 
 def upgrade() -> None:

@@ -83,20 +83,22 @@ def test_one_batch_of_holds_never_overshoots_a_limit(engine):
     assert _limit(engine)["held_nano_usd"] == 10 * USD
 
 
-def test_a_batch_naming_an_unknown_or_non_customer_account_refuses_only_those(ledger, engine):
+def test_a_batch_naming_an_unknown_or_non_customer_account_or_an_unknown_limit_refuses_only_those(ledger, engine):
     """Every other request of each batch fits: each refusal is its own, and
     nothing is held for it, even where the account named has money."""
     customer = customer_with(ledger, 10 * USD)
     owner = ledger.create_account(cmd.OWNER, "gpu owner")
     _settle(ledger, owner, ledger.place_hold(PlaceHold(customer, 5 * USD, key("hold"))), 5 * USD)  # the owner earns 4 USD
     before = money_snapshot(engine)
-    for stranger, refusal in ((10**12, UnknownAccount), (owner, WrongAccountKind)):
+    strangers = ((PlaceHold(10**12, USD, key("hold")), UnknownAccount), (PlaceHold(owner, USD, key("hold")), WrongAccountKind),
+                 (PlaceHold(customer, USD, key("hold"), spend_limit_id=LIMIT_ID), SpendLimitReached))  # no such limit
+    for stranger, refusal in strangers:
         with engine.begin() as conn:
-            results = place_holds(conn, [PlaceHold(customer, USD, key("hold")), PlaceHold(stranger, USD, key("hold"))])
+            results = place_holds(conn, [PlaceHold(customer, USD, key("hold")), stranger])
         assert isinstance(results[1], refusal)
         assert results[0].amount_nano_usd == USD
-    assert money_snapshot(engine) == {**before, "active_holds": 2}, "only the customer's two holds were placed"
-    assert ledger.balance(customer).held_nano_usd == 2 * USD
+    assert money_snapshot(engine) == {**before, "active_holds": 3}, "only the customer's three holds were placed"
+    assert ledger.balance(customer).held_nano_usd == 3 * USD
 
 
 def test_the_balance_still_binds_a_hold_under_a_generous_limit(ledger, engine):
