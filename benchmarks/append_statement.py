@@ -34,7 +34,7 @@ from ledger import commands as cmd  # noqa: E402
 from ledger.accounts import create_account  # noqa: E402
 from ledger.holds import PlaceHold, place_holds  # noqa: E402
 from ledger.store import append_batch  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, log, modify_table_nodes, print_result  # noqa: E402
 
 CUSTOMERS = 64
 OWNERS = 8
@@ -45,13 +45,8 @@ US_PER_MS = 1000
 
 def _parts(plan: dict) -> dict[str, tuple[float, int]]:
     """(ms, WAL bytes) of each insert and update of the statement, by what it writes."""
-    found: dict[str, tuple[float, int]] = {}
-    stack = [plan["Plan"]]
-    while stack:
-        node = stack.pop()
-        if node.get("Node Type") == "ModifyTable":
-            found[f"{node['Operation'].lower()} {node['Relation Name']}"] = (node["Actual Total Time"], node.get("WAL Bytes", 0))
-        stack.extend(node.get("Plans", []))
+    found = {f"{node['Operation'].lower()} {node['Relation Name']}": (node["Actual Total Time"], node.get("WAL Bytes", 0))
+             for node in modify_table_nodes(plan)}
     for trigger in plan.get("Triggers", []):
         found[f"trigger {trigger['Trigger Name']}"] = (trigger["Time"], 0)
     return found

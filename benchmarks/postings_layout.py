@@ -27,7 +27,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.storage.pg_arrays import bytea_array, ints, nullable_ints, texts, words  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, log, modify_table_nodes, print_result  # noqa: E402
 
 US_PER_MS = 1000
 EVENT_COLUMNS = """seq bigint PRIMARY KEY, event_type varchar(64) NOT NULL, payload text NOT NULL,
@@ -95,12 +95,7 @@ def batch_params(first_seq: int, size: int) -> tuple[dict, dict]:
 
 def time_and_wal(plan: dict, size: int) -> tuple[float, float]:
     """Server µs and WAL bytes per settlement of every insert in the statement."""
-    wal, stack = 0, [plan["Plan"]]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.get("Plans", []))
-        if node.get("Node Type") == "ModifyTable":
-            wal += node.get("WAL Bytes", 0)
+    wal = sum(node.get("WAL Bytes", 0) for node in modify_table_nodes(plan))
     return plan["Execution Time"] * US_PER_MS / size, wal / size
 
 

@@ -32,6 +32,17 @@ def batch_arguments(description: str, batches: int) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def modify_table_nodes(plan: dict) -> list[dict]:
+    """The inserts, updates and deletes of an EXPLAIN (FORMAT JSON) plan, at any depth."""
+    found, stack = [], [plan["Plan"]]
+    while stack:
+        node = stack.pop()
+        if node.get("Node Type") == "ModifyTable":
+            found.append(node)
+        stack.extend(node.get("Plans", []))
+    return found
+
+
 def print_result(result: dict, one_line: bool) -> None:
     print(json.dumps(result, sort_keys=True) if one_line else json.dumps(result, indent=2, sort_keys=True))
 

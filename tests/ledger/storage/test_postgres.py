@@ -55,7 +55,7 @@ class TestPostgresStorage(StorageContract):
                 hl.place_holds(other, [PlaceHold(customer, 1, f"open-{i}") for i in range(3000)])
             with holder.begin():
                 hl.place_holds(holder, [PlaceHold(customer, 1, "late")])
-                scans = holder.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'holds'").scalar_one()
+                scans = _sequential_scans(holder, "holds")
         assert scans == 0, "the key lookup scanned the whole holds table"
 
     def test_an_append_never_scans_the_whole_log(self, engine, customer):
@@ -70,7 +70,7 @@ class TestPostgresStorage(StorageContract):
                 append_batch(other, [cmd.GrantCredits(customer, 1, "many", f"many-{i}") for i in range(3000)])
             with writer.begin():
                 append_batch(writer, [cmd.GrantCredits(customer, 1, "late", "late")])
-                scans = writer.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'ledger_events'").scalar_one()
+                scans = _sequential_scans(writer, "ledger_events")
         assert scans == 0, "an append read the whole log"
 
     def test_the_reads_after_a_waited_for_lock_see_what_committed_meanwhile(self, engine, storage, customer):
@@ -94,3 +94,9 @@ def _lock_waits(engine) -> int:
     with engine.connect() as watcher:
         return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                                        "AND wait_event_type = 'Lock'").scalar_one()
+
+
+def _sequential_scans(conn, table: str) -> int:
+    """Sequential scans of `table` in the connection's current transaction so far."""
+    return conn.exec_driver_sql("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = %(table)s",
+                                {"table": table}).scalar_one()
