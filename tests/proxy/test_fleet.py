@@ -28,6 +28,8 @@ def test_draining_under_load_drops_no_request_and_ends_drained(database_url):
     fleet = make_fleet(database_url, [first.url, second.url])
     drained_id = fleet.worker_ids[0]
     with serving(database_url) as proxy:
+        fleet.await_routable()  # else every early request may go to the one worker found healthy first
+
         async def load():
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0, timeout=60)
 

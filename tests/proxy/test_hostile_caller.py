@@ -530,6 +530,7 @@ def test_callers_that_leave_mid_stream_pay_for_what_they_received(postgres_url, 
     credits = usd_to_nano_usd("10")
     fleet = make_fleet(postgres_url, [worker.url])
     [replica] = start_replicas(cleanup, postgres_url, 1)
+    fleet.await_routable()
     leave_after = [random.Random(i).randint(1, LEAVING_MAX_TOKENS - 10) for i in range(LEAVING_CALLERS)]
     messages = [[{"role": "user", "content": f"leaving {i:02d}"}] for i in range(LEAVING_CALLERS)]
 

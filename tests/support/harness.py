@@ -24,6 +24,7 @@ from ledger.schema import ledger_events
 from ledger.service import append_now
 from proxy import keys, prices
 from proxy import workers as registry
+from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S
 from proxy.sim.worker import build_app
 from tests.support.db_roles import app_role_url
 from tests.support.serve_forks import ForkedProcess, fork_serve
@@ -187,6 +188,13 @@ class Fleet:
     def worker(self, worker_id: int) -> registry.WorkerView:
         with self.engine.connect() as conn:
             return registry.get_worker(conn, worker_id)
+
+    def await_routable(self, timeout_s: float = 30.0) -> None:
+        """Until a health check has found every worker healthy (a worker starts
+        unhealthy, and a first check that times out on a loaded machine leaves it
+        so until the next), and every replica's directory has read that."""
+        wait_for(lambda: all(self.worker(w).healthy for w in self.worker_ids), timeout_s=timeout_s)
+        time.sleep(2 * DIRECTORY_REFRESH_INTERVAL_S)
 
 
 def make_fleet(database_url: str, worker_urls: list[str], *, credits_usd: str = "10", input_usd_per_mtok: str = "0.15",
