@@ -61,12 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import select  # noqa: E402
 
 from app.console.sessions import start_session  # noqa: E402
-from app.http import server  # noqa: E402
 from app.http.console import web  # noqa: E402
 from app.http.console.web import SESSION_COOKIE  # noqa: E402
 from app.http.factory import create_app  # noqa: E402
 from app.members import CUSTOMER_ADMIN, MEMBER_OWNER, PLATFORM_ADMIN, add_member  # noqa: E402
-from app.runtime import tune_garbage_collector  # noqa: E402
+from app.runtime import event_loop_name, tune_garbage_collector  # noqa: E402
 from invoices import read_models  # noqa: E402
 from invoices.service import InvoiceSettings, issue_for_top_up  # noqa: E402
 from ledger import accounts as acc  # noqa: E402
@@ -403,7 +402,7 @@ def baseline_server(database_url: str, port: int, people_file: str) -> None:
 
     tune_garbage_collector()
     uvicorn.Server(uvicorn.Config(Litestar([rendered, ready]), host="127.0.0.1", port=port, http="httptools",
-                                  loop=server.event_loop_name(), log_level="warning", access_log=False)).run()
+                                  loop=event_loop_name(), log_level="warning", access_log=False)).run()
 
 
 def start_baseline(database_url: str, people_file: str, env: dict) -> tuple[subprocess.Popen, str]:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 from app.migrate import migrate  # noqa: E402
-from app.runtime import tune_garbage_collector  # noqa: E402
+from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import make_engine, normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
@@ -225,7 +225,7 @@ async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
 
 def process_load(args: tuple) -> dict:
     tune_garbage_collector()  # as every long-running Paralon process does
-    return asyncio.run(_process_load(*args))
+    return run_on_service_loop(_process_load(*args))  # the replicas' event loop
 
 
 def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int = 4, batch: int = 1000) -> None:

@@ -3,7 +3,6 @@ and the read models' follower beside it (app/jobs/read_model_follower.py)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import os
 import socket
@@ -15,16 +14,11 @@ from litestar import Litestar
 from app import wiring
 from app.http.factory import create_app
 from app.jobs.read_model_follower import FollowerState, ReadModelFollower
-from app.runtime import tune_garbage_collector
+from app.runtime import event_loop_name, tune_garbage_collector
 from app.settings import Settings
 from ledger.limits import MS_PER_S
 
 QUIET_LOGGERS = ("httpx", "stripe")  # a line per request is noise
-
-
-def event_loop_name() -> str:
-    """uvicorn's name for the fastest event loop installed."""
-    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def replica_id(settings: Settings, port: int) -> str:
