@@ -250,12 +250,19 @@ def event_hash(
 
     `recorded_at_text` is `format_time(recorded_at)`; callers hashing a batch
     format the shared timestamp once."""
+    return chained_hash(prev_hash, seq, recorded_at_text, hashed_parts(event_type, idempotency_key, payload_json, postings))
+
+
+def hashed_parts(event_type: str, idempotency_key: str, payload_json: str, postings: list[tuple[int, int]]) -> tuple[str, str]:
+    """The canonical event's text around its sequence and time, which only the
+    append lock decides: an append builds these before it takes the lock."""
     legs = ",".join([f"[{account_id},{amount}]" for account_id, amount in postings])
-    body = (
-        f'{{"seq":{seq},"type":{_type_json(event_type)},"key":{canonical_json(idempotency_key)},'
-        f'"at":"{recorded_at_text}","payload":{payload_json},"postings":[{legs}]}}'
-    )
-    return hashlib.sha256(f"{prev_hash.hex()}\n{body}".encode()).digest()
+    return (f',"type":{_type_json(event_type)},"key":{canonical_json(idempotency_key)},"at":"',
+            f'","payload":{payload_json},"postings":[{legs}]}}')
+
+
+def chained_hash(prev_hash: bytes, seq: int, recorded_at_text: str, parts: tuple[str, str]) -> bytes:
+    return hashlib.sha256(f'{prev_hash.hex()}\n{{"seq":{seq}{parts[0]}{recorded_at_text}{parts[1]}'.encode()).digest()
 
 
 def content_digest(kind: str, fields: dict) -> bytes:

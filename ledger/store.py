@@ -107,8 +107,10 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     durable append in every process waits for, is held as briefly as possible:
     before it, everything that does not depend on balances or on the chain
     (hold rows locked and closed, accounts and reversed events loaded, rules
-    checked, payloads serialised); under it, balances, the hash chain and the
-    inserts."""
+    checked, payloads serialised, the hashed text and the rows' columns
+    encoded but for sequence and hashes); under it, balances, the hash chain
+    and the inserts. The lock's time per settlement bounds how many settle
+    per second, whatever the cores."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
     digests = [cmd.command_digest(c) for c in commands]
     book = _load_book(conn, commands)
@@ -122,6 +124,9 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
 
     every_key = not closing_keys_to_the_index or conn.info.pop(_LOOK_UP_EVERY_KEY, False)
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
+    storage = storage_of(conn)
+    unchained = storage.encode_unchained([(None, *d.columns, None, None) for d in prepared.values()],
+                                         [(None, leg, *p) for d in prepared.values() for leg, p in enumerate(d.postings)])
     head_seq, head_hash, late = _lock_and_read(conn, book, keyed, prepared.values())
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
@@ -133,16 +138,14 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     holds_closed: dict[int, int] = {}
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
-    for i, (event, postings, payload_json) in prepared.items():
+    for i, (event, postings, columns, hashed) in prepared.items():
         answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
             results[i] = answer
             continue
         seq += 1
-        key = commands[i].idempotency_key
-        event_type = type(event).__name__
-        event_hash = ev.event_hash(prev_hash, seq, event_type, key, at_text, payload_json, postings)
-        event_rows.append((seq, event_type, payload_json, key, digests[i], getattr(event, "reversed_seq", None), prev_hash, event_hash))
+        event_hash = ev.chained_hash(prev_hash, seq, at_text, hashed)
+        event_rows.append((seq, *columns, prev_hash, event_hash))
         for leg, (account_id, amount) in enumerate(postings):
             posting_rows.append((seq, leg, account_id, amount))
             book.balances[account_id] += amount
@@ -157,14 +160,15 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
         prev_hash = event_hash
-        results[i] = AppendResult(CREATED, seq, event_type)
+        results[i] = AppendResult(CREATED, seq, columns[0])
 
-    storage = storage_of(conn)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
+        written_as_drafted = len(event_rows) == len(prepared)
         try:
             storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
-                                                       holds_closed, limit_usage, seq, prev_hash, recorded_at))
+                                                       holds_closed, limit_usage, seq, prev_hash, recorded_at,
+                                                       unchained if written_as_drafted else None))
         except IntegrityError:
             if closing_keys_to_the_index:
                 conn.info[_LOOK_UP_EVERY_KEY] = True
@@ -203,12 +207,21 @@ def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> Led
     return None
 
 
+class _Draft(NamedTuple):
+    """A command's event as decided before the append lock: all of it but what the lock decides."""
+
+    event: object
+    postings: list[ev.Posting]
+    columns: tuple  # EVENT_COLUMNS from event_type to reverses_seq: all but the chained ones
+    hashed: tuple[str, str]  # ev.hashed_parts
+
+
 def _prepare(commands, digests, pending, book, results):
     """Rules that read no balance, for each command not yet answered.
 
-    Returns {index: (event, postings, payload JSON)} in command order, and
-    {index: index of the first command} for keys repeated inside the batch."""
-    prepared: dict[int, tuple[object, list[ev.Posting], str]] = {}
+    Returns {index: _Draft} in command order, and {index: index of the first
+    command} for keys repeated inside the batch."""
+    prepared: dict[int, _Draft] = {}
     first_by_key: dict[str, int] = {}
     same_batch: dict[int, int] = {}
     for i in pending:
@@ -225,8 +238,14 @@ def _prepare(commands, digests, pending, book, results):
         if isinstance(event, ev.RequestSettled):  # a second settlement of it in this batch must fail
             hold = book.holds[event.hold_id]
             book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
-        prepared[i] = (event, postings, ev.canonical_json(ev.event_payload(event)))
+        prepared[i] = _draft(event, postings, key, digests[i])
     return prepared, same_batch
+
+
+def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes) -> _Draft:
+    event_type, payload_json = type(event).__name__, ev.canonical_json(ev.event_payload(event))
+    return _Draft(event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)),
+                  ev.hashed_parts(event_type, key, payload_json, postings))
 
 
 def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_content: bool) -> AppendResult | LedgerError:
@@ -342,7 +361,7 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     account posted to, and the active holds of customers debited outside a
     hold (their hold rows locked). Returns (last seq, last hash, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
-    for event, postings, _ in prepared:
+    for event, postings, *_ in prepared:
         for p in postings:
             account_ids.add(p.account_id)
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:

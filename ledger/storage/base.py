@@ -29,6 +29,9 @@ from ledger.schema import account_balances, holds, ledger_events, ledger_posting
 STORED_EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "recorded_at", "prev_hash", "hash")
 EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
 POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
+# What only the append lock decides: the rest of a batch's rows is known before it.
+CHAINED_EVENT_COLUMNS = ("seq", "prev_hash", "hash")
+CHAINED_POSTING_COLUMNS = ("event_seq",)
 NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id", "replica_id")
 # A whole hold row, as closing it returns it and reopening it takes it back.
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
@@ -59,6 +62,9 @@ class AppendedBatch(NamedTuple):
     last_seq: int
     last_hash: bytes
     recorded_at: datetime
+    # `encode_unchained` of these rows as they were drafted before the lock, or
+    # None; given only when every drafted event was written, in the same order.
+    unchained: object | None = None
 
 
 def in_chunks(values: list, size: int = IN_CLAUSE_VALUES_MAX) -> Iterator[list]:
@@ -164,6 +170,12 @@ class Storage(ABC):
     @abstractmethod
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         """Events, postings, balances, spend limits and the head of the chain."""
+
+    def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> object | None:
+        """What `write_appended` can encode of a batch's rows before the append
+        lock (every column but CHAINED_EVENT_COLUMNS and CHAINED_POSTING_COLUMNS,
+        which are None here), so the lock is held for less; None: nothing."""
+        return None
 
     # Holds
     @abstractmethod

@@ -25,6 +25,8 @@ from ledger.limits import (
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
 from ledger.storage.base import (
+    CHAINED_EVENT_COLUMNS,
+    CHAINED_POSTING_COLUMNS,
     EVENT_COLUMNS,
     HOLD_ROW,
     NEW_HOLD_COLUMNS,
@@ -42,6 +44,8 @@ from ledger.storage.pg_arrays import bytea_array, ints, nullable_ints, nullable_
 # column orders of ledger.storage.base.
 _EVENT_ARRAYS = dict(zip(EVENT_COLUMNS, (ints, words, texts, texts, bytea_array, nullable_ints, bytea_array, bytea_array)))
 _POSTING_ARRAYS = dict(zip(POSTING_COLUMNS, (ints, ints, ints, ints)))
+_UNCHAINED_EVENT_COLUMNS = set(EVENT_COLUMNS) - set(CHAINED_EVENT_COLUMNS)
+_UNCHAINED_POSTING_COLUMNS = set(POSTING_COLUMNS) - set(CHAINED_POSTING_COLUMNS)
 _NEW_HOLD_ARRAYS = dict(zip(NEW_HOLD_COLUMNS, (ints, ints, texts, ints, nullable_ints, nullable_texts)))
 
 # Connection exceptions (class 08), and the server shutting a session down
@@ -220,10 +224,14 @@ class PostgresStorage(Storage):
         last_seq, last_hash = head_rows[0]
         return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows))
 
+    def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> dict[str, str]:
+        return {**_arrays(_EVENT_ARRAYS, event_rows, _UNCHAINED_EVENT_COLUMNS),
+                **_arrays(_POSTING_ARRAYS, posting_rows, _UNCHAINED_POSTING_COLUMNS)}
+
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
         conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
-            **_arrays(_EVENT_ARRAYS, batch.event_rows), **_arrays(_POSTING_ARRAYS, batch.posting_rows),
+            **_rows_arrays(batch),
             "recorded_at": batch.recorded_at, "last_seq": batch.last_seq, "last_hash": batch.last_hash,
             "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
             "closed": ints([batch.holds_closed.get(a, 0) for a in ids]),
@@ -269,9 +277,19 @@ class PostgresStorage(Storage):
                                                 "closed": ints([usage[i][1] for i in ids])})
 
 
-def _arrays(encoders: dict, rows: list[tuple]) -> dict[str, str]:
+def _arrays(encoders: dict, rows: list[tuple], only=None) -> dict[str, str]:
+    """One array literal per column of `rows` (in `encoders`' order), or per column named in `only`."""
     columns = list(zip(*rows)) or [()] * len(encoders)  # no rows: every array empty
-    return {name: encode(column) for (name, encode), column in zip(encoders.items(), columns)}
+    return {name: encode(column) for (name, encode), column in zip(encoders.items(), columns) if only is None or name in only}
+
+
+def _rows_arrays(batch: AppendedBatch) -> dict[str, str]:
+    """The batch's event and posting arrays: under the lock, only the chained
+    columns when the rest was encoded before it."""
+    if batch.unchained is None:
+        return {**_arrays(_EVENT_ARRAYS, batch.event_rows), **_arrays(_POSTING_ARRAYS, batch.posting_rows)}
+    return {**batch.unchained, **_arrays(_EVENT_ARRAYS, batch.event_rows, CHAINED_EVENT_COLUMNS),
+            **_arrays(_POSTING_ARRAYS, batch.posting_rows, CHAINED_POSTING_COLUMNS)}
 
 
 def _add(conn: Connection, sql: str, amounts: dict[int, int]) -> None:
