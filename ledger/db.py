@@ -17,10 +17,13 @@ from ledger.storage.base import Storage
 from ledger.storage.postgres import PostgresStorage
 from ledger.storage.sqlite import SqliteStorage
 
-__all__ = ["BadDatabaseUrl", "STORAGES", "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres",
+__all__ = ["APPEND_LOCK_TAKEN_AT", "BadDatabaseUrl", "STORAGES", "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres",
            "snapshot_connection", "is_connection_failure"]
 
 STORAGES: tuple[Storage, ...] = (PostgresStorage(), SqliteStorage())
+# In a connection's `info`: when its transaction took the append lock
+# (`time.perf_counter()`), so a writer can count how long it held it.
+APPEND_LOCK_TAKEN_AT = "paralon_append_lock_taken_at"
 _BY_DIALECT = {storage.dialect: storage for storage in STORAGES}
 _BY_BACKEND = {backend: storage for storage in STORAGES for backend in storage.url_backends}
 _DRIVER_CONNECTION_ERRORS = tuple(error for storage in STORAGES for error in storage.driver_connection_errors)

@@ -29,7 +29,7 @@ from typing import Callable, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ledger.db import is_connection_failure, storage_of
+from ledger.db import APPEND_LOCK_TAKEN_AT, is_connection_failure, storage_of
 from ledger.errors import DatabaseUnavailable, LedgerError, WriterClosed, WriterOverloaded
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_SIZE_MAX_DEFAULT,
@@ -82,6 +82,10 @@ class GroupCommitWriter(Generic[C, R]):
         self._database_away = False  # the last batch could not reach it: the next one tries once only
         self.batches_committed = 0
         self.commands_committed = 0
+        # Seconds the committed batches held the append lock (from taking it to
+        # committing): every append in every process waits for that lock, so
+        # appends per second cannot exceed 1 / (this / commands) whatever the cores.
+        self.append_lock_held_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -169,8 +173,13 @@ class GroupCommitWriter(Generic[C, R]):
                 raise
             conn.commit()  # ends SQLAlchemy's own bookkeeping; the database committed already
             return results
+        conn.info.pop(APPEND_LOCK_TAKEN_AT, None)
         with conn.begin():
-            return self._apply_batch(conn, commands)
+            results = self._apply_batch(conn, commands)
+        taken_at = conn.info.pop(APPEND_LOCK_TAKEN_AT, None)
+        if taken_at is not None:
+            self.append_lock_held_s += time.perf_counter() - taken_at
+        return results
 
     def _drop_connection(self) -> None:
         """The connection failed: the pool must never hand it out again."""

@@ -7,6 +7,7 @@ write. Holds are never locked here except the ones being settled.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.commands import CREATED, EXISTS
-from ledger.db import storage_of
+from ledger.db import APPEND_LOCK_TAKEN_AT, storage_of
 from ledger.errors import (
     HoldNotActive,
     IdempotencyConflict,
@@ -367,6 +368,7 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
     head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids))
+    conn.info[APPEND_LOCK_TAKEN_AT] = time.perf_counter()
     book.balances.update(head.balances)
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from ledger import commands as cmd
 from ledger.errors import InsufficientFunds, WriterClosed, WriterOverloaded
 from ledger.events import GENESIS_HASH
 from ledger.group_commit import GroupCommitWriter
+from ledger.holds import PlaceHold
+from ledger.money import NANO_USD_PER_USD as USD
 from ledger.schema import ledger_head
+from tests.ledger.helpers import customer_with, key
 
 
 class _Gate:
@@ -84,3 +89,16 @@ def test_a_full_queue_refuses_at_once_and_a_closed_writer_refuses(engine):
         writer.submit("late")
     with pytest.raises(ValueError):
         GroupCommitWriter(engine, lambda conn, commands: commands, batch_size_max=0)
+
+
+def test_the_appender_counts_the_time_it_held_the_append_lock_and_the_holds_writer_counts_none(ledger):
+    started = time.perf_counter()
+    customer = customer_with(ledger, 10 * USD)
+    elapsed_s = time.perf_counter() - started
+    held_s = ledger.appender.append_lock_held_s
+    assert 0 < held_s <= elapsed_s, "the lock is held for part of the append, never longer"
+    ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    with pytest.raises(InsufficientFunds):  # refused under the lock: the lock was held all the same
+        ledger.append(cmd.AdjustBalance(customer, -20 * USD, "too much", key("adjust")))
+    assert ledger.appender.append_lock_held_s > held_s
+    assert ledger.holder.append_lock_held_s == 0.0
