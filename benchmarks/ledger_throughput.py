@@ -196,7 +196,7 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
                "holder": ledger.holder.native_thread_id}
     thread_cpu_started = {name: thread_cpu_s(tid) for name, tid in threads.items()}
-    cpu_started = time.process_time()
+    cpu_started, lock_held_started_s = time.process_time(), ledger.appender.append_lock_held_s
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
@@ -204,12 +204,14 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
         for i in range(producers)
     ))
     cpu_s = time.process_time() - cpu_started
+    lock_held_s = ledger.appender.append_lock_held_s - lock_held_started_s
     thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
     batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed
     ledger.close()
     engine.dispose()
     return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
+            "lock_held_s": lock_held_s,
             "batches": batches, "hold_batches": hold_batches, "per_second": per_second}
 
 
@@ -302,6 +304,10 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
             name: round(sum(part["thread_cpu_s"][name] for part in parts) / max(settled, 1) * 1e6, 1)
             for name in ("event_loop", "appender", "holder")
         },
+        # The append lock is held by one process at a time: a share near 1 means
+        # the lock, not the cores, is what limits settlements per second.
+        "append_lock_held_share": round(sum(part["lock_held_s"] for part in parts) / seconds, 3),
+        "append_lock_held_us_per_settlement": round(sum(part["lock_held_s"] for part in parts) / max(settled, 1) * 1e6, 1),
         "postgres_cpu_us_per_settlement": (
             round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
         ),
