@@ -29,9 +29,6 @@ from ledger.schema import account_balances, holds, ledger_events, ledger_posting
 STORED_EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "recorded_at", "prev_hash", "hash")
 EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
 POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
-# What only the append lock decides: the rest of a batch's rows is known before it.
-CHAINED_EVENT_COLUMNS = ("seq", "prev_hash", "hash")
-CHAINED_POSTING_COLUMNS = ("event_seq",)
 NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id", "replica_id")
 # A whole hold row, as closing it returns it and reopening it takes it back.
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
@@ -173,8 +170,9 @@ class Storage(ABC):
 
     def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> object | None:
         """What `write_appended` can encode of a batch's rows before the append
-        lock (every column but CHAINED_EVENT_COLUMNS and CHAINED_POSTING_COLUMNS,
-        which are None here), so the lock is held for less; None: nothing."""
+        lock, so the lock is held for less; None: nothing. Only the columns the
+        lock decides are not known yet (None here): an event's seq, prev_hash
+        and hash, a posting's event_seq."""
         return None
 
     # Holds

@@ -1,6 +1,7 @@
 """The ledger's rules, on SQLite and on PostgreSQL (one shared suite)."""
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -122,6 +123,30 @@ def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
     with pytest.raises(HoldNotActive):
         ledger.append(cmd.SettleRequest(987_654, owner, 1, "r", key(), {}))
     assert money_snapshot(engine) == before
+
+
+# Characters a database's bulk formats treat specially: tab, newline, carriage
+# return and backslash (COPY), quotes and braces (array literals), and beyond ASCII.
+AWKWARD_TEXT = 'tab\there\nnew line\r\\N \\x00 "quoted" {braced,} \u00e9\u4e2d\U0001f600'
+
+
+def test_awkward_text_in_keys_reasons_and_metadata_is_stored_as_given_and_verifies(ledger, engine):
+    customer = customer_with(ledger, 10 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = ledger.place_hold(PlaceHold(customer, USD, key("hold")))
+    grant = ledger.append(cmd.GrantCredits(customer, USD, AWKWARD_TEXT, "grant " + AWKWARD_TEXT))
+    settled = ledger.append(cmd.SettleRequest(hold.hold_id, owner, 1_000, AWKWARD_TEXT, "settle " + AWKWARD_TEXT,
+                                              {"model": AWKWARD_TEXT, AWKWARD_TEXT: 1}))
+    with engine.connect() as conn:
+        events = {e.seq: e for e in read_events(conn, grant.seq - 1, 2)}
+        report = verify(conn)
+    assert events[grant.seq].idempotency_key == "grant " + AWKWARD_TEXT
+    assert json.loads(events[grant.seq].payload_json)["reason"] == AWKWARD_TEXT
+    assert events[settled.seq].idempotency_key == "settle " + AWKWARD_TEXT
+    assert json.loads(events[settled.seq].payload_json)["meta"] == {"model": AWKWARD_TEXT, AWKWARD_TEXT: 1}
+    assert report.ok, report
+    again = ledger.append(cmd.GrantCredits(customer, USD, AWKWARD_TEXT, "grant " + AWKWARD_TEXT))
+    assert (again.status, again.seq) == ("exists", grant.seq), "the stored key is found again"
 
 
 def test_a_settlement_whose_key_another_event_has_is_a_conflict_and_its_hold_stays(ledger, engine):
