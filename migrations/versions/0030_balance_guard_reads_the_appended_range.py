@@ -14,12 +14,21 @@ The guard now requires of a statement that moves balances:
   to the last event of its append, and the head follows it);
 - each account moves by exactly the sum of its postings between the head and
   `moved_to`, read in one range of the postings' primary key (event, leg).
-- every account with postings in that range moves: an append cannot apply a
-  credit and leave its debit out (0013 checked only the accounts moved).
+- every account with postings in that range moves: an append in this order
+  cannot apply a credit and leave its debit out (0013 checked only the
+  accounts moved, as it still does for the order below).
 Since an account never runs ahead of the head, that range holds every posting
 of its old range that is not yet in its balance. Moving the head before the
 balances leaves no range, and the balances' move is refused. The rules on
 closed holds are 0013's, unchanged.
+
+A release before this one moves balances and head in one statement, so the
+guard finds the head already moved by its own transaction (the head row's
+xmin): it then checks that statement as 0013 did, each account over its own
+range, which without the index reads the postings by event from the
+account's last event on. Replicas of that release keep settling during a
+rolling deploy, more slowly; once they are replaced, no append takes that
+path.
 
 Revision ID: 0030
 Revises: 0029
@@ -40,9 +49,10 @@ POSTINGS_BY_ACCOUNT = ("ix_ledger_postings_account_seq", "ledger_postings", ["ac
 _DECLARED = "    bad record;\nBEGIN\n"
 _READ_BEFORE = """    bad record;
     head_seq bigint;
+    head_moved_here boolean;
     moved_to bigint;
 BEGIN
-    SELECT last_seq INTO head_seq FROM ledger_head WHERE id = 1;
+    SELECT last_seq, xmin = (txid_current() % 4294967296)::text::xid INTO head_seq, head_moved_here FROM ledger_head WHERE id = 1;
     SELECT max(n.last_event_seq) INTO moved_to FROM new_rows n JOIN old_rows o ON o.account_id = n.account_id
      WHERE n.balance_nano_usd <> o.balance_nano_usd OR n.last_event_seq <> o.last_event_seq;
 """
@@ -58,16 +68,19 @@ _RANGE_BY_ACCOUNT = """               n.last_event_seq < o.last_event_seq
                     WHERE p.account_id = n.account_id
                       AND p.event_seq > o.last_event_seq AND p.event_seq <= n.last_event_seq), 0)))
 """
-_RANGE_OF_THE_APPEND = """               n.last_event_seq <> moved_to
-            OR o.last_event_seq > head_seq
-            OR moved_to <= head_seq
-            OR moved_to > (SELECT max(e.seq) FROM ledger_events e)
-            OR n.balance_nano_usd - o.balance_nano_usd <> coalesce(s.total, 0)))
+_RANGE_OF_THE_APPEND = """               CASE WHEN head_moved_here THEN ({by_account}
+               ) ELSE (
+                   n.last_event_seq <> moved_to
+                OR o.last_event_seq > head_seq
+                OR moved_to <= head_seq
+                OR moved_to > (SELECT max(e.seq) FROM ledger_events e)
+                OR n.balance_nano_usd - o.balance_nano_usd <> coalesce(s.total, 0)
+               ) END))
 """
 
 
 _REFUSAL = "    IF FOUND THEN\n"
-_EVERY_ACCOUNT_POSTED_MOVES = """    IF NOT FOUND AND moved_to IS NOT NULL THEN
+_EVERY_ACCOUNT_POSTED_MOVES = """    IF NOT FOUND AND moved_to IS NOT NULL AND NOT head_moved_here THEN
         SELECT p.account_id, sum(p.amount_nano_usd) AS posted INTO bad FROM ledger_postings p
          WHERE p.event_seq > head_seq AND p.event_seq <= moved_to
            AND NOT EXISTS (SELECT 1 FROM new_rows n WHERE n.account_id = p.account_id AND n.last_event_seq = moved_to)
@@ -91,7 +104,7 @@ def guard_reading_the_appended_range() -> str:
             raise RuntimeError("0013's balance guard is not what this revision expects")
     return (guard.replace(_DECLARED, _READ_BEFORE, 1)
             .replace(_HOLDS_JOIN, _HOLDS_JOIN + _SUMS_JOIN, 1)
-            .replace(_RANGE_BY_ACCOUNT, _RANGE_OF_THE_APPEND, 1)
+            .replace(_RANGE_BY_ACCOUNT, _RANGE_OF_THE_APPEND.format(by_account="\n" + _RANGE_BY_ACCOUNT.rstrip()[:-2]), 1)
             .replace(_REFUSAL, _EVERY_ACCOUNT_POSTED_MOVES + _REFUSAL, 1))
 
 

@@ -174,19 +174,30 @@ def _forged_debit(owner, customer: int) -> tuple[int, list[str], str]:
     return seq, written, both_moved
 
 
-def test_balances_move_before_the_head_or_not_at_all(books):
-    """The balance guard sums the postings between the head and the event the balances move to:
-    a head moved first leaves nothing to sum, and the move is refused. In the append's own order
-    (balances, then head) the same statements pass the guard."""
+@pytest.mark.parametrize("order", ["balances, then head", "head, then balances", "both in one statement"])
+def test_balances_move_by_their_postings_whichever_order_the_head_moves_in(books, order):
+    """An append moves its balances, then the head: the guard sums the postings between the head and
+    the event the balances move to. A release before migration 0030 moves both in one statement: the
+    head then moved first in the transaction, and each balance is summed over its own range as 0013
+    did. Either way the right move passes and a move short by one nano-USD is refused."""
     owner, service, customer = books
     seq, written, both_moved = _forged_debit(owner, customer)
     move_head = f"UPDATE ledger_head SET last_seq = {seq} WHERE id = 1"
-    _refused_and_nothing_moved(owner, service, [*written, move_head, both_moved], customer,
-                               "without the events that cause it")
+    short = both_moved.replace(f"THEN -{USD}", f"THEN -{USD - 1}")
+    assert short != both_moved
+
+    def statements(balances: str) -> list[str]:
+        if order == "both in one statement":
+            return [*written, f"WITH balances AS ({balances} RETURNING 1) {move_head}"]
+        return [*written, *([balances, move_head] if order == "balances, then head" else [move_head, balances])]
+
+    _refused_and_nothing_moved(owner, service, statements(short), customer, "without the events that cause it")
     with service.connect() as conn:
         in_order = conn.begin()
-        for statement in [*written, both_moved, move_head]:
+        for statement in statements(both_moved):
             conn.execute(text(statement), {"c": customer})
+        moved = conn.execute(text("SELECT balance_nano_usd FROM account_balances WHERE account_id = :c"), {"c": customer})
+        assert moved.scalar_one() == 9 * USD
         in_order.rollback()
     assert money_snapshot(owner)["balances"][customer] == 10 * USD
 
@@ -215,7 +226,9 @@ def test_a_balance_moved_to_an_event_under_the_head_is_refused_even_by_nothing(b
 
 
 def test_an_append_cannot_apply_a_credit_and_leave_its_debit_out(books):
-    """Every account posted to between the head and the event the balances move to must move."""
+    """In the append's order (balances, then head), every account posted to between the head and
+    the event the balances move to must move. (A statement that finds the head already moved in
+    its transaction is checked as 0013 did, which looks only at the accounts moved.)"""
     owner, service, customer = books
     seq, written, _ = _forged_debit(owner, customer)
     credit_only = (f"UPDATE account_balances SET last_event_seq = {seq}, balance_nano_usd = balance_nano_usd + {USD} "
