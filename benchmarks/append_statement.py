@@ -117,15 +117,15 @@ def measure(engine, batches: int, batch_size: int, warm_up_batches: int) -> dict
         conn.exec_driver_sql("ANALYZE")
         conn.commit()
     client_cpu_s = [_batch(engine, customers, owners, f"cpu{b}", batch_size) for b in range(batches)]
-    originals = (pg_storage._WRITE_BALANCES, pg_storage._WRITE_BALANCES_WITH_LIMITS)
-    pg_storage._WRITE_BALANCES, pg_storage._WRITE_BALANCES_WITH_LIMITS = (EXPLAIN + sql for sql in originals)
+    originals = (pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS)
+    pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS = (EXPLAIN + sql for sql in originals)
     pg_storage._copy = meter
     try:
         for b in range(batches):
             _batch(engine, customers, owners, f"b{b}", batch_size)
             log(f"batch {b + 1}/{batches}: {_write_ms(plans[-1]):.1f} ms")
     finally:
-        pg_storage._WRITE_BALANCES, pg_storage._WRITE_BALANCES_WITH_LIMITS = originals
+        pg_storage._WRITE_APPENDED, pg_storage._WRITE_APPENDED_WITH_LIMITS = originals
         pg_storage._copy = meter.original
         engine.dispose()
     return {**summarise(plans, batch_size),

@@ -64,6 +64,7 @@ def create_tables(conn) -> list[str]:
     conn.execute(f"CREATE TABLE events_beside_postings ({EVENT_COLUMNS})")
     conn.execute("CREATE TABLE postings (event_seq bigint, leg int, account_id bigint NOT NULL, amount_nano_usd bigint NOT NULL, "
                  "PRIMARY KEY (event_seq, leg))")
+    conn.execute("CREATE INDEX ON postings (account_id, event_seq)")  # the balance guard's index
     layouts = ["rows"]
     for check, function in ZERO_SUM_CHECKS.items():
         constraint = "CHECK (cardinality(posting_accounts) = cardinality(posting_amounts))"

@@ -75,26 +75,27 @@ _COPY_POSTINGS = "COPY ledger_postings (event_seq, leg, account_id, amount_nano_
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 _COPY_NULL = "\\N"
 
-# What an append writes after its rows: the balances (with the spend limits,
-# as a data-modifying CTE), then the chain's head, in that order: the balance
-# guard (migration 0030) reads the head as it stood before the append's events.
-# holds_closed_nano_usd is added to, not set: releases change it without the
-# append lock.
-_WRITE_BALANCES_TEMPLATE = """{limits}
-UPDATE account_balances AS b
-SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
-FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
-WHERE b.account_id = u.account_id
+# What an append writes after its rows, as one statement (data-modifying
+# CTEs), after which the balance guard checks the balances against the
+# postings just copied. holds_closed_nano_usd is added to, not set: releases
+# change it without the append lock.
+_WRITE_APPENDED_TEMPLATE = """
+WITH balances AS (
+    UPDATE account_balances AS b
+    SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
+    FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
+    WHERE b.account_id = u.account_id
+){limits}
+UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1
 """
-_WRITE_BALANCES = _WRITE_BALANCES_TEMPLATE.format(limits="")
+_WRITE_APPENDED = _WRITE_APPENDED_TEMPLATE.format(limits="")
 # The same, when the batch settled holds that reserve against spend limits.
-_WRITE_BALANCES_WITH_LIMITS = _WRITE_BALANCES_TEMPLATE.format(limits="""WITH limits AS (
+_WRITE_APPENDED_WITH_LIMITS = _WRITE_APPENDED_TEMPLATE.format(limits=""", limits AS (
     UPDATE spend_limit_usage AS l
     SET spent_nano_usd = l.spent_nano_usd + u.spent, holds_closed_nano_usd = l.holds_closed_nano_usd + u.closed
     FROM unnest(%(limit_id)s::bigint[], %(limit_spent)s::bigint[], %(limit_closed)s::bigint[]) AS u(limit_id, spent, closed)
     WHERE l.limit_id = u.limit_id
 )""")
-_MOVE_HEAD = "UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1"
 
 # The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
@@ -241,15 +242,13 @@ class PostgresStorage(Storage):
             if postings:
                 _copy(cursor, _COPY_POSTINGS, "".join([f"{row[0]}{rest}" for row, rest in zip(batch.posting_rows, postings)]))
         ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
-        if ids or limit_ids:  # a batch of events that move no money has none
-            conn.exec_driver_sql(_WRITE_BALANCES_WITH_LIMITS if limit_ids else _WRITE_BALANCES, {
-                "last_seq": batch.last_seq,
-                "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
-                "closed": ints([batch.holds_closed.get(a, 0) for a in ids]),
-                "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
-                "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
-            })
-        conn.exec_driver_sql(_MOVE_HEAD, {"last_seq": batch.last_seq, "last_hash": batch.last_hash})
+        conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
+            "last_seq": batch.last_seq, "last_hash": batch.last_hash,
+            "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
+            "closed": ints([batch.holds_closed.get(a, 0) for a in ids]),
+            "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
+            "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
+        })
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
         """The server runs the rules (migration 0015's function): `rules` is not needed."""
