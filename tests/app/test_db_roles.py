@@ -159,6 +159,33 @@ def test_a_new_events_postings_are_summed_per_statement(books):
     ], customer, "sum to 1000000000000 nano-USD, not 0")
 
 
+def test_a_head_moved_ahead_of_the_balances_cannot_make_them_skip_a_debit(books):
+    """The head is the service's to move: moved past an event (here in a savepoint) without the
+    balances, it must not make the guard skip that event's postings. An event paying the customer
+    $1, the head moved past it, then an event taking $1 back applied alone would take the
+    customer's dollar while the log nets it to nothing; each balance is summed over its own range,
+    where the two events cancel, and the move is refused."""
+    owner, service, customer = books
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+        platform = conn.execute(text("SELECT id FROM accounts WHERE system_code = 'platform:revenue'")).scalar_one()
+    paid, taken = head.last_seq + 1, head.last_seq + 2
+    legs = "INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES ({seq}, 0, :c, {c}), ({seq}, 1, {p}, {p_})"
+    _refused_and_nothing_moved(owner, service, [
+        _forged_event(head),
+        legs.format(seq=paid, c=USD, p=platform, p_=-USD),
+        "SAVEPOINT ahead",
+        f"UPDATE ledger_head SET last_seq = {paid} WHERE id = 1",
+        "RELEASE SAVEPOINT ahead",
+        f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, recorded_at) "
+        f"VALUES ({taken}, 'CreditsGranted', '{{}}', 'forged again', '\\x00', '\\x00', '\\x00', now())",
+        legs.format(seq=taken, c=-USD, p=platform, p_=USD),
+        f"UPDATE account_balances SET last_event_seq = {taken}, balance_nano_usd = balance_nano_usd "
+        f"+ CASE WHEN account_id = :c THEN -{USD} ELSE {USD} END WHERE account_id IN (:c, {platform})",
+        f"UPDATE ledger_head SET last_seq = {taken} WHERE id = 1",
+    ], customer, "without the events that cause it")
+
+
 def _forged_event(head) -> str:
     """The next event of the chain, written by hand as the service's role could."""
     return (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "
