@@ -226,7 +226,7 @@ class PostgresStorage(Storage):
 
     def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> tuple[list[str], list[str]]:
         """Each event's COPY line between its sequence and its hashes, and each posting's after its event."""
-        events = [f"\t{event_type}\t{payload.translate(_COPY_ESCAPES)}\t{key.translate(_COPY_ESCAPES)}\t{_copy_bytea(digest)}"
+        events = [f"\t{event_type}\t{_copy_text(payload)}\t{_copy_text(key)}\t{_copy_bytea(digest)}"
                   f"\t{_COPY_NULL if reverses is None else reverses}\t"
                   for _, event_type, payload, key, digest, reverses, *_ in event_rows]
         postings = [f"\t{leg}\t{account_id}\t{amount}\n" for _, leg, account_id, amount in posting_rows]
@@ -291,6 +291,13 @@ class PostgresStorage(Storage):
 def _arrays(encoders: dict, rows: list[tuple]) -> dict[str, str]:
     columns = list(zip(*rows)) or [()] * len(encoders)  # no rows: every array empty
     return {name: encode(column) for (name, encode), column in zip(encoders.items(), columns)}
+
+
+def _copy_text(value: str) -> str:
+    # str.translate looks every character up in Python; most texts need no escape at all.
+    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
+        return value.translate(_COPY_ESCAPES)
+    return value
 
 
 def _copy_bytea(value: bytes) -> str:
