@@ -40,6 +40,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """A port chosen free was bound by another process (another test's server) before ours."""
+
+
+# A process starting on a port chosen free tries again on another this many times.
+PORT_ATTEMPTS = 3
+_TCP_LISTEN = "0A"  # the LISTEN state in /proc/net/tcp
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (Linux /proc/net/tcp)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == _TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the socket listening on `port`: a /health that
+    answers may be another test's server that took the port first."""
+    inodes = _listening_inodes(port)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[len("socket:["):-1] in inodes:
+            return True
+    return False
+
+
 class ThreadedServer:
     """An ASGI app on uvicorn in a background thread."""
 
@@ -78,9 +121,8 @@ class SimWorkerProcess:
     so slow its health checks past their timeout."""
 
     def __init__(self, profile: str = "instant", model: str = MODEL, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.argv = [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(self.port),
-                     "--profile", profile, "--model", model]
+        self.port, self.port_given = port or free_port(), port is not None
+        self.profile, self.model = profile, model
         self.process: subprocess.Popen | None = None
 
     @property
@@ -88,9 +130,12 @@ class SimWorkerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "SimWorkerProcess":
-        self.process = subprocess.Popen(self.argv, start_new_session=True, stdout=subprocess.DEVNULL)
-        _await_health(self, "the simulated worker")
-        return self
+        return _start_on_a_free_port(self, lambda: subprocess.Popen(self._argv(), start_new_session=True, stdout=subprocess.DEVNULL),
+                                     "the simulated worker")
+
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(self.port),
+                "--profile", self.profile, "--model", self.model]
 
     def stop(self) -> None:
         _stop(self.process)
@@ -102,7 +147,7 @@ class ServeProcess:
     port: on PostgreSQL as a role that owns nothing (tests/support/db_roles.py)."""
 
     def __init__(self, database_url: str, port: int | None = None, **env: str) -> None:
-        self.port = port or free_port()
+        self.port, self.port_given = port or free_port(), port is not None
         self.env = {**os.environ, "PARALON_DATABASE_URL": app_role_url(database_url), "PARALON_HEALTH_INTERVAL_MS": "200",
                     "PARALON_KEY_CACHE_TTL_MS": "0", "PARALON_GROUP_COMMIT_WAIT_MS": "1", **env}
         self.process: ForkedProcess | None = None
@@ -114,23 +159,39 @@ class ServeProcess:
     def start(self) -> "ServeProcess":
         # Forked with the libraries imported (tests/support/serve_forks.py), in a process
         # group of its own, so that a test can kill it whole (tests/support/faults.py).
-        self.process = fork_serve(["serve", "--port", str(self.port)], self.env)
-        _await_health(self, "paralon serve")
-        return self
+        return _start_on_a_free_port(self, lambda: fork_serve(["serve", "--port", str(self.port)], self.env), "paralon serve")
 
     def stop(self) -> None:
         _stop(self.process)
 
 
+def _start_on_a_free_port(server, launch, what: str):
+    """Launch and wait for health; on a port chosen free that another process
+    bound first, again on another (a port given by the test is kept)."""
+    for _ in range(PORT_ATTEMPTS):
+        server.process = launch()
+        try:
+            _await_health(server, what)
+            return server
+        except PortTaken:
+            if server.port_given:
+                raise
+            server.port = free_port()
+    raise PortTaken(f"{what}: every port tried was taken before it could bind it")
+
+
 def _await_health(server: SimWorkerProcess | ServeProcess, what: str) -> None:
-    """Until its /health answers 200; stopped, and an error naming it, if it exits or takes too long."""
+    """Until its /health answers 200 from its own socket; stopped, and an error
+    naming it, if it exits or takes too long."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if server.process.poll() is not None:
+            if _listening_inodes(server.port):
+                raise PortTaken(f"{what} exited: port {server.port} was taken by another process")
             said = server.process.stdout.read() if server.process.stdout else ""
             raise RuntimeError(f"{what} exited: {said}")
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and _listens_on(server.process.pid, server.port):
                 return
         except httpx.HTTPError:
             pass
