@@ -62,6 +62,12 @@ class MixedFleet:
         """Requests each worker finished, in the fleet's order (the large one first)."""
         return [s.app.state.requests_finished for s in self.sims]
 
+    def served_once_finished(self, total: int) -> list[int]:
+        """`served`, once `total` requests in all have finished: a worker counts a request after
+        its last byte is sent, so its caller can hold the answer before the count moves."""
+        wait_for(lambda: sum(self.served()) >= total)
+        return self.served()
+
     def tokenize_calls(self) -> list[int]:
         return [tokenize_route(s.app).calls for s in self.sims]
 
@@ -117,7 +123,7 @@ def test_long_prompts_reach_the_worker_that_holds_them_and_short_ones_any_worker
     served = fleet.served()
     answer = client.chat.completions.create(model=MODEL, messages=_messages(180_000), max_tokens=16)
     assert answer.usage.prompt_tokens == 180_000 and answer.usage.completion_tokens == COMPLETION_TOKENS
-    assert _deltas(fleet.served(), served) == [1, 0, 0, 0], "only the worker of 262,144 tokens holds it"
+    assert _deltas(fleet.served_once_finished(sum(served) + 1), served) == [1, 0, 0, 0], "only the worker of 262,144 tokens holds it"
     charge_180k = _charge(180_000)
     after, held, owners = fleet.balances()
     assert (after, held) == (before - short_charges - charge_180k, 0), "billed exactly what the worker counted"
@@ -129,7 +135,7 @@ def test_long_prompts_reach_the_worker_that_holds_them_and_short_ones_any_worker
     for _ in range(3):  # an agent retrying the same prompt: counted once
         answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
         assert answer.usage.prompt_tokens == 40_000
-    assert _deltas(fleet.served(), served) == [3, 0, 0, 0], "40,000 tokens: only the large worker holds them"
+    assert _deltas(fleet.served_once_finished(sum(served) + 3), served) == [3, 0, 0, 0], "40,000 tokens: only the large worker holds them"
     assert sum(fleet.tokenize_calls()) == 2, "one count for the 180k prompt, one for the 40k one"
     assert fleet.balances()[:2] == (before - short_charges - charge_180k - 3 * _charge(40_000), 0)
     fleet.fleet.assert_books_close()
@@ -155,7 +161,7 @@ def test_too_long_for_every_worker_is_400_with_no_money_moved_and_a_high_count_b
     messages = _messages(40_000)
     byte_bound = metering.prompt_tokens_bound("chat", {"messages": messages})
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=COMPLETION_TOKENS)
-    assert fleet.served() == [1, 0, 0, 0]
+    assert fleet.served_once_finished(1) == [1, 0, 0, 0]
     charge = _charge(byte_bound)
     assert [s["charge_nano_usd"] for s in fleet.fleet.settlements()] == [charge]
     assert fleet.balances()[:2] == (before[0] - charge, 0)
@@ -176,7 +182,7 @@ def test_a_count_that_lies_low_is_retried_on_a_larger_worker_and_charged_once(mi
     before, _, owners_before = fleet.balances()
     answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert answer.choices[0].message.content
-    assert fleet.served() == [1, 0, 0, 0]
+    assert fleet.served_once_finished(1) == [1, 0, 0, 0]
     charge = _charge(40_000)
     settled = fleet.fleet.settlements()
     assert sum(s["charge_nano_usd"] for s in settled) == charge, "charged once, for the prompt as counted by its worker"
@@ -189,7 +195,7 @@ def test_a_count_that_lies_low_is_retried_on_a_larger_worker_and_charged_once(mi
     assert owners == [owners_before[0] + charge * OWNER_SHARE_PERCENT // PERCENT, *owners_before[1:]]
     # the same prompt again: an honest small worker counts it, the large one serves it, billed exactly
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
-    assert sum(fleet.tokenize_calls()[1:]) == 1 and fleet.served() == [2, 0, 0, 0]
+    assert sum(fleet.tokenize_calls()[1:]) == 1 and fleet.served_once_finished(2) == [2, 0, 0, 0]
     assert fleet.balances()[0] == before - 2 * charge
     fleet.fleet.assert_books_close()
 
