@@ -20,7 +20,6 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD_ALLOCATIONS, GC_GEN1_THRESHOLD_COLLECTIONS, GC_GEN2_THRESHOLD_COLLECTIONS)
 
 
-
 def event_loop_name() -> str:
     """uvicorn's name for the fastest event loop installed."""
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"

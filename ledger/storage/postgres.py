@@ -233,8 +233,8 @@ class PostgresStorage(Storage):
         return events, postings
 
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
-        drafted = batch.unchained is not None
-        events, postings = batch.unchained if drafted else self.encode_unchained(batch.event_rows, batch.posting_rows)
+        events, postings = (batch.unchained if batch.unchained is not None
+                            else self.encode_unchained(batch.event_rows, batch.posting_rows))
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
             _copy(cursor, _COPY_EVENTS, "".join([f"{seq}{middle}{_copy_bytea(prev_hash)}\t{_copy_bytea(event_hash)}\t{at}\n"
