@@ -250,7 +250,7 @@ def event_hash(
 
     `recorded_at_text` is `format_time(recorded_at)`; callers hashing a batch
     format the shared timestamp once."""
-    return chained_hash(prev_hash, seq, recorded_at_text, hashed_parts(event_type, idempotency_key, payload_json, postings))
+    return chained_hash(prev_hash.hex(), seq, recorded_at_text, hashed_parts(event_type, idempotency_key, payload_json, postings))
 
 
 def hashed_parts(event_type: str, idempotency_key: str, payload_json: str, postings: list[tuple[int, int]]) -> tuple[str, str]:
@@ -261,8 +261,9 @@ def hashed_parts(event_type: str, idempotency_key: str, payload_json: str, posti
             f'","payload":{payload_json},"postings":[{legs}]}}')
 
 
-def chained_hash(prev_hash: bytes, seq: int, recorded_at_text: str, parts: tuple[str, str]) -> bytes:
-    return hashlib.sha256(f'{prev_hash.hex()}\n{{"seq":{seq}{parts[0]}{recorded_at_text}{parts[1]}'.encode()).digest()
+def chained_hash(prev_hash_hex: str, seq: int, recorded_at_text: str, parts: tuple[str, str]) -> bytes:
+    """The previous hash comes in hex, as it is hashed: an append hexes each hash once, for this and for its write."""
+    return hashlib.sha256(f'{prev_hash_hex}\n{{"seq":{seq}{parts[0]}{recorded_at_text}{parts[1]}'.encode()).digest()
 
 
 def content_digest(kind: str, fields: dict) -> bytes:

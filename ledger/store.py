@@ -126,26 +126,29 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     every_key = not closing_keys_to_the_index or conn.info.pop(_LOOK_UP_EVERY_KEY, False)
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
     storage = storage_of(conn)
-    unchained = storage.encode_unchained([(None, *d.columns, None, None) for d in prepared.values()],
-                                         [(None, leg, *p) for d in prepared.values() for leg, p in enumerate(d.postings)])
-    head_seq, head_hash, late = _lock_and_read(conn, book, keyed, prepared.values())
+    drafts = list(prepared.values())
+    unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts])
+    head_seq, head_hash, late = _lock_and_read(conn, book, keyed, drafts)
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
-    seq, prev_hash = head_seq, head_hash
+    seq, prev_hash, prev_hex = head_seq, head_hash, head_hash.hex()
     recorded_at = utc_now()
     at_text = ev.format_time(recorded_at)
-    event_rows, posting_rows = [], []
+    event_rows, posting_rows, hashes_hex, written = [], [], [prev_hex], []
     holds_closed: dict[int, int] = {}
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
-    for i, (event, postings, columns, hashed) in prepared.items():
+    for drafted_at, (i, (event, postings, columns, hashed)) in enumerate(prepared.items()):
         answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
             results[i] = answer
             continue
         seq += 1
-        event_hash = ev.chained_hash(prev_hash, seq, at_text, hashed)
+        event_hash = ev.chained_hash(prev_hex, seq, at_text, hashed)
+        prev_hex = event_hash.hex()
+        hashes_hex.append(prev_hex)
+        written.append(drafted_at)
         event_rows.append((seq, *columns, prev_hash, event_hash))
         for leg, (account_id, amount) in enumerate(postings):
             posting_rows.append((seq, leg, account_id, amount))
@@ -165,11 +168,10 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
 
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
-        written_as_drafted = len(event_rows) == len(prepared)
         try:
             storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
                                                        holds_closed, limit_usage, seq, prev_hash, recorded_at,
-                                                       unchained if written_as_drafted else None))
+                                                       None if unchained is None else [unchained[k] for k in written], hashes_hex))
         except IntegrityError:
             if closing_keys_to_the_index:
                 conn.info[_LOOK_UP_EVERY_KEY] = True

@@ -59,9 +59,12 @@ class AppendedBatch(NamedTuple):
     last_seq: int
     last_hash: bytes
     recorded_at: datetime
-    # `encode_unchained` of these rows as they were drafted before the lock, or
-    # None; given only when every drafted event was written, in the same order.
-    unchained: object | None = None
+    # What `encode_unchained` drafted before the lock of each event written, in
+    # event_rows' order, and the chain's hashes in hex, the one before the
+    # batch first: as the append computed them, so they are not made again.
+    # None: the storage drafts nothing, or the rows were not drafted.
+    drafted: list | None = None
+    hashes_hex: list[str] | None = None
 
 
 def in_chunks(values: list, size: int = IN_CLAUSE_VALUES_MAX) -> Iterator[list]:
@@ -168,11 +171,12 @@ class Storage(ABC):
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         """Events, postings, balances, spend limits and the head of the chain."""
 
-    def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> object | None:
-        """What `write_appended` can encode of a batch's rows before the append
-        lock, so the lock is held for less; None: nothing. Only the columns the
-        lock decides are not known yet (None here): an event's seq, prev_hash
-        and hash, a posting's event_seq."""
+    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]]) -> list | None:
+        """What `write_appended` can encode of each event before the append
+        lock, so the lock is held for less; None: nothing. `event_columns` are
+        EVENT_COLUMNS from event_type to reverses_seq: all but what the lock
+        decides (the sequence and the hashes); `event_postings` are each
+        event's (account_id, amount_nano_usd) legs in order."""
         return None
 
     # Holds

@@ -74,6 +74,7 @@ _COPY_POSTINGS = "COPY ledger_postings (event_seq, leg, account_id, amount_nano_
 # COPY's text format: these four characters are escaped, NULL is \N.
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 _COPY_NULL = "\\N"
+_COPY_BYTEA_HEX = "\\\\x"  # bytea's hex form starts \x; its backslash escaped for COPY
 
 # What an append writes after its rows, as one statement (data-modifying
 # CTEs), after which the balance guard checks the balances against the
@@ -224,23 +225,30 @@ class PostgresStorage(Storage):
         last_seq, last_hash = head_rows[0]
         return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows))
 
-    def encode_unchained(self, event_rows: list[tuple], posting_rows: list[tuple]) -> tuple[list[str], list[str]]:
-        """Each event's COPY line between its sequence and its hashes, and each posting's after its event."""
-        events = [f"\t{event_type}\t{_copy_text(payload)}\t{_copy_text(key)}\t{_copy_bytea(digest)}"
-                  f"\t{_COPY_NULL if reverses is None else reverses}\t"
-                  for _, event_type, payload, key, digest, reverses, *_ in event_rows]
-        postings = [f"\t{leg}\t{account_id}\t{amount}\n" for _, leg, account_id, amount in posting_rows]
-        return events, postings
+    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]]) -> list:
+        """Per event: its COPY line between its sequence and its previous
+        hash's hex; and its postings' lines after their event_seq, behind an
+        empty first item, so that `str(seq).join` makes them whole."""
+        drafted = []
+        for (event_type, payload, key, digest, reverses), postings in zip(event_columns, event_postings):
+            legs = [""]
+            for leg, (account_id, amount) in enumerate(postings):
+                legs.append(f"\t{leg}\t{account_id}\t{amount}\n")
+            drafted.append((f"\t{event_type}\t{_copy_text(payload)}\t{_copy_text(key)}\t{_copy_bytea(digest)}"
+                            f"\t{_COPY_NULL if reverses is None else reverses}\t{_COPY_BYTEA_HEX}", legs))
+        return drafted
 
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
-        events, postings = (batch.unchained if batch.unchained is not None
-                            else self.encode_unchained(batch.event_rows, batch.posting_rows))
+        rows = batch.event_rows
+        drafted = batch.drafted if batch.drafted is not None else self._draft_rows(rows, batch.posting_rows)
+        hexes = batch.hashes_hex
+        chain = zip(hexes, hexes[1:]) if hexes is not None else [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
-            _copy(cursor, _COPY_EVENTS, "".join([f"{seq}{middle}{_copy_bytea(prev_hash)}\t{_copy_bytea(event_hash)}\t{at}\n"
-                                                 for (seq, *_, prev_hash, event_hash), middle in zip(batch.event_rows, events)]))
-            if postings:
-                _copy(cursor, _COPY_POSTINGS, "".join([f"{row[0]}{rest}" for row, rest in zip(batch.posting_rows, postings)]))
+            _copy(cursor, _COPY_EVENTS, "".join([f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
+                                                 for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain)]))
+            if batch.posting_rows:
+                _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted)]))
         ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
         conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
             "last_seq": batch.last_seq, "last_hash": batch.last_hash,
@@ -249,6 +257,13 @@ class PostgresStorage(Storage):
             "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
             "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
         })
+
+    def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple]) -> list:
+        """`encode_unchained` of rows built whole (a caller that drafted nothing)."""
+        legs: dict[int, list[tuple[int, int]]] = {}
+        for seq, _, account_id, amount in posting_rows:
+            legs.setdefault(seq, []).append((account_id, amount))
+        return self.encode_unchained([row[1:6] for row in event_rows], [legs.get(row[0], []) for row in event_rows])
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
         """The server runs the rules (migration 0015's function): `rules` is not needed."""
@@ -301,7 +316,7 @@ def _copy_text(value: str) -> str:
 
 
 def _copy_bytea(value: bytes) -> str:
-    return "\\\\x" + value.hex()  # bytea's hex form, its backslash escaped for COPY
+    return _COPY_BYTEA_HEX + value.hex()
 
 
 def _copy(cursor, sql: str, text: str) -> None:

@@ -26,5 +26,5 @@ def test_an_events_hash_is_its_definition_whether_drafted_before_the_lock_or_com
     expected = hash_by_definition(41, "RequestSettled", key, at, PAYLOAD, POSTINGS)
     assert ev.event_hash(PREV_HASH, 41, "RequestSettled", key, at, payload_json, POSTINGS) == expected
     drafted = ev.hashed_parts("RequestSettled", key, payload_json, POSTINGS)
-    assert ev.chained_hash(PREV_HASH, 41, at, drafted) == expected
-    assert ev.chained_hash(PREV_HASH, 42, at, drafted) != expected, "the sequence is hashed"
+    assert ev.chained_hash(PREV_HASH.hex(), 41, at, drafted) == expected
+    assert ev.chained_hash(PREV_HASH.hex(), 42, at, drafted) != expected, "the sequence is hashed"

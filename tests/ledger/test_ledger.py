@@ -299,6 +299,24 @@ def test_one_overdraft_does_not_fail_the_rest_of_its_batch(ledger, engine):
     assert ledger.balance(customer).available_nano_usd == USD
 
 
+def test_a_command_refused_under_the_lock_leaves_the_others_of_its_batch_written_as_their_own(ledger, engine):
+    """Events are drafted before the append lock and some refused under it: each
+    event written must carry its own key, payload and postings, and chain."""
+    customer = customer_with(ledger, 10 * USD)
+    with engine.connect() as conn:
+        after = conn.execute(text("SELECT max(seq) FROM ledger_events")).scalar_one()
+    commands = [cmd.AdjustBalance(customer, -dollars * USD, f"debit of {dollars}", key()) for dollars in (3, 9, 4, 2)]
+    with engine.begin() as conn:
+        results = append_batch(conn, commands)
+    assert isinstance(results[1], InsufficientFunds)
+    with engine.connect() as conn:
+        written = read_events(conn, after)
+    assert [(e.idempotency_key, json.loads(e.payload_json)["reason"], e.postings[0]) for e in written] == [
+        (c.idempotency_key, c.reason, (customer, c.delta_nano_usd)) for c in (commands[0], commands[2], commands[3])]
+    assert ledger.balance(customer).available_nano_usd == USD
+    assert verify_now(engine).ok
+
+
 def test_the_log_refuses_update_and_delete(engine, ledger):
     customer_with(ledger, USD)
     for statement in (
