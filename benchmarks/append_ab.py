@@ -1,0 +1,137 @@
+"""The durable writer's CPU per settlement, this checkout against another revision, batch for batch.
+
+On a shared machine the speed drifts by a third within minutes, more than a
+change to the writer's Python moves it, so two whole benchmark runs cannot
+tell them apart. Here two processes, one running this checkout's ledger and
+one the other revision's (a temporary git worktree), each on its own scratch
+database, take turns: one batch of settlements each, alternately first. Each
+reports its thread's CPU for the batch (`append_batch` in one transaction: the
+writer's Python and its driver's, the database excluded), and each pair of
+neighbouring batches gives a ratio; drift moves both alike.
+
+    python benchmarks/append_ab.py --base HEAD~1 --json
+
+Prints one JSON line: the medians of each side and of the ratios (this
+checkout over the base: below 1 is less CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
+
+
+def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> None:
+    """One side: settle `batches` batches from `root`'s ledger, one per line read, printing CPU us per settlement."""
+    sys.path[:0] = [root, str(HERE)]
+    from scratch import ScratchDatabase  # after the path: it names which ledger
+
+    from app.runtime import tune_garbage_collector
+    from ledger import commands as cmd
+    from ledger.holds import PlaceHold
+    from ledger.service import Ledger
+    from ledger.store import append_batch
+
+    with ScratchDatabase(database_url, "paralon_append_ab") as scratch:
+        engine = scratch.engine()
+        ledger = Ledger(engine)
+        customers = [ledger.create_account(cmd.CUSTOMER, f"ab customer {i}") for i in range(CUSTOMERS)]
+        owners = [ledger.create_account(cmd.OWNER, f"ab owner {i}") for i in range(OWNERS)]
+        for customer in customers:
+            ledger.append(cmd.GrantCredits(customer, 10**15, "benchmark credits", f"grant:{customer}"))
+
+        def settlements(batch: int) -> list:
+            holds = [ledger.holder.submit(PlaceHold(customers[i % CUSTOMERS], HOLD_NANO_USD, f"h:{batch}:{i}")) for i in range(batch_size)]
+            return [cmd.SettleRequest(h.result().hold_id, owners[i % OWNERS], 150 * (900 + i % 97), f"req:{batch}:{i}", f"s:{batch}:{i}",
+                                      {"model": "bench", "prompt_tokens": 900 + i % 97}) for i, h in enumerate(holds)]
+
+        prepared = [settlements(b) for b in range(warm_up_batches + batches)]
+        ledger.close()
+        tune_garbage_collector()
+        with engine.connect() as conn:
+            for batch in prepared[:warm_up_batches]:
+                with conn.begin():
+                    append_batch(conn, batch, closing_keys_to_the_index=True)
+            print("ready", flush=True)
+            for batch in prepared[warm_up_batches:]:
+                sys.stdin.readline()
+                started = time.thread_time()
+                with conn.begin():
+                    results = append_batch(conn, batch, closing_keys_to_the_index=True)
+                cpu_s = time.thread_time() - started
+                if any(getattr(r, "status", None) != "created" for r in results):
+                    raise SystemExit(f"a settlement was not created: {results[0]!r}")
+                print(cpu_s / batch_size * 1e6, flush=True)
+        engine.dispose()
+
+
+def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="paralon-ab-") as tmp:
+        base_root = str(Path(tmp) / "base")
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", base_root, base], check=True)
+        sides: dict[str, subprocess.Popen] = {}
+        try:
+            for name, root in (("base", base_root), ("current", str(REPO))):
+                sides[name] = subprocess.Popen(
+                    [sys.executable, __file__, "--worker", root, "--database-url", database_url, "--batches", str(batches),
+                     "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+            for name, process in sides.items():
+                if process.stdout.readline().strip() != "ready":
+                    raise SystemExit(f"the {name} side did not start")
+            cpu_us: dict[str, list[float]] = {name: [] for name in sides}
+            for turn in range(batches):
+                order = list(sides) if turn % 2 == 0 else list(reversed(sides))
+                for name in order:
+                    sides[name].stdin.write("go\n")
+                    sides[name].stdin.flush()
+                    cpu_us[name].append(float(sides[name].stdout.readline()))
+        finally:
+            for process in sides.values():
+                if process.stdin:
+                    process.stdin.close()
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", base_root], check=False)
+    ratios = [current / base_us for base_us, current in zip(cpu_us["base"], cpu_us["current"])]
+    return {
+        "base": base, "batches": batches, "batch_size": batch_size,
+        "base_cpu_us_per_settlement_median": round(statistics.median(cpu_us["base"]), 2),
+        "current_cpu_us_per_settlement_median": round(statistics.median(cpu_us["current"]), 2),
+        "current_to_base_ratio_median": round(statistics.median(ratios), 3),
+        "current_to_base_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare this checkout with")
+    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
+    parser.add_argument("--warm-up-batches", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the root of one side's checkout
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches)
+        return
+    sys.path.insert(0, str(HERE))
+    from scratch import print_result
+
+    print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches), args.json)
+
+
+if __name__ == "__main__":
+    main()
