@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
+from tests.support.db_roles import drop_app_role  # noqa: E402
 from tests.support.harness import MODEL, ServeProcess, SimWorkerProcess, free_port, make_fleet  # noqa: E402
 
 MAX_TOKENS = 64  # per request, give or take MAX_TOKENS_SPREAD
@@ -145,33 +146,36 @@ def main() -> None:
     worker_port, relay_port = free_port(), free_port()
     worker = SimWorkerProcess(args.profile, port=worker_port).start()
     relay = start_bare_relay(relay_port, worker_port)
-    with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
-        url = scratch.url.render_as_string(hide_password=False)
-        fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
-        proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
-                             PARALON_GROUP_COMMIT_WAIT_MS="1").start()
-        try:
-            path = "/v1/chat/completions"
-            direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", f"http://127.0.0.1:{relay_port}{path}", proxy.url + path
-            headers = {"authorization": f"Bearer {fleet.key}"}
-            asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches
-            asyncio.run(run_phase(relay_url, {}, 16, 2.0))
-            ttfts = {"direct": [], "relay": [], "proxy": []}
-            for round_ in range(args.rounds):
-                log(f"round {round_ + 1}: 16 callers direct, through the bare relay, then through the proxy ...")
-                ttfts["direct"] += asyncio.run(run_phase(direct_url, {}, 16, args.seconds))[0]
-                ttfts["relay"] += asyncio.run(run_phase(relay_url, {}, 16, args.seconds))[0]
-                ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
-            log("64 callers through the bare relay, then through the proxy ...")
-            relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds)
-            proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
-        finally:
-            proxy.stop()
-            worker.stop()
-            relay.terminate()
-            relay.wait(10)
-        settled = len(fleet.settlements())
-        fleet.engine.dispose()
+    try:
+        with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
+            url = scratch.url.render_as_string(hide_password=False)
+            fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
+            proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
+                                 PARALON_GROUP_COMMIT_WAIT_MS="1").start()
+            try:
+                path = "/v1/chat/completions"
+                direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", f"http://127.0.0.1:{relay_port}{path}", proxy.url + path
+                headers = {"authorization": f"Bearer {fleet.key}"}
+                asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches
+                asyncio.run(run_phase(relay_url, {}, 16, 2.0))
+                ttfts = {"direct": [], "relay": [], "proxy": []}
+                for round_ in range(args.rounds):
+                    log(f"round {round_ + 1}: 16 callers direct, through the bare relay, then through the proxy ...")
+                    ttfts["direct"] += asyncio.run(run_phase(direct_url, {}, 16, args.seconds))[0]
+                    ttfts["relay"] += asyncio.run(run_phase(relay_url, {}, 16, args.seconds))[0]
+                    ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
+                log("64 callers through the bare relay, then through the proxy ...")
+                relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds)
+                proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
+            finally:
+                proxy.stop()
+            settled = len(fleet.settlements())
+            fleet.engine.dispose()
+    finally:
+        worker.stop()
+        relay.terminate()
+        relay.wait(10)
+        drop_app_role()  # the role `serve` ran as (tests.support.db_roles), once its database is gone
     result = figures(ttfts, relay_tokens, relay_cpu_s, proxy_tokens, proxy_cpu_s)
     result.update({"load_generator_cpu_s": {"relay_phase": round(relay_client_cpu_s, 2), "proxy_phase": round(proxy_client_cpu_s, 2)},
                    "load_generator_cpu_share": round(proxy_client_cpu_s / args.seconds, 2),

@@ -39,6 +39,7 @@ from invoices import read_models  # noqa: E402
 from ledger.log import consumer_position  # noqa: E402
 from ledger.schema import ledger_events  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
+from tests.support.db_roles import drop_app_role  # noqa: E402
 from tests.support.harness import MODEL, ServeProcess, free_port, make_fleet, wait_for  # noqa: E402
 
 SAMPLE_INTERVAL_S = 0.1
@@ -105,36 +106,39 @@ def main() -> None:
 
     worker_port = free_port()
     worker = start_worker(worker_port)
-    with ScratchDatabase(args.database_url, "paralon_lagbench") as scratch:
-        url = scratch.url.render_as_string(hide_password=False)
-        fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
-        proxy = ServeProcess(url).start()
-        try:
-            wait_for(lambda: read_models.lag_events(fleet.engine) == 0, timeout_s=CAUGHT_UP_WAIT_S)
-            log(f"{args.requests} requests, {args.callers} callers, through one serve ...")
-            sampler = Sampler(fleet.engine)
-            head_before, position_before = head_and_position(fleet.engine)
-            sampler.start()
-            started = time.perf_counter()
+    try:
+        with ScratchDatabase(args.database_url, "paralon_lagbench") as scratch:
+            url = scratch.url.render_as_string(hide_password=False)
+            fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
+            proxy = ServeProcess(url).start()
             try:
-                asyncio.run(load(proxy.url, fleet.key, args.requests, args.callers))
+                wait_for(lambda: read_models.lag_events(fleet.engine) == 0, timeout_s=CAUGHT_UP_WAIT_S)
+                log(f"{args.requests} requests, {args.callers} callers, through one serve ...")
+                sampler = Sampler(fleet.engine)
+                head_before, position_before = head_and_position(fleet.engine)
+                sampler.start()
+                started = time.perf_counter()
+                try:
+                    asyncio.run(load(proxy.url, fleet.key, args.requests, args.callers))
+                finally:
+                    load_s = time.perf_counter() - started
+                    head_after, position_after = head_and_position(fleet.engine)
+                    sampler.done.set()
+                    sampler.join()
+                wait_for(lambda: read_models.lag_events(fleet.engine) == 0, timeout_s=CAUGHT_UP_WAIT_S, interval_s=0.01)
+                caught_up_s = time.perf_counter() - started - load_s
             finally:
-                load_s = time.perf_counter() - started
-                head_after, position_after = head_and_position(fleet.engine)
-                sampler.done.set()
-                sampler.join()
-            wait_for(lambda: read_models.lag_events(fleet.engine) == 0, timeout_s=CAUGHT_UP_WAIT_S, interval_s=0.01)
-            caught_up_s = time.perf_counter() - started - load_s
-        finally:
-            proxy.stop()
-            worker.terminate()
-            worker.wait(10)
-        log("rebuilding the read models alone, for the baseline ...")
-        rebuild_started = time.perf_counter()
-        rebuilt = read_models.rebuild(fleet.engine)
-        rebuild_per_s = rebuilt / (time.perf_counter() - rebuild_started)
-        settled = len(fleet.settlements())
-        fleet.engine.dispose()
+                proxy.stop()
+            log("rebuilding the read models alone, for the baseline ...")
+            rebuild_started = time.perf_counter()
+            rebuilt = read_models.rebuild(fleet.engine)
+            rebuild_per_s = rebuilt / (time.perf_counter() - rebuild_started)
+            settled = len(fleet.settlements())
+            fleet.engine.dispose()
+    finally:
+        worker.terminate()
+        worker.wait(10)
+        drop_app_role()  # the role `serve` ran as (tests.support.db_roles), once its database is gone
 
     applied_per_s = (position_after - position_before) / load_s
     appended_per_s = (head_after - head_before) / load_s

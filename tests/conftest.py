@@ -14,7 +14,6 @@ import functools
 import os
 import sqlite3
 import tempfile
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -27,6 +26,7 @@ from app.migrate import migrate
 from ledger.db import make_engine
 from ledger.service import Ledger
 from tests.support.db_roles import drop_app_role
+from tests.support.leftovers import session_name, sweep_leftovers
 from tests.support.services import REQUIRE_SERVICES, XDIST_WORKER, redis_url  # noqa: F401 (a fixture)
 
 # Invoices issued by tests (in-process or by a `serve` they start) go to a scratch directory.
@@ -40,10 +40,6 @@ PG_POOL_CONNECTIONS_TEST = 30  # the concurrency tests race dozens of threads on
 def _admin_engine() -> Engine:
     url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql+psycopg")
     return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
-
-
-def _unique_name(kind: str) -> str:
-    return f"paralon_{kind}_{XDIST_WORKER or 'main'}_{uuid.uuid4().hex[:12]}"
 
 
 def _url_of(name: str) -> str:
@@ -66,7 +62,7 @@ def new_postgres_database(template: str | None = None) -> str:
     """A database of the caller's own, empty or cloned from `template`; returns its URL."""
     if not postgres_available():
         pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
-    name = _unique_name("test")
+    name = session_name("test", XDIST_WORKER)
     clause = f' TEMPLATE "{template}"' if template else ""
     with _admin_engine().connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"{clause}'))
@@ -88,6 +84,13 @@ _drops: list = []
 
 def drop_postgres_database_soon(url: str) -> None:
     _drops.append(_dropper.submit(drop_postgres_database, url))
+
+
+def pytest_sessionstart(session) -> None:
+    """Once per run (in xdist's controller, or the one process): what killed runs left."""
+    if not XDIST_WORKER and postgres_available():
+        with _admin_engine().connect() as conn:
+            sweep_leftovers(conn)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import functools
 import os
-import uuid
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
 from app.db_roles import grant_app_role
 from ledger.db import make_engine
+from tests.support.leftovers import session_name
 from tests.support.services import XDIST_WORKER
 
 POSTGRES_ADMIN_URL = os.environ.get("PARALON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-APP_ROLE = f"paralon_app_{XDIST_WORKER or 'main'}_{uuid.uuid4().hex[:12]}"
+APP_ROLE = session_name("app", XDIST_WORKER)
 _granted_databases: set[str] = set()
 
 

@@ -1,0 +1,51 @@
+"""What a killed test run left on the shared server is dropped by the next run, and nothing else."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from sqlalchemy import text
+
+from tests.conftest import _admin_engine, postgres_available
+from tests.support.leftovers import LEFTOVER_AGE_S, is_leftover, session_name, sweep_leftovers
+
+
+def test_only_names_of_a_session_older_than_any_run_are_leftovers():
+    now_s = time.time()
+    fresh = session_name("test", "gw0")
+    assert not is_leftover(fresh, now_s)
+    assert is_leftover(fresh, now_s + LEFTOVER_AGE_S + 1)
+    assert not is_leftover(fresh, now_s + LEFTOVER_AGE_S - 60)
+    assert is_leftover(session_name("app", ""), now_s + LEFTOVER_AGE_S + 1)
+    for foreign in (f"paralon_test_gw0_{uuid.uuid4().hex[:12]}",  # undated: its age is unknown
+                    f"paralon_bench_{int(now_s) - 10 * LEFTOVER_AGE_S}_{uuid.uuid4().hex[:12]}",
+                    "postgres", f"someone_test_gw0_{int(now_s) - 10 * LEFTOVER_AGE_S}_{uuid.uuid4().hex[:12]}"):
+        assert not is_leftover(foreign, now_s)
+
+
+def test_the_sweep_drops_old_databases_and_roles_and_leaves_the_rest():
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
+    made_long_ago = int(time.time()) - LEFTOVER_AGE_S - 60
+    old_database = f"paralon_test_gw9_{made_long_ago}_{uuid.uuid4().hex[:12]}"
+    old_role = f"paralon_app_gw9_{made_long_ago}_{uuid.uuid4().hex[:12]}"
+    fresh_database = session_name("test", "gw9")
+    undated_database = f"paralon_test_gw9_{uuid.uuid4().hex[:12]}"
+    kept = (fresh_database, undated_database)
+    with _admin_engine().connect() as conn:
+        try:
+            for database in (old_database, *kept):
+                conn.execute(text(f'CREATE DATABASE "{database}"'))
+            conn.execute(text(f'CREATE ROLE "{old_role}" NOLOGIN'))
+            dropped = sweep_leftovers(conn)
+            assert old_database in dropped and old_role in dropped
+            assert not set(kept) & set(dropped)
+            databases = set(conn.execute(text("SELECT datname FROM pg_database")).scalars())
+            roles = set(conn.execute(text("SELECT rolname FROM pg_roles")).scalars())
+            assert old_database not in databases and old_role not in roles
+            assert set(kept) <= databases
+        finally:
+            for database in (old_database, *kept):
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+            conn.execute(text(f'DROP ROLE IF EXISTS "{old_role}"'))
