@@ -32,7 +32,7 @@ CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 
 def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> None:
     """One side: settle `batches` batches from `root`'s ledger, one per line read, printing CPU us per settlement."""
-    sys.path[:0] = [root, str(HERE)]
+    sys.path[:0] = [root, str(Path(root) / "benchmarks")]  # its own scratch.py, which puts its own root first again
     if hasattr(os, "sched_setaffinity"):  # both sides on the same core: neither gets the quieter one
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     from scratch import ScratchDatabase  # after the path: it names which ledger
@@ -63,7 +63,7 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
             for batch in prepared[:warm_up_batches]:
                 with conn.begin():
                     append_batch(conn, batch, closing_keys_to_the_index=True)
-            print("ready", flush=True)
+            print(f"ready {Path(append_batch.__code__.co_filename).resolve()}", flush=True)
             for batch in prepared[warm_up_batches:]:
                 sys.stdin.readline()
                 started = time.thread_time()
@@ -87,16 +87,20 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                     [sys.executable, __file__, "--worker", root, "--database-url", database_url, "--batches", str(batches),
                      "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-            for name, process in sides.items():
-                if process.stdout.readline().strip() != "ready":
-                    raise SystemExit(f"the {name} side did not start")
+            for (name, process), root in zip(sides.items(), (base_root, str(REPO))):
+                ready = process.stdout.readline().split(maxsplit=1)
+                if len(ready) != 2 or ready[0] != "ready" or not Path(ready[1].strip()).is_relative_to(Path(root).resolve()):
+                    raise SystemExit(f"the {name} side did not start on its own checkout: {ready}")
             cpu_us: dict[str, list[float]] = {name: [] for name in sides}
             for turn in range(batches):
                 order = list(sides) if turn % 2 == 0 else list(reversed(sides))
                 for name in order:
                     sides[name].stdin.write("go\n")
                     sides[name].stdin.flush()
-                    cpu_us[name].append(float(sides[name].stdout.readline()))
+                    line = sides[name].stdout.readline()
+                    if not line:
+                        raise SystemExit(f"the {name} side ended after {turn} batches")
+                    cpu_us[name].append(float(line))
         finally:
             for process in sides.values():
                 if process.stdin:
@@ -118,7 +122,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="HEAD", help="the git revision to compare this checkout with")
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare this checkout with (HEAD: its uncommitted changes)")
     parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
@@ -126,6 +130,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the root of one side's checkout
     args = parser.parse_args()
+    if args.batches < 2:
+        raise SystemExit("--batches must be at least 2")
     if args.worker:
         worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches)
         return

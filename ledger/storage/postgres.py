@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import BadDatabaseUrl, LedgerError
+from ledger.errors import BadDatabaseUrl, InvariantBroken, LedgerError
 from ledger.limits import (
     DATABASE_CONNECT_TIMEOUT_S,
     DATABASE_KEEPALIVE_IDLE_S,
@@ -242,13 +242,18 @@ class PostgresStorage(Storage):
         rows = batch.event_rows
         drafted = batch.drafted if batch.drafted is not None else self._draft_rows(rows, batch.posting_rows)
         hexes = batch.hashes_hex
-        chain = zip(hexes, hexes[1:]) if hexes is not None else [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
+        if hexes is None:
+            chain = [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
+        elif hexes[-1] == batch.last_hash.hex():
+            chain = list(zip(hexes, hexes[1:]))
+        else:
+            raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
             _copy(cursor, _COPY_EVENTS, "".join([f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
-                                                 for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain)]))
+                                                 for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
             if batch.posting_rows:
-                _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted)]))
+                _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
         ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
         conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
             "last_seq": batch.last_seq, "last_hash": batch.last_hash,
@@ -259,11 +264,15 @@ class PostgresStorage(Storage):
         })
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple]) -> list:
-        """`encode_unchained` of rows built whole (a caller that drafted nothing)."""
-        legs: dict[int, list[tuple[int, int]]] = {}
-        for seq, _, account_id, amount in posting_rows:
-            legs.setdefault(seq, []).append((account_id, amount))
-        return self.encode_unchained([row[1:6] for row in event_rows], [legs.get(row[0], []) for row in event_rows])
+        """`encode_unchained` of rows built whole (a caller that drafted nothing):
+        each posting after its event's others, its legs numbered from 0."""
+        legs: dict[int, list[tuple[int, int]]] = {row[0]: [] for row in event_rows}
+        for seq, leg, account_id, amount in posting_rows:
+            postings = legs.get(seq)
+            if postings is None or leg != len(postings):
+                raise InvariantBroken(f"posting {seq}/{leg} does not follow its event's legs in order")
+            postings.append((account_id, amount))
+        return self.encode_unchained([row[1:6] for row in event_rows], list(legs.values()))
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
         """The server runs the rules (migration 0015's function): `rules` is not needed."""

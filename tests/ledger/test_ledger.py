@@ -299,20 +299,30 @@ def test_one_overdraft_does_not_fail_the_rest_of_its_batch(ledger, engine):
     assert ledger.balance(customer).available_nano_usd == USD
 
 
-def test_a_command_refused_under_the_lock_leaves_the_others_of_its_batch_written_as_their_own(ledger, engine):
+@pytest.mark.parametrize("refused_at", [0, 2, 4], ids=["first", "middle", "last"])
+def test_a_command_refused_under_the_lock_leaves_the_others_of_its_batch_written_as_their_own(ledger, engine, refused_at):
     """Events are drafted before the append lock and some refused under it: each
-    event written must carry its own key, payload and postings, and chain."""
+    event written must carry its own key, payload and postings (none for an
+    event that moves no money), and chain."""
     customer = customer_with(ledger, 10 * USD)
     with engine.connect() as conn:
         after = conn.execute(text("SELECT max(seq) FROM ledger_events")).scalar_one()
-    commands = [cmd.AdjustBalance(customer, -dollars * USD, f"debit of {dollars}", key()) for dollars in (3, 9, 4, 2)]
+    commands = [cmd.AdjustBalance(customer, -dollars * USD, f"debit of {dollars}", key()) for dollars in (3, 4, 2)]
+    commands.insert(1, cmd.RecordUsageDiscrepancy("req-between-debits", 7, 40, 300, 40, 100, key()))
+    commands.insert(refused_at, cmd.AdjustBalance(customer, -11 * USD, "more than the balance", key()))
     with engine.begin() as conn:
         results = append_batch(conn, commands)
-    assert isinstance(results[1], InsufficientFunds)
+    assert isinstance(results[refused_at], InsufficientFunds)
+    expected = [c for i, c in enumerate(commands) if i != refused_at]
     with engine.connect() as conn:
         written = read_events(conn, after)
-    assert [(e.idempotency_key, json.loads(e.payload_json)["reason"], e.postings[0]) for e in written] == [
-        (c.idempotency_key, c.reason, (customer, c.delta_nano_usd)) for c in (commands[0], commands[2], commands[3])]
+    assert [e.idempotency_key for e in written] == [c.idempotency_key for c in expected]
+    for event, command in zip(written, expected):
+        payload = json.loads(event.payload_json)
+        if isinstance(command, cmd.AdjustBalance):
+            assert (payload["reason"], event.postings[0], len(event.postings)) == (command.reason, (customer, command.delta_nano_usd), 2)
+        else:
+            assert (payload["request_id"], list(event.postings)) == (command.request_id, [])
     assert ledger.balance(customer).available_nano_usd == USD
     assert verify_now(engine).ok
 

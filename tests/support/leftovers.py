@@ -33,19 +33,18 @@ def is_leftover(name: str, now_s: float) -> bool:
 
 def sweep_leftovers(admin: Connection, now_s: float | None = None) -> list[str]:
     """Drop the test databases, then the roles, that a session older than
-    LEFTOVER_AGE_S left; returns their names. A role still granted on a
-    database that is not swept stays (its DROP fails and is let be)."""
+    LEFTOVER_AGE_S left; returns their names. What cannot be dropped (another
+    login's database, a role still granted on a database that stays) is let be:
+    a sweep never fails a run."""
     now_s = time.time() if now_s is None else now_s
     databases = [n for n in admin.execute(text("SELECT datname FROM pg_database")).scalars() if is_leftover(n, now_s)]
     roles = [n for n in admin.execute(text("SELECT rolname FROM pg_roles")).scalars() if is_leftover(n, now_s)]
+    statements = [f'DROP DATABASE IF EXISTS "{d}" WITH (FORCE)' for d in databases] + [f'DROP ROLE IF EXISTS "{r}"' for r in roles]
     dropped = []
-    for database in databases:
-        admin.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-        dropped.append(database)
-    for role in roles:
+    for name, statement in zip(databases + roles, statements, strict=True):
         try:
-            admin.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
-            dropped.append(role)
-        except DBAPIError:  # granted on a database someone still has: not ours to judge
+            admin.execute(text(statement))
+            dropped.append(name)
+        except DBAPIError:  # another login's, or a role still granted somewhere: not this run's to force
             continue
     return dropped

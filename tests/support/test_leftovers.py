@@ -5,7 +5,7 @@ import time
 import uuid
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 from tests.conftest import _admin_engine, postgres_available
 from tests.support.leftovers import LEFTOVER_AGE_S, is_leftover, session_name, sweep_leftovers
@@ -49,3 +49,27 @@ def test_the_sweep_drops_old_databases_and_roles_and_leaves_the_rest():
             for database in (old_database, *kept):
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
             conn.execute(text(f'DROP ROLE IF EXISTS "{old_role}"'))
+
+
+def test_what_the_sweep_may_not_drop_is_let_be_and_the_run_goes_on():
+    """On a server shared with other logins the sweep may meet a leftover it
+    does not own: the drop is refused, and the sweep neither fails nor retries it."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
+    others = f"paralon_test_gw9_{int(time.time()) - LEFTOVER_AGE_S - 60}_{uuid.uuid4().hex[:12]}"
+    login = f"sweeper_{uuid.uuid4().hex[:12]}"
+    admin = _admin_engine()
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{others}"'))
+        conn.execute(text(f'CREATE ROLE "{login}" LOGIN NOSUPERUSER'))
+    weak = create_engine(admin.url.set(username=login, password=None), isolation_level="AUTOCOMMIT", pool_size=1)
+    try:
+        with weak.connect() as conn:
+            assert others not in sweep_leftovers(conn)
+        with admin.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM pg_database WHERE datname = :n"), {"n": others}).scalar_one() == 1
+    finally:
+        weak.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{others}" WITH (FORCE)'))
+            conn.execute(text(f'DROP ROLE IF EXISTS "{login}"'))
