@@ -245,7 +245,7 @@ class PostgresStorage(Storage):
         if hexes is None:
             chain = [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
         elif hexes[-1] == batch.last_hash.hex():
-            chain = list(zip(hexes, hexes[1:]))
+            chain = zip(hexes, hexes[1:])
         else:
             raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()

@@ -11,6 +11,18 @@ from tests.conftest import _admin_engine, postgres_available
 from tests.support.leftovers import LEFTOVER_AGE_S, is_leftover, session_name, sweep_leftovers
 
 
+def made_long_ago(kind: str) -> str:
+    """A name as a session made it a minute past the sweep's age."""
+    return f"paralon_{kind}_gw9_{int(time.time()) - LEFTOVER_AGE_S - 60}_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def admin():
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
+    return _admin_engine()
+
+
 def test_only_names_of_a_session_older_than_any_run_are_leftovers():
     now_s = time.time()
     fresh = session_name("test", "gw0")
@@ -24,16 +36,12 @@ def test_only_names_of_a_session_older_than_any_run_are_leftovers():
         assert not is_leftover(foreign, now_s)
 
 
-def test_the_sweep_drops_old_databases_and_roles_and_leaves_the_rest():
-    if not postgres_available():
-        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
-    made_long_ago = int(time.time()) - LEFTOVER_AGE_S - 60
-    old_database = f"paralon_test_gw9_{made_long_ago}_{uuid.uuid4().hex[:12]}"
-    old_role = f"paralon_app_gw9_{made_long_ago}_{uuid.uuid4().hex[:12]}"
+def test_the_sweep_drops_old_databases_and_roles_and_leaves_the_rest(admin):
+    old_database, old_role = made_long_ago("test"), made_long_ago("app")
     fresh_database = session_name("test", "gw9")
     undated_database = f"paralon_test_gw9_{uuid.uuid4().hex[:12]}"
     kept = (fresh_database, undated_database)
-    with _admin_engine().connect() as conn:
+    with admin.connect() as conn:
         try:
             for database in (old_database, *kept):
                 conn.execute(text(f'CREATE DATABASE "{database}"'))
@@ -51,14 +59,10 @@ def test_the_sweep_drops_old_databases_and_roles_and_leaves_the_rest():
             conn.execute(text(f'DROP ROLE IF EXISTS "{old_role}"'))
 
 
-def test_what_the_sweep_may_not_drop_is_let_be_and_the_run_goes_on():
+def test_what_the_sweep_may_not_drop_is_let_be_and_the_run_goes_on(admin):
     """On a server shared with other logins the sweep may meet a leftover it
     does not own: the drop is refused, and the sweep neither fails nor retries it."""
-    if not postgres_available():
-        pytest.skip("PostgreSQL is not reachable at PARALON_TEST_POSTGRES_URL")
-    others = f"paralon_test_gw9_{int(time.time()) - LEFTOVER_AGE_S - 60}_{uuid.uuid4().hex[:12]}"
-    login = f"sweeper_{uuid.uuid4().hex[:12]}"
-    admin = _admin_engine()
+    others, login = made_long_ago("test"), f"sweeper_{uuid.uuid4().hex[:12]}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{others}"'))
         conn.execute(text(f'CREATE ROLE "{login}" LOGIN NOSUPERUSER'))
