@@ -5,18 +5,22 @@ change to the writer's Python moves it, so two whole benchmark runs cannot
 tell them apart. Here two processes, one running this checkout's ledger and
 one the other revision's (a temporary git worktree), each on its own scratch
 database, take turns: one batch of settlements each, alternately first. Each
-reports its thread's CPU for the batch (`append_batch` in one transaction: the
-writer's Python and its driver's, the database excluded), and each pair of
-neighbouring batches gives a ratio; drift moves both alike.
+reports two CPU times for the batch (`append_batch` in one transaction): its
+thread's (the writer's Python and its driver's) and, when the server is on
+this machine, its database backend's (the statements, triggers and commit).
+Each pair of neighbouring batches gives a ratio of each; drift moves both
+sides alike.
 
     python benchmarks/append_ab.py --base HEAD~1 --json
 
 Prints one JSON line: the medians of each side and of the ratios (this
-checkout over the base: below 1 is less CPU).
+checkout over the base: below 1 is less CPU), for the writer's thread and for
+the database's backend.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -31,7 +35,8 @@ CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 
 
 def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> None:
-    """One side: settle `batches` batches from `root`'s ledger, one per line read, printing CPU us per settlement."""
+    """One side: settle `batches` batches from `root`'s ledger, one per line read, printing
+    CPU µs per settlement of the writer's thread and of its database backend."""
     sys.path[:0] = [root, str(Path(root) / "benchmarks")]  # its own scratch.py, which puts its own root first again
     if hasattr(os, "sched_setaffinity"):  # both sides on the same core: neither gets the quieter one
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -60,20 +65,30 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
         ledger.close()
         tune_garbage_collector()
         with engine.connect() as conn:
+            backend_pid = conn.connection.driver_connection.info.backend_pid
             for batch in prepared[:warm_up_batches]:
                 with conn.begin():
                     append_batch(conn, batch, closing_keys_to_the_index=True)
             print(f"ready {Path(append_batch.__code__.co_filename).resolve()}", flush=True)
             for batch in prepared[warm_up_batches:]:
                 sys.stdin.readline()
-                started = time.thread_time()
+                started, backend_started = time.thread_time(), backend_cpu_s(backend_pid)
                 with conn.begin():
                     results = append_batch(conn, batch, closing_keys_to_the_index=True)
-                cpu_s = time.thread_time() - started
+                cpu_s, backend_s = time.thread_time() - started, backend_cpu_s(backend_pid) - backend_started
                 if any(getattr(r, "status", None) != "created" for r in results):
                     raise SystemExit(f"a settlement was not created: {results[0]!r}")
-                print(cpu_s / batch_size * 1e6, flush=True)
+                print(cpu_s / batch_size * 1e6, backend_s / batch_size * 1e6, flush=True)
         engine.dispose()
+
+
+def backend_cpu_s(pid: int) -> float:
+    """CPU seconds a local server process has run (Linux schedstat, nanoseconds); NaN where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except OSError:
+        return float("nan")
 
 
 def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> dict:
@@ -92,6 +107,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                 if len(ready) != 2 or ready[0] != "ready" or not Path(ready[1].strip()).is_relative_to(Path(root).resolve()):
                     raise SystemExit(f"the {name} side did not start on its own checkout: {ready}")
             cpu_us: dict[str, list[float]] = {name: [] for name in sides}
+            backend_us: dict[str, list[float]] = {name: [] for name in sides}
             for turn in range(batches):
                 order = list(sides) if turn % 2 == 0 else list(reversed(sides))
                 for name in order:
@@ -100,7 +116,9 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                     line = sides[name].stdout.readline()
                     if not line:
                         raise SystemExit(f"the {name} side ended after {turn} batches")
-                    cpu_us[name].append(float(line))
+                    thread, backend = map(float, line.split())
+                    cpu_us[name].append(thread)
+                    backend_us[name].append(backend)
         finally:
             for process in sides.values():
                 if process.stdin:
@@ -110,13 +128,20 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                 except subprocess.TimeoutExpired:
                     process.kill()
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", base_root], check=False)
+    return {"base": base, "batches": batches, "batch_size": batch_size,
+            **side_by_side("", cpu_us), **side_by_side("backend_", backend_us)}
+
+
+def side_by_side(prefix: str, cpu_us: dict[str, list[float]]) -> dict:
+    """Each side's median CPU per settlement, and the median and quartiles of the batch-by-batch ratios."""
     ratios = [current / base_us for base_us, current in zip(cpu_us["base"], cpu_us["current"])]
+    if any(math.isnan(r) for r in ratios):  # the server is not on this machine
+        return {}
     return {
-        "base": base, "batches": batches, "batch_size": batch_size,
-        "base_cpu_us_per_settlement_median": round(statistics.median(cpu_us["base"]), 2),
-        "current_cpu_us_per_settlement_median": round(statistics.median(cpu_us["current"]), 2),
-        "current_to_base_ratio_median": round(statistics.median(ratios), 3),
-        "current_to_base_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+        f"base_{prefix}cpu_us_per_settlement_median": round(statistics.median(cpu_us["base"]), 2),
+        f"current_{prefix}cpu_us_per_settlement_median": round(statistics.median(cpu_us["current"]), 2),
+        f"current_to_base_{prefix}ratio_median": round(statistics.median(ratios), 3),
+        f"current_to_base_{prefix}ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
     }
 
 

@@ -77,17 +77,22 @@ _COPY_NULL = "\\N"
 _COPY_BYTEA_HEX = "\\\\x"  # bytea's hex form starts \x; its backslash escaped for COPY
 
 # What an append writes after its rows, as one statement (data-modifying
-# CTEs), after which the balance guard checks the balances against the
-# postings just copied. holds_closed_nano_usd is added to, not set: releases
-# change it without the append lock.
+# CTEs). The balances have moved already: the postings' COPY moved them
+# (migration 0030). The head moves only if they moved to the balances this
+# batch decided; on a database without 0030 they would not have moved at all.
+# holds_closed_nano_usd is added to, not set: releases change it without the
+# append lock.
 _WRITE_APPENDED_TEMPLATE = """
-WITH balances AS (
-    UPDATE account_balances AS b
-    SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s, holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
-    FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[], %(closed)s::bigint[]) AS u(account_id, balance, closed)
+WITH closed AS (
+    UPDATE account_balances AS b SET holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
+    FROM unnest(%(closed_account_id)s::bigint[], %(closed)s::bigint[]) AS u(account_id, closed)
     WHERE b.account_id = u.account_id
 ){limits}
-UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s WHERE id = 1
+UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s
+WHERE id = 1 AND NOT EXISTS (
+    SELECT FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance)
+    LEFT JOIN account_balances b ON b.account_id = u.account_id
+    WHERE b.balance_nano_usd IS DISTINCT FROM u.balance)
 """
 _WRITE_APPENDED = _WRITE_APPENDED_TEMPLATE.format(limits="")
 # The same, when the batch settled holds that reserve against spend limits.
@@ -254,14 +259,16 @@ class PostgresStorage(Storage):
                                                  for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
             if batch.posting_rows:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
-        ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
-        conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
+        ids, closed_ids, limit_ids = sorted(batch.balances), sorted(batch.holds_closed), sorted(batch.limit_usage)
+        head = conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
             "last_seq": batch.last_seq, "last_hash": batch.last_hash,
             "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
-            "closed": ints([batch.holds_closed.get(a, 0) for a in ids]),
+            "closed_account_id": ints(closed_ids), "closed": ints([batch.holds_closed[a] for a in closed_ids]),
             "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
             "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
         })
+        if head.rowcount != 1:
+            raise InvariantBroken("the postings did not move the balances to those the batch decided (is migration 0030 applied?)")
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple]) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):

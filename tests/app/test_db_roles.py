@@ -159,31 +159,74 @@ def test_a_new_events_postings_are_summed_per_statement(books):
     ], customer, "sum to 1000000000000 nano-USD, not 0")
 
 
-def test_a_head_moved_ahead_of_the_balances_cannot_make_them_skip_a_debit(books):
-    """The head is the service's to move: moved past an event (here in a savepoint) without the
-    balances, it must not make the guard skip that event's postings. An event paying the customer
-    $1, the head moved past it, then an event taking $1 back applied alone would take the
-    customer's dollar while the log nets it to nothing; each balance is summed over its own range,
-    where the two events cancel, and the move is refused."""
+def test_a_head_moved_ahead_cannot_make_a_balance_skip_a_debit(books):
+    """The head is the service's to move. An event paying the customer $1, the head moved past
+    it (in a savepoint), then an event taking the dollar back: a guard summing each balance's
+    range of the log could be made to apply the debit alone. The balances move with each
+    statement's own postings instead (migration 0030), so they follow both events whatever the
+    head says, and the service's role cannot write a balance itself."""
     owner, service, customer = books
     with owner.connect() as conn:
         head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
         platform = conn.execute(text("SELECT id FROM accounts WHERE system_code = 'platform:revenue'")).scalar_one()
     paid, taken = head.last_seq + 1, head.last_seq + 2
     legs = "INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES ({seq}, 0, :c, {c}), ({seq}, 1, {p}, {p_})"
+    balances = text("SELECT account_id, balance_nano_usd FROM account_balances WHERE account_id IN (:c, :p)")
+    before = money_snapshot(owner)
+    with service.connect() as conn:
+        with conn.begin() as transaction:
+            for statement in [
+                _forged_event(head),
+                legs.format(seq=paid, c=USD, p=platform, p_=-USD),
+                "SAVEPOINT ahead",
+                f"UPDATE ledger_head SET last_seq = {paid} WHERE id = 1",
+                "RELEASE SAVEPOINT ahead",
+            ]:
+                conn.execute(text(statement), {"c": customer})
+            after_paid = dict(conn.execute(balances, {"c": customer, "p": platform}).all())
+            conn.execute(text(f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, "
+                              f"prev_hash, hash, recorded_at) VALUES ({taken}, 'CreditsGranted', '{{}}', 'forged again', "
+                              f"'\\x00', '\\x00', '\\x00', now())"))
+            conn.execute(text(legs.format(seq=taken, c=-USD, p=platform, p_=USD)), {"c": customer})
+            after_taken = dict(conn.execute(balances, {"c": customer, "p": platform}).all())
+            transaction.rollback()
+    assert after_paid == {customer: 11 * USD, platform: before["balances"][platform] - USD}
+    assert after_taken == {customer: 10 * USD, platform: before["balances"][platform]}
+    assert money_snapshot(owner) == before
+
+
+def test_a_trigger_of_the_services_own_cannot_move_a_balance(books):
+    """The service may create temporary tables and functions, and so triggers: a
+    balance moved from one is as deep in triggers as the postings' own move (0030),
+    but not made by their owner."""
+    owner, service, customer = books
     _refused_and_nothing_moved(owner, service, [
-        _forged_event(head),
-        legs.format(seq=paid, c=USD, p=platform, p_=-USD),
-        "SAVEPOINT ahead",
-        f"UPDATE ledger_head SET last_seq = {paid} WHERE id = 1",
-        "RELEASE SAVEPOINT ahead",
-        f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, recorded_at) "
-        f"VALUES ({taken}, 'CreditsGranted', '{{}}', 'forged again', '\\x00', '\\x00', '\\x00', now())",
-        legs.format(seq=taken, c=-USD, p=platform, p_=USD),
-        f"UPDATE account_balances SET last_event_seq = {taken}, balance_nano_usd = balance_nano_usd "
-        f"+ CASE WHEN account_id = :c THEN -{USD} ELSE {USD} END WHERE account_id IN (:c, {platform})",
-        f"UPDATE ledger_head SET last_seq = {taken} WHERE id = 1",
+        "CREATE TEMPORARY TABLE lever (pulled int)",
+        f"CREATE FUNCTION pg_temp.pull() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN UPDATE account_balances "
+        f"SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} WHERE account_id = {customer}; RETURN NULL; END $$",
+        "CREATE TRIGGER pull AFTER INSERT ON lever FOR EACH STATEMENT EXECUTE FUNCTION pg_temp.pull()",
+        "INSERT INTO lever VALUES (1)",
     ], customer, "without the events that cause it")
+
+
+def test_a_posting_to_an_account_without_a_balance_is_refused(books):
+    """Every account is created with its balance; one inserted without it (the
+    service may insert accounts) cannot take a posting, or the money posted to
+    it would leave the sum of the balances."""
+    owner, service, customer = books
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+    with service.begin() as conn:
+        bare = conn.execute(text("INSERT INTO accounts (kind, name, created_at) VALUES ('customer', 'bare', now()) "
+                                 "RETURNING id")).scalar_one()
+    before = money_snapshot(owner)
+    seq = head.last_seq + 1
+    with pytest.raises(DBAPIError, match=f"account {bare} has no balance to post to"):
+        with service.begin() as conn:
+            conn.execute(text(_forged_event(head)))
+            conn.execute(text(f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) "
+                              f"VALUES ({seq}, 0, :c, -{USD}), ({seq}, 1, {bare}, {USD})"), {"c": customer})
+    assert money_snapshot(owner) == before
 
 
 def _forged_event(head) -> str:
@@ -194,19 +237,23 @@ def _forged_event(head) -> str:
 
 
 def test_the_scheduled_verification_finds_a_posting_added_to_an_old_event(books):
-    """Past the postings guard (only the owner can lift it), the balance and its postings still agree:
-    the incremental verification finds the event whose postings no longer sum to zero."""
+    """Past the postings guard and the balance guard (only the owner can lift them), the balance
+    and its postings still agree: the incremental verification finds the event whose postings
+    no longer sum to zero."""
     owner, service, _ = books
     ledger = Ledger(owner)
     idle = ledger.create_account(cmd.CUSTOMER, "idle")
     ledger.close()
     assert run_verification(service)["ok"]
     with owner.begin() as conn:
-        conn.execute(text("ALTER TABLE ledger_postings DISABLE TRIGGER ledger_postings_guard"))
+        guards = ("ledger_postings", "ledger_postings_guard"), ("account_balances", "account_balances_guard")
+        for table, guard in guards:
+            conn.execute(text(f"ALTER TABLE {table} DISABLE TRIGGER {guard}"))
         conn.execute(text(f"INSERT INTO ledger_postings VALUES (1, 99, :c, {THOUSAND_USD})"), {"c": idle})
         conn.execute(text(f"UPDATE account_balances SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD}, "
                           "last_event_seq = 1 WHERE account_id = :c"), {"c": idle})
-        conn.execute(text("ALTER TABLE ledger_postings ENABLE TRIGGER ledger_postings_guard"))
+        for table, guard in guards:
+            conn.execute(text(f"ALTER TABLE {table} ENABLE TRIGGER {guard}"))
     result = run_verification(service)
     assert not result["ok"] and result["events_checked"] == 0
     with owner.connect() as conn:

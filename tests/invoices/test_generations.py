@@ -13,6 +13,7 @@ from ledger.schema import ledger_events
 from ledger.service import Ledger
 from proxy.generations import rest_key
 from tests.support.harness import make_fleet
+from tests.support.previous_release import appending_as_before_0030
 
 
 def _rows(engine) -> dict[str, dict]:
@@ -84,12 +85,13 @@ def test_upgrading_fills_the_activity_with_the_requests_settled_before(empty_dat
         config.attributes["connection"] = conn
         command.upgrade(config, "0019")  # a deployment from before the activity
         customer, owner = create_account(conn, cmd.CUSTOMER, "early customer"), create_account(conn, cmd.OWNER, "early owner")
-    ledger = Ledger(engine)
-    ledger.append(cmd.GrantCredits(customer, 10**9, "before the upgrade", "g-early"))
-    hold = ledger.place_hold(PlaceHold(customer, 10**6, "h-early"))
-    ledger.append(cmd.SettleRequest(hold.hold_id, owner, 2_000, "r-early", settlement_key("r-early"),
-                                    {"model": "m-a", "prompt_tokens": 4, "completion_tokens": 4}))
-    ledger.close()
+    with appending_as_before_0030():
+        ledger = Ledger(engine)
+        ledger.append(cmd.GrantCredits(customer, 10**9, "before the upgrade", "g-early"))
+        hold = ledger.place_hold(PlaceHold(customer, 10**6, "h-early"))
+        ledger.append(cmd.SettleRequest(hold.hold_id, owner, 2_000, "r-early", settlement_key("r-early"),
+                                        {"model": "m-a", "prompt_tokens": 4, "completion_tokens": 4}))
+        ledger.close()
     with engine.begin() as conn:  # its read models caught up, before the table existed
         conn.exec_driver_sql("INSERT INTO consumer_positions (consumer, last_seq, updated_at) VALUES "
                              "('read_models.usage_earnings', 2, CURRENT_TIMESTAMP)")

@@ -12,6 +12,7 @@ from ledger import commands as cmd
 from ledger.holds import PlaceHold
 from ledger.service import Ledger
 from tests.support.harness import make_fleet
+from tests.support.previous_release import appending_as_before_0030
 
 
 def _tables(engine) -> tuple[list, list]:
@@ -94,7 +95,8 @@ def test_upgrading_to_postings_by_account_rebuilds_the_read_models_from_the_firs
         command.upgrade(config, "0008")  # a deployment from before statements, its read models caught up
     with engine.begin() as conn:
         customer = create_account(conn, cmd.CUSTOMER, "early customer")
-    append_now(engine, cmd.GrantCredits(customer, 10**9, "before the upgrade", "g-early"))
+    with appending_as_before_0030():
+        append_now(engine, cmd.GrantCredits(customer, 10**9, "before the upgrade", "g-early"))
     with engine.begin() as conn:
         conn.exec_driver_sql("INSERT INTO consumer_positions (consumer, last_seq, updated_at) VALUES "
                              "('read_models.usage_earnings', 1, CURRENT_TIMESTAMP)")

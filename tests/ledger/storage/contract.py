@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from ledger import commands as cmd
 from ledger import holds as hl
 from ledger import spend_limits
-from ledger.accounts import create_account, read_books
+from ledger.accounts import create_account, create_system_account, read_books
 from ledger.db import make_engine, storage_of
 from ledger.errors import BadDatabaseUrl
 from ledger.events import GENESIS_HASH
@@ -28,7 +28,6 @@ from tests.ledger.helpers import key
 
 HOLD = 1_000_000
 LIMIT_ID = 41
-COUNTER_ACCOUNT_ID = 10**9  # no such account: a posting the storage writes without checking it
 
 
 class StorageContract:
@@ -50,6 +49,12 @@ class StorageContract:
     def customer(self, engine) -> int:
         with engine.begin() as conn:
             return create_account(conn, cmd.CUSTOMER, "customer")
+
+    @pytest.fixture
+    def counter(self, engine) -> int:
+        """The other side of the test's postings: an account the storage's rules never look at."""
+        with engine.begin() as conn:
+            return create_system_account(conn, "test:counter", "counter")
 
     # Engines
     def test_the_engine_is_made_by_the_storage_its_url_names(self, storage_url, engine, storage):
@@ -84,11 +89,11 @@ class StorageContract:
             by_name = conn.execute(select(accounts.c.id).where(storage.one_of(accounts.c.name, names))).scalars().all()
         assert sorted(by_id) == sorted(by_name) == sorted(ids)
 
-    def test_the_locked_read_sees_the_head_the_keys_and_the_balances(self, engine, storage, customer):
+    def test_the_locked_read_sees_the_head_the_keys_and_the_balances(self, engine, storage, customer, counter):
         with engine.begin() as conn:
             head = storage.lock_head_and_read(conn, ["k-1", "missing"], [customer])
             assert (head.last_seq, head.last_hash, head.known_keys, head.balances) == (0, GENESIS_HASH, {}, {customer: 0})
-            storage.write_appended(conn, self._batch(customer, seq=1, key_="k-1", amount=5))
+            storage.write_appended(conn, self._batch(customer, counter, seq=1, key_="k-1", amount=5))
         with engine.begin() as conn:
             head = storage.lock_head_and_read(conn, ["k-1", "missing"], [customer])
             assert (head.last_seq, head.last_hash) == (1, b"h" * 32)
@@ -96,33 +101,34 @@ class StorageContract:
             assert head.balances == {customer: 5} == storage.read_balances(conn, [customer])
 
     # Appends
-    def test_a_decided_batch_is_written_whole(self, engine, storage, customer):
+    def test_a_decided_batch_is_written_whole(self, engine, storage, customer, counter):
         with engine.begin() as conn:
             spend_limits.create_limit(conn, LIMIT_ID, 10 * HOLD)
             storage.add_holds_placed(conn, {customer: 5})  # what closes was placed first (PostgreSQL's guard checks it)
             storage.add_limit_placed(conn, {LIMIT_ID: 5})
-            batch = self._batch(customer, seq=1, key_="k-1", amount=7)
+            batch = self._batch(customer, counter, seq=1, key_="k-1", amount=7)
             storage.write_appended(conn, batch._replace(holds_closed={customer: 3}, limit_usage={LIMIT_ID: (2, 3)}))
         with engine.connect() as conn:
             event = conn.execute(select(ledger_events)).one()
             postings = conn.execute(select(ledger_postings.c.leg, ledger_postings.c.account_id,
                                            ledger_postings.c.amount_nano_usd)).all()
-            book = read_books(conn, [customer])[customer]
+            books = read_books(conn, [customer, counter])
             limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
             head = conn.execute(select(ledger_head.c.last_seq, ledger_head.c.last_hash)).one()
         assert (event.seq, event.idempotency_key, event.payload, event.recorded_at) == (1, "k-1", '{"x":1}', batch.recorded_at)
-        assert sorted(postings) == [(0, customer, 7), (1, COUNTER_ACCOUNT_ID, -7)]
-        assert (book.balance_nano_usd, book.held_nano_usd, book.last_event_seq) == (7, 2, 1)
+        assert sorted(postings) == [(0, customer, 7), (1, counter, -7)]
+        assert (books[customer].balance_nano_usd, books[customer].held_nano_usd, books[customer].last_event_seq) == (7, 2, 1)
+        assert (books[counter].balance_nano_usd, books[counter].last_event_seq) == (-7, 1)
         assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (2, 2)
         assert tuple(head) == (1, b"h" * 32)
 
     @staticmethod
-    def _batch(account: int, *, seq: int, key_: str, amount: int) -> AppendedBatch:
-        """One event moving `amount` into `account` from a counter-account whose balance it leaves
-        alone (the storage checks no rule; on PostgreSQL the balance guard sees the posting it wrote)."""
+    def _batch(account: int, counter: int, *, seq: int, key_: str, amount: int) -> AppendedBatch:
+        """One event moving `amount` into `account` from `counter`, both balances starting at zero
+        (the storage checks no rule; on PostgreSQL the postings themselves move the balances)."""
         event = (seq, "CreditsGranted", '{"x":1}', key_, b"d" * 32, None, GENESIS_HASH, b"h" * 32)
-        postings = [(seq, 0, account, amount), (seq, 1, COUNTER_ACCOUNT_ID, -amount)]
-        return AppendedBatch([event], postings, {account: amount}, {}, {}, seq, b"h" * 32, utc_now())
+        postings = [(seq, 0, account, amount), (seq, 1, counter, -amount)]
+        return AppendedBatch([event], postings, {account: amount, counter: -amount}, {}, {}, seq, b"h" * 32, utc_now())
 
     # Holds
     def test_placement_answers_alike_on_every_storage(self, engine, customer):

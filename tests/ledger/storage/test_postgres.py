@@ -73,14 +73,14 @@ class TestPostgresStorage(StorageContract):
                 scans = _sequential_scans(writer, "ledger_events")
         assert scans == 0, "an append read the whole log"
 
-    def test_the_reads_after_a_waited_for_lock_see_what_committed_meanwhile(self, engine, storage, customer):
+    def test_the_reads_after_a_waited_for_lock_see_what_committed_meanwhile(self, engine, storage, customer, counter):
         """The lock and the reads travel together, but each read takes its
         snapshot after the lock is held: a batch that committed while this
         one waited is seen (its key, its balance, the head it moved)."""
         with engine.connect() as first:
             first.begin()
             storage.lock_head_and_read(first, ["k-1"], [customer])
-            storage.write_appended(first, self._batch(customer, seq=1, key_="k-1", amount=5))
+            storage.write_appended(first, self._batch(customer, counter, seq=1, key_="k-1", amount=5))
             with ThreadPoolExecutor(1) as pool, engine.begin() as second:
                 waiting = pool.submit(storage.lock_head_and_read, second, ["k-1"], [customer])
                 wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)  # the second batch waits

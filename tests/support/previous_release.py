@@ -1,0 +1,36 @@
+"""Appends as the release before migration 0030 wrote them on PostgreSQL, for
+tests that write on a database migrated only part of the way.
+
+That release set, after its postings, every balance it had decided; this one
+leaves the balances to the postings themselves and refuses a batch whose
+postings did not move them (which, before 0030, they never do)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy import Connection
+
+from ledger.storage.base import AppendedBatch
+from ledger.storage.pg_arrays import ints
+from ledger.storage.postgres import PostgresStorage
+
+_SET_BALANCES = """
+UPDATE account_balances AS b SET balance_nano_usd = u.balance, last_event_seq = %(last_seq)s
+FROM unnest(%(id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance) WHERE b.account_id = u.account_id
+"""
+
+
+@contextmanager
+def appending_as_before_0030():
+    write_appended = PostgresStorage.write_appended
+
+    def write_as_before(self, conn: Connection, batch: AppendedBatch) -> None:
+        write_appended(self, conn, batch._replace(balances={}))  # nothing to compare: the postings moved none
+        ids = sorted(batch.balances)
+        conn.exec_driver_sql(_SET_BALANCES, {"last_seq": batch.last_seq, "id": ints(ids),
+                                             "balance": ints([batch.balances[a] for a in ids])})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PostgresStorage, "write_appended", write_as_before)
+        yield
