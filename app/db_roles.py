@@ -65,11 +65,40 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
             conn.exec_driver_sql(f'REVOKE ALL ON "{table}" FROM "{role}"')
             conn.exec_driver_sql(f'GRANT {NARROW_PRIVILEGES.get(table, ORDINARY_PRIVILEGES)} ON "{table}" TO "{role}"')
         schema = _schema(conn)
+        conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC')  # no operator or function of its own beside ours
         conn.exec_driver_sql(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
-        conn.exec_driver_sql(f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"')
+        for signature, is_trigger in _functions(conn):  # a trigger function only ever runs as its table's trigger
+            conn.exec_driver_sql(f'{"REVOKE" if is_trigger else "GRANT"} EXECUTE ON FUNCTION {signature} '
+                                 f'{"FROM" if is_trigger else "TO"} "{role}"')
         database = conn.execute(text("SELECT current_database()")).scalar_one()
         conn.exec_driver_sql(f'GRANT CONNECT ON DATABASE "{database}" TO "{role}"')
     return list(tables)
+
+
+def harden_functions(conn: Connection) -> None:
+    """After each migration (PostgreSQL): every function of the schema looks
+    names up in pg_catalog first and in the caller's temporary schema last, so
+    that no object a caller made (a temporary table named pg_class or
+    customer_holds, an operator) stands in for the one a guard means; and no
+    one may execute a trigger function, so none can be attached to a table of
+    a caller's own (the postings' runs as its owner, migration 0030). A later
+    migration's CREATE OR REPLACE drops a function's settings: this puts them
+    back."""
+    schema = _schema(conn)
+    for signature, is_trigger in _functions(conn):
+        conn.exec_driver_sql(f'ALTER FUNCTION {signature} SET search_path = pg_catalog, "{schema}", pg_temp')
+        if is_trigger:
+            conn.exec_driver_sql(f"REVOKE EXECUTE ON FUNCTION {signature} FROM PUBLIC")
+
+
+def _functions(conn: Connection) -> list[tuple[str, bool]]:
+    """The functions of the schema the migrations made (the current user's, no
+    extension's): (signature, whether it is a trigger function)."""
+    return [tuple(row) for row in conn.execute(text(
+        "SELECT p.oid::regprocedure::text, p.prorettype = 'trigger'::regtype FROM pg_proc p "
+        "WHERE p.pronamespace = current_schema()::regnamespace AND p.prokind = 'f' AND p.proowner = current_user::regrole "
+        "AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e') "
+        "ORDER BY 1")).all()]
 
 
 def _schema(conn: Connection) -> str:

@@ -9,6 +9,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine
 
+from app.db_roles import harden_functions
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -33,4 +35,6 @@ def migrate(engine: Engine) -> str:
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, "head")
+        if conn.dialect.name == "postgresql":
+            harden_functions(conn)
     return "head"

@@ -46,14 +46,20 @@ GUARD = "paralon_guard_postings()"
 
 # Appended to 0029's function, after both checks passed: one row per account
 # in the statement, and every one must have its balance row (accounts are
-# created with one), or money would vanish from the sum.
+# created with one), or money would vanish from the sum. The rows are locked
+# first, in the order releases lock them, so the two never deadlock. The sum
+# is cast back to bigint: bigint + bigint is pg_catalog's own operator, where
+# bigint + numeric would let an operator of that exact signature elsewhere win.
 _CHECKS_END = """    IF FOUND THEN
         RAISE EXCEPTION 'ledger_postings: a posting of event % refused: %', bad.event_seq, bad.why
             USING ERRCODE = 'integrity_constraint_violation';
     END IF;
 """
-_APPLY = """    WITH moved AS (
-        SELECT account_id, sum(amount_nano_usd) AS amount, max(event_seq) AS last_seq FROM new_postings GROUP BY account_id
+_APPLY = """    PERFORM FROM account_balances
+      WHERE account_id IN (SELECT account_id FROM new_postings) ORDER BY account_id FOR UPDATE;
+    WITH moved AS (
+        SELECT account_id, sum(amount_nano_usd)::bigint AS amount, max(event_seq) AS last_seq
+          FROM new_postings GROUP BY account_id
     ), applied AS (
         UPDATE account_balances AS b
            SET balance_nano_usd = b.balance_nano_usd + m.amount, last_event_seq = greatest(b.last_event_seq, m.last_seq)
@@ -67,16 +73,27 @@ _APPLY = """    WITH moved AS (
     END IF;
 """
 _DECLARED = "    bad record;\n"
+_BEGIN = "BEGIN\n"
+# First of all: the function runs as its owner, so it must never run for a
+# table of a caller's own (a temporary one, whose rows and column types the
+# caller would choose). Its EXECUTE right is revoked from everyone too
+# (`app.db_roles.harden_functions`), so no one else can attach it.
+_ONLY_ON_POSTINGS = """    IF TG_RELID <> 'ledger_postings'::regclass OR TG_OP <> 'INSERT' OR TG_LEVEL <> 'STATEMENT' THEN
+        RAISE EXCEPTION 'paralon_guard_postings runs only after inserts into ledger_postings'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+"""
 
 # 0013's guard without the sum over postings. A balance moves only inside the
 # postings' function: at trigger depth 2 and as its owner. Not by the service
 # directly, nor by a trigger of its own (it may create temporary ones), nor by
-# the owner without switching this guard off. last_event_seq only moves forward.
+# the owner without switching this guard off. last_event_seq only moves
+# forward, and never past the log's last event.
 GUARD_BALANCES = """
 CREATE OR REPLACE FUNCTION paralon_guard_balances() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     by_postings boolean := pg_trigger_depth() > 1
-        AND current_user = (SELECT pg_get_userbyid(c.relowner) FROM pg_class c WHERE c.oid = TG_RELID);
+        AND current_user = (SELECT pg_catalog.pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class c WHERE c.oid = TG_RELID);
     bad record;
 BEGIN
     SELECT n.account_id, n.balance_nano_usd - o.balance_nano_usd AS moved INTO bad
@@ -86,7 +103,8 @@ BEGIN
         OR (n.holds_closed_nano_usd > o.holds_closed_nano_usd
             AND n.holds_closed_nano_usd > coalesce(c.holds_placed_nano_usd, 0))
         OR (n.balance_nano_usd <> o.balance_nano_usd AND NOT by_postings)
-        OR n.last_event_seq < o.last_event_seq
+        OR (n.last_event_seq <> o.last_event_seq AND (n.last_event_seq < o.last_event_seq
+            OR n.last_event_seq > (SELECT max(e.seq) FROM ledger_events e)))
      LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'account_balances: account % cannot change (balance by % nano-USD) without the events that cause it',
@@ -99,10 +117,11 @@ END $$
 
 def guard_applying_postings() -> str:
     guard = earlier_revision("0029_postings_guard_reads_events_by_index.py").guard_reading_by_index()
-    for part in (_DECLARED, _CHECKS_END):
+    for part in (_DECLARED, _BEGIN, _CHECKS_END):
         if guard.count(part) != 1:
             raise RuntimeError("0029's postings guard is not what this revision expects")
     return (guard.replace(_DECLARED, _DECLARED + "    unapplied bigint;\n", 1)
+            .replace(_BEGIN, _BEGIN + _ONLY_ON_POSTINGS, 1)
             .replace(_CHECKS_END, _CHECKS_END + _APPLY, 1))
 
 
@@ -110,9 +129,13 @@ def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     # CREATE OR REPLACE resets what ALTER FUNCTION set: 0029's plan setting too.
+    # The search path is pinned for every function at each migration
+    # (`app.db_roles.harden_functions`); this one is set here already, as it
+    # turns definer, before any caller can reach it.
     schema = op.get_bind().exec_driver_sql("SELECT current_schema()").scalar_one()
     op.execute(guard_applying_postings())
-    op.execute(f'ALTER FUNCTION {GUARD} SECURITY DEFINER SET search_path = "{schema}", pg_temp SET enable_seqscan = off')
+    op.execute(f"REVOKE EXECUTE ON FUNCTION {GUARD} FROM PUBLIC")
+    op.execute(f'ALTER FUNCTION {GUARD} SECURITY DEFINER SET search_path = pg_catalog, "{schema}", pg_temp SET enable_seqscan = off')
     op.execute(GUARD_BALANCES)
     op.drop_index("ix_ledger_postings_account_seq", "ledger_postings")
 

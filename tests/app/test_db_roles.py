@@ -17,7 +17,7 @@ from app import outbox
 from app.anchoring import file as anchor_file
 from app.cli import main
 from app.jobs.celery import celery
-from app.db_roles import NARROW_PRIVILEGES, service_role
+from app.db_roles import NARROW_PRIVILEGES, grant_app_role, service_role
 from app.http.status import metrics_registry
 from app.jobs.ledger_check import run_verification
 from app.settings import Settings, SettingsError
@@ -58,6 +58,7 @@ TAMPERING = [
     "TRUNCATE ledger_events CASCADE",
     "SET session_replication_role = replica",
     "DELETE FROM account_balances WHERE account_id = :customer",
+    "UPDATE account_balances SET last_event_seq = 9223372036854775807 WHERE account_id = :customer",
 ]
 
 
@@ -195,18 +196,93 @@ def test_a_head_moved_ahead_cannot_make_a_balance_skip_a_debit(books):
     assert money_snapshot(owner) == before
 
 
+_LEVER = [  # a trigger of the service's own, moving a balance from inside it
+    "CREATE TEMPORARY TABLE lever (pulled int)",
+    f"CREATE FUNCTION pg_temp.pull() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN UPDATE account_balances "
+    f"SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} WHERE account_id = current_setting('lever.account')::bigint; "
+    "RETURN NULL; END $$",
+    "CREATE TRIGGER pull AFTER INSERT ON lever FOR EACH STATEMENT EXECUTE FUNCTION pg_temp.pull()",
+    "SELECT set_config('lever.account', CAST(:c AS text), true)",
+    "INSERT INTO lever VALUES (1)",
+]
+# Temporary tables named like what a guard reads: looked up before pg_catalog
+# and the schema unless the guard's search path puts them last.
+_SHADOWS = {
+    "pg_class, to pass for the balances' owner": [
+        "CREATE TEMPORARY TABLE pg_class (oid oid, relowner oid)",
+        "INSERT INTO pg_temp.pg_class SELECT CAST('account_balances' AS regclass), oid FROM pg_catalog.pg_roles "
+        "WHERE rolname = current_user",
+        *_LEVER,
+    ],
+    "customer_holds, to close more holds than were placed": [
+        "CREATE TEMPORARY TABLE customer_holds (account_id bigint, holds_placed_nano_usd bigint)",
+        f"INSERT INTO pg_temp.customer_holds VALUES (:c, {2 * THOUSAND_USD})",
+        f"UPDATE account_balances SET holds_closed_nano_usd = holds_closed_nano_usd + {THOUSAND_USD} WHERE account_id = :c",
+    ],
+}
+
+
+@pytest.mark.parametrize("shadow", list(_SHADOWS))
+def test_a_temporary_table_of_the_services_own_cannot_stand_in_for_what_a_guard_reads(books, shadow):
+    owner, service, customer = books
+    _refused_and_nothing_moved(owner, service, _SHADOWS[shadow], customer, "without the events that cause it")
+
+
+def test_the_postings_function_runs_for_ledger_postings_alone(books):
+    """It runs as its owner (migration 0030): attached to a table of the caller's own, whose
+    rows and column types the caller chooses, it would move any balance and run the caller's
+    casts as the owner. No one may execute it; and granted that right anyway, it refuses."""
+    owner, service, customer = books
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+        platform = conn.execute(text("SELECT id FROM accounts WHERE system_code = 'platform:revenue'")).scalar_one()
+    seq = head.last_seq + 1
+    attach = [
+        "CREATE TEMPORARY TABLE fake (event_seq bigint, leg int, account_id bigint, amount_nano_usd bigint)",
+        "CREATE TRIGGER fake_guard AFTER INSERT ON fake REFERENCING NEW TABLE AS new_postings "
+        "FOR EACH STATEMENT EXECUTE FUNCTION paralon_guard_postings()",
+        _forged_event(head),
+        f"INSERT INTO fake VALUES ({seq}, 0, :c, {THOUSAND_USD}), ({seq}, 1, {platform}, -{THOUSAND_USD})",
+    ]
+    _refused_and_nothing_moved(owner, service, attach, customer, "permission denied for function paralon_guard_postings")
+    with owner.begin() as conn:
+        conn.execute(text(f'GRANT EXECUTE ON FUNCTION paralon_guard_postings() TO "{APP_ROLE}"'))
+    _refused_and_nothing_moved(owner, service, attach, customer, "runs only after inserts into ledger_postings")
+
+
+def test_the_service_role_cannot_create_objects_in_the_schema(books, postgres_url):
+    """An operator of the service's own with the exact types a guard's expression has would
+    be chosen over pg_catalog's (PostgreSQL before 15 let everyone create in `public`)."""
+    owner, service, customer = books
+    with owner.begin() as conn:
+        conn.execute(text("GRANT CREATE ON SCHEMA public TO PUBLIC"))
+    grant_app_role(owner, APP_ROLE)
+    _refused_and_nothing_moved(owner, service, [
+        "CREATE FUNCTION public.plus(bigint, numeric) RETURNS numeric LANGUAGE sql AS 'SELECT 0'",
+    ], customer, "permission denied for schema public")
+
+
 def test_a_trigger_of_the_services_own_cannot_move_a_balance(books):
     """The service may create temporary tables and functions, and so triggers: a
     balance moved from one is as deep in triggers as the postings' own move (0030),
     but not made by their owner."""
     owner, service, customer = books
-    _refused_and_nothing_moved(owner, service, [
-        "CREATE TEMPORARY TABLE lever (pulled int)",
-        f"CREATE FUNCTION pg_temp.pull() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN UPDATE account_balances "
-        f"SET balance_nano_usd = balance_nano_usd + {THOUSAND_USD} WHERE account_id = {customer}; RETURN NULL; END $$",
-        "CREATE TRIGGER pull AFTER INSERT ON lever FOR EACH STATEMENT EXECUTE FUNCTION pg_temp.pull()",
-        "INSERT INTO lever VALUES (1)",
-    ], customer, "without the events that cause it")
+    _refused_and_nothing_moved(owner, service, _LEVER, customer, "without the events that cause it")
+
+
+def test_after_migrating_every_function_reads_pg_catalog_first_and_no_trigger_function_can_be_called(books):
+    """What `app.db_roles.harden_functions` leaves after each migration, whatever a
+    migration's CREATE OR REPLACE dropped."""
+    owner, _, _ = books
+    with owner.connect() as conn:
+        functions = conn.execute(text(
+            "SELECT p.proname, p.proconfig, p.prorettype = CAST('trigger' AS regtype), "
+            "has_function_privilege('public', p.oid, 'EXECUTE') FROM pg_proc p "
+            "WHERE p.pronamespace = CAST(current_schema() AS regnamespace) AND p.prokind = 'f'")).all()
+    assert len(functions) > 5
+    for name, config, is_trigger, public_may_execute in functions:
+        assert 'search_path=pg_catalog, public, pg_temp' in (config or []), name
+        assert not (is_trigger and public_may_execute), name
 
 
 def test_a_posting_to_an_account_without_a_balance_is_refused(books):
