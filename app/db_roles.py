@@ -67,9 +67,11 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
         schema = _schema(conn)
         conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC')  # no operator or function of its own beside ours
         conn.exec_driver_sql(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
-        for signature, is_trigger in _functions(conn):  # a trigger function only ever runs as its table's trigger
-            conn.exec_driver_sql(f'{"REVOKE" if is_trigger else "GRANT"} EXECUTE ON FUNCTION {signature} '
-                                 f'{"FROM" if is_trigger else "TO"} "{role}"')
+        for signature, is_trigger in _functions(conn):
+            if is_trigger:  # it only ever runs as its table's trigger
+                conn.exec_driver_sql(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+            else:
+                conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
         database = conn.execute(text("SELECT current_database()")).scalar_one()
         conn.exec_driver_sql(f'GRANT CONNECT ON DATABASE "{database}" TO "{role}"')
     return list(tables)
