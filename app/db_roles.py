@@ -65,11 +65,12 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
             conn.exec_driver_sql(f'REVOKE ALL ON "{table}" FROM "{role}"')
             conn.exec_driver_sql(f'GRANT {NARROW_PRIVILEGES.get(table, ORDINARY_PRIVILEGES)} ON "{table}" TO "{role}"')
         schema = _schema(conn)
-        conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC')  # no operator or function of its own beside ours
+        conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC, "{role}"')  # no operator or function of its own beside ours
+        require_no_create(conn, role, schema)
         conn.exec_driver_sql(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
-        for signature, is_trigger in _functions(conn):
+        for signature, is_trigger, _ in _functions(conn):
             if is_trigger:  # it only ever runs as its table's trigger
-                conn.exec_driver_sql(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+                conn.exec_driver_sql(f'REVOKE EXECUTE ON FUNCTION {signature} FROM PUBLIC, "{role}"')
             else:
                 conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
         database = conn.execute(text("SELECT current_database()")).scalar_one()
@@ -78,29 +79,40 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
 
 
 def harden_functions(conn: Connection) -> None:
-    """After each migration (PostgreSQL): every function of the schema looks
-    names up in pg_catalog first and in the caller's temporary schema last, so
-    that no object a caller made (a temporary table named pg_class or
-    customer_holds, an operator) stands in for the one a guard means; and no
-    one may execute a trigger function, so none can be attached to a table of
-    a caller's own (the postings' runs as its owner, migration 0030). A later
-    migration's CREATE OR REPLACE drops a function's settings: this puts them
-    back."""
+    """After each migration (PostgreSQL; `migrations/env.py`): every function
+    of the schema looks names up in pg_catalog first and in the caller's
+    temporary schema last, so that no object a caller made (a temporary table
+    named pg_class or customer_holds) stands in for the one a guard means; a
+    function that runs as its owner sees pg_catalog and temporary objects
+    only, and names the schema's tables itself (migration 0030). No one may
+    execute a trigger function, so none can be attached to a table of a
+    caller's own. A migration's CREATE OR REPLACE drops a function's
+    settings: this puts them back."""
     schema = _schema(conn)
-    for signature, is_trigger in _functions(conn):
-        conn.exec_driver_sql(f'ALTER FUNCTION {signature} SET search_path = pg_catalog, "{schema}", pg_temp')
+    for signature, is_trigger, runs_as_owner in _functions(conn):
+        path = "pg_catalog, pg_temp" if runs_as_owner else f'pg_catalog, "{schema}", pg_temp'
+        conn.exec_driver_sql(f"ALTER FUNCTION {signature} SET search_path = {path}")
         if is_trigger:
             conn.exec_driver_sql(f"REVOKE EXECUTE ON FUNCTION {signature} FROM PUBLIC")
 
 
-def _functions(conn: Connection) -> list[tuple[str, bool]]:
+def _functions(conn: Connection) -> list[tuple[str, bool, bool]]:
     """The functions of the schema the migrations made (the current user's, no
-    extension's): (signature, whether it is a trigger function)."""
+    extension's): (signature, whether it is a trigger function, whether it runs as its owner)."""
     return [tuple(row) for row in conn.execute(text(
-        "SELECT p.oid::regprocedure::text, p.prorettype = 'trigger'::regtype FROM pg_proc p "
-        "WHERE p.pronamespace = current_schema()::regnamespace AND p.prokind = 'f' AND p.proowner = current_user::regrole "
+        "SELECT p.oid::regprocedure::text, p.prorettype = 'trigger'::regtype, p.prosecdef FROM pg_proc p "
+        "JOIN pg_namespace n ON n.oid = p.pronamespace JOIN pg_roles r ON r.oid = p.proowner "
+        "WHERE n.nspname = current_schema() AND r.rolname = current_user AND p.prokind = 'f' "
         "AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e') "
         "ORDER BY 1")).all()]
+
+
+def require_no_create(conn: Connection, role: str, schema: str) -> None:
+    """The revoke does nothing where this role does not own the schema (PostgreSQL
+    before 15 let everyone create in `public`, owned by the superuser)."""
+    if conn.execute(text("SELECT has_schema_privilege(:r, :s, 'CREATE')"), {"r": role, "s": schema}).scalar_one():
+        raise InvalidInput(f"role {role!r} may create objects in schema {schema!r}, where the ledger's functions look names up: "
+                           f"as the schema's owner, REVOKE CREATE ON SCHEMA \"{schema}\" FROM PUBLIC, {role}")
 
 
 def _schema(conn: Connection) -> str:

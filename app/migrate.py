@@ -9,8 +9,6 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine
 
-from app.db_roles import harden_functions
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,6 +33,4 @@ def migrate(engine: Engine) -> str:
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, "head")
-        if conn.dialect.name == "postgresql":
-            harden_functions(conn)
     return "head"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from alembic import context
 
+from app.db_roles import harden_functions
 from ledger.schema import metadata
 
 
@@ -28,6 +29,8 @@ def _run(connection) -> None:
     )
     with context.begin_transaction():
         context.run_migrations()
+        if connection.dialect.name == "postgresql":  # however the revisions were run: `paralon migrate` or alembic's own command
+            harden_functions(connection)
 
 
 if context.is_offline_mode():

@@ -27,10 +27,12 @@ its batch unless the postings moved them there (`ledger.storage.postgres`):
 on a database without this revision, its postings would move nothing.
 
 Running as its owner, the function must never run for a table of a
-caller's own: it refuses any table but ledger_postings, no one may execute
-it (so no one can attach it to a temporary table), and its search path
-reads pg_catalog first and temporary objects last, as every function's does
-after each migration (`app.db_roles.harden_functions`).
+caller's own: it refuses any table but ledger_postings, and no one may
+execute it (so no one can attach it to a temporary table). It sees only
+pg_catalog and temporary objects, names the schema's tables itself, and uses
+only operators of exactly pg_catalog's types (see GUARD_POSTINGS). Every
+function's search path is pinned after each migration
+(`app.db_roles.harden_functions`).
 
 SQLite has no roles: the writer still sets balances there, and `ledger
 verify` is what proves them.
@@ -50,28 +52,63 @@ depends_on = None
 
 GUARD = "paralon_guard_postings()"
 
-# Appended to 0029's function, after both checks passed: one row per account
-# in the statement, and every one must have its balance row (accounts are
-# created with one), or money would vanish from the sum. The rows are updated
-# in the order of their accounts, as releases update them, so that the two do
-# not deadlock: `moved` is materialised in that order (it is read twice), and
+# 0029's checks, then the move. It runs as its owner, so it trusts nothing a
+# caller could bring along: it refuses to run for any table but
+# ledger_postings (a temporary table's rows and column types would be the
+# caller's); its search path is pg_catalog and then only temporary objects,
+# which are never searched for functions or operators, and every table is
+# named with its schema; and every operator has exactly pg_catalog's types
+# (numeric <> numeric, oid <> oid, text || text), since an operator with the
+# exact types elsewhere would win over one that needs a cast.
+#
+# Each account posted to must have its balance row (accounts are created with
+# one), or money would vanish from the sum. The rows are updated in the order
+# of their accounts, as releases update them, so that the two do not
+# deadlock: `moved` is materialised in that order (it is read twice), and
 # account_balances is read by its key for exactly those accounts (the array),
-# so whether the join hashes them or walks either side in order, the rows come
-# out, and are locked, in that order; without the array a merge join walked
-# the whole key index. (A lock taken in order first, by its own statement,
-# cost about 4% of the append backend's CPU.) The sum
-# is cast back to bigint: bigint + bigint is pg_catalog's own operator, where
-# bigint + numeric would let an operator of that exact signature elsewhere win.
-_CHECKS_END = """    IF FOUND THEN
+# so whether the join hashes them or walks either side in order, the rows
+# come out, and are locked, in that order; without the array a merge join
+# walked the whole key index. (A lock taken in order first, by its own
+# statement, cost about 4% of the append backend's CPU.)
+GUARD_POSTINGS = """
+CREATE OR REPLACE FUNCTION "{schema}".paralon_guard_postings() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    current_full bigint := txid_current();
+    current_low bigint := current_full % 4294967296;
+    lo bigint;
+    hi bigint;
+    bad record;
+    unapplied bigint;
+BEGIN
+    IF TG_RELID <> '"{schema}".ledger_postings'::regclass::oid OR TG_OP <> 'INSERT' OR TG_LEVEL <> 'STATEMENT' THEN
+        RAISE EXCEPTION 'paralon_guard_postings runs only after inserts into ledger_postings'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    SELECT min(event_seq), max(event_seq) INTO lo, hi FROM new_postings;
+    SELECT n.event_seq, 'it names no event this transaction inserted' AS why INTO bad
+      FROM (SELECT DISTINCT event_seq FROM new_postings) n
+      LEFT JOIN (SELECT e.seq, e.xmin FROM "{schema}".ledger_events e WHERE e.seq BETWEEN lo AND hi) e ON e.seq = n.event_seq
+     WHERE e.xmin IS NULL
+        OR (NOT e.xmin = current_low::text::xid
+            AND pg_xact_status(greatest(current_full
+                + ((e.xmin::text::bigint - current_low + 6442450944) % 4294967296) - 2147483648, 0)::text::xid8)
+                IS DISTINCT FROM 'in progress')
+     LIMIT 1;
+    IF NOT FOUND THEN
+        SELECT s.event_seq, 'its postings sum to ' || s.total::text || ' nano-USD, not 0' AS why INTO bad
+          FROM (SELECT event_seq, sum(amount_nano_usd) AS total FROM new_postings GROUP BY event_seq) s
+         WHERE s.total <> 0::numeric
+         LIMIT 1;
+    END IF;
+    IF FOUND THEN
         RAISE EXCEPTION 'ledger_postings: a posting of event % refused: %', bad.event_seq, bad.why
             USING ERRCODE = 'integrity_constraint_violation';
     END IF;
-"""
-_APPLY = """    WITH moved AS (
+    WITH moved AS (
         SELECT account_id, sum(amount_nano_usd)::bigint AS amount, max(event_seq) AS last_seq
           FROM new_postings GROUP BY account_id ORDER BY account_id
     ), applied AS (
-        UPDATE account_balances AS b
+        UPDATE "{schema}".account_balances AS b
            SET balance_nano_usd = b.balance_nano_usd + m.amount, last_event_seq = greatest(b.last_event_seq, m.last_seq)
           FROM moved m WHERE b.account_id = m.account_id AND b.account_id = ANY(ARRAY(SELECT account_id FROM moved))
         RETURNING b.account_id
@@ -81,18 +118,10 @@ _APPLY = """    WITH moved AS (
         RAISE EXCEPTION 'ledger_postings: account % has no balance to post to', unapplied
             USING ERRCODE = 'integrity_constraint_violation';
     END IF;
+    RETURN NULL;
+END $$
 """
-_DECLARED = "    bad record;\n"
-_BEGIN = "BEGIN\n"
-# First of all: the function runs as its owner, so it must never run for a
-# table of a caller's own (a temporary one, whose rows and column types the
-# caller would choose). Its EXECUTE right is revoked from everyone too
-# (`app.db_roles.harden_functions`), so no one else can attach it.
-_ONLY_ON_POSTINGS = """    IF TG_RELID <> 'ledger_postings'::regclass OR TG_OP <> 'INSERT' OR TG_LEVEL <> 'STATEMENT' THEN
-        RAISE EXCEPTION 'paralon_guard_postings runs only after inserts into ledger_postings'
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-"""
+
 
 # 0013's guard without the sum over postings. A balance moves only inside the
 # postings' function: at trigger depth 2 and as its owner. Not by the service
@@ -114,7 +143,7 @@ BEGIN
             AND n.holds_closed_nano_usd > coalesce(c.holds_placed_nano_usd, 0))
         OR (n.balance_nano_usd <> o.balance_nano_usd AND NOT by_postings)
         OR (n.last_event_seq <> o.last_event_seq AND (n.last_event_seq < o.last_event_seq
-            OR n.last_event_seq > (SELECT max(e.seq) FROM ledger_events e)))
+            OR n.last_event_seq > (SELECT coalesce(max(e.seq), 0) FROM ledger_events e)))
      LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'account_balances: account % cannot change (balance by % nano-USD) without the events that cause it',
@@ -125,27 +154,14 @@ END $$
 """
 
 
-def guard_applying_postings() -> str:
-    guard = earlier_revision("0029_postings_guard_reads_events_by_index.py").guard_reading_by_index()
-    for part in (_DECLARED, _BEGIN, _CHECKS_END):
-        if guard.count(part) != 1:
-            raise RuntimeError("0029's postings guard is not what this revision expects")
-    return (guard.replace(_DECLARED, _DECLARED + "    unapplied bigint;\n", 1)
-            .replace(_BEGIN, _BEGIN + _ONLY_ON_POSTINGS, 1)
-            .replace(_CHECKS_END, _CHECKS_END + _APPLY, 1))
-
-
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     # CREATE OR REPLACE resets what ALTER FUNCTION set: 0029's plan setting too.
-    # The search path is pinned for every function at each migration
-    # (`app.db_roles.harden_functions`); this one is set here already, as it
-    # turns definer, before any caller can reach it.
     schema = op.get_bind().exec_driver_sql("SELECT current_schema()").scalar_one()
-    op.execute(guard_applying_postings())
+    op.execute(GUARD_POSTINGS.format(schema=schema))
     op.execute(f"REVOKE EXECUTE ON FUNCTION {GUARD} FROM PUBLIC")
-    op.execute(f'ALTER FUNCTION {GUARD} SECURITY DEFINER SET search_path = pg_catalog, "{schema}", pg_temp SET enable_seqscan = off')
+    op.execute(f"ALTER FUNCTION {GUARD} SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_seqscan = off")
     op.execute(GUARD_BALANCES)
     op.drop_index("ix_ledger_postings_account_seq", "ledger_postings")
 

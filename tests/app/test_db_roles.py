@@ -17,7 +17,7 @@ from app import outbox
 from app.anchoring import file as anchor_file
 from app.cli import main
 from app.jobs.celery import celery
-from app.db_roles import NARROW_PRIVILEGES, grant_app_role, service_role
+from app.db_roles import NARROW_PRIVILEGES, require_no_create, grant_app_role, service_role
 from app.http.status import metrics_registry
 from app.jobs.ledger_check import run_verification
 from app.settings import Settings, SettingsError
@@ -26,7 +26,7 @@ from invoices.tasks import ISSUE_INVOICE, PROJECT_READ_MODELS
 from ledger import commands as cmd
 from ledger.anchors import Anchor, read_head
 from ledger.db import make_engine, snapshot_connection
-from ledger.errors import BadDatabaseUrl
+from ledger.errors import BadDatabaseUrl, InvalidInput
 from ledger.holds import PlaceHold
 from ledger.service import Ledger, append_now
 from ledger.schema import utc_now
@@ -251,23 +251,44 @@ def test_the_postings_function_runs_for_ledger_postings_alone(books):
 
 
 def test_the_service_role_cannot_create_objects_in_the_schema(books, postgres_url):
-    """An operator of the service's own with the exact types a guard's expression has would
-    be chosen over pg_catalog's (PostgreSQL before 15 let everyone create in `public`)."""
+    """An operator of the service's own with the exact types of a guard's expression would be
+    chosen over pg_catalog's (PostgreSQL before 15 let everyone create in `public`)."""
     owner, service, customer = books
     with owner.begin() as conn:
-        conn.execute(text("GRANT CREATE ON SCHEMA public TO PUBLIC"))
+        conn.execute(text(f'GRANT CREATE ON SCHEMA public TO PUBLIC, "{APP_ROLE}"'))
     grant_app_role(owner, APP_ROLE)
     _refused_and_nothing_moved(owner, service, [
         "CREATE FUNCTION public.plus(bigint, numeric) RETURNS numeric LANGUAGE sql AS 'SELECT 0'",
     ], customer, "permission denied for schema public")
 
 
-def test_a_trigger_of_the_services_own_cannot_move_a_balance(books):
-    """The service may create temporary tables and functions, and so triggers: a
-    balance moved from one is as deep in triggers as the postings' own move (0030),
-    but not made by their owner."""
+def test_granting_refuses_a_role_that_could_still_create_in_the_schema(books):
+    """Where the migration's role does not own the schema its revoke does nothing; then
+    granting stops, naming what its owner must revoke."""
+    owner, _, _ = books
+    with owner.begin() as conn:
+        conn.execute(text(f'GRANT CREATE ON SCHEMA public TO "{APP_ROLE}"'))
+        with pytest.raises(InvalidInput, match="may create objects in schema 'public'"):
+            require_no_create(conn, APP_ROLE, "public")
+
+
+def test_an_operator_made_in_the_schema_is_never_picked_by_the_postings_function(books):
+    """The function runs as its owner and sees pg_catalog and temporary objects only: even an
+    operator with the exact types of one of its expressions, in the schema, is not used."""
     owner, service, customer = books
-    _refused_and_nothing_moved(owner, service, _LEVER, customer, "without the events that cause it")
+    with owner.begin() as conn:
+        conn.execute(text("CREATE FUNCTION public.hijacked(numeric, integer) RETURNS boolean LANGUAGE plpgsql "
+                          "AS $$ BEGIN RAISE EXCEPTION 'hijacked'; END $$"))
+        conn.execute(text("CREATE OPERATOR public.<> (LEFTARG = numeric, RIGHTARG = integer, FUNCTION = public.hijacked)"))
+        conn.execute(text("CREATE FUNCTION public.hijacked_oid(oid, regclass) RETURNS boolean LANGUAGE plpgsql "
+                          "AS $$ BEGIN RAISE EXCEPTION 'hijacked'; END $$"))
+        conn.execute(text("CREATE OPERATOR public.<> (LEFTARG = oid, RIGHTARG = regclass, FUNCTION = public.hijacked_oid)"))
+    ledger = Ledger(service)
+    try:
+        ledger.append(cmd.GrantCredits(customer, USD, "more", key()))
+    finally:
+        ledger.close()
+    assert money_snapshot(owner)["balances"][customer] == 11 * USD
 
 
 def test_after_migrating_every_function_reads_pg_catalog_first_and_no_trigger_function_can_be_called(books):
@@ -277,11 +298,12 @@ def test_after_migrating_every_function_reads_pg_catalog_first_and_no_trigger_fu
     with owner.connect() as conn:
         functions = conn.execute(text(
             "SELECT p.proname, p.proconfig, p.prorettype = CAST('trigger' AS regtype), "
-            "has_function_privilege('public', p.oid, 'EXECUTE') FROM pg_proc p "
+            "has_function_privilege('public', p.oid, 'EXECUTE'), p.prosecdef FROM pg_proc p "
             "WHERE p.pronamespace = CAST(current_schema() AS regnamespace) AND p.prokind = 'f'")).all()
     assert len(functions) > 5
-    for name, config, is_trigger, public_may_execute in functions:
-        assert 'search_path=pg_catalog, public, pg_temp' in (config or []), name
+    for name, config, is_trigger, public_may_execute, runs_as_owner in functions:
+        path = "pg_catalog, pg_temp" if runs_as_owner else "pg_catalog, public, pg_temp"
+        assert f"search_path={path}" in (config or []), name
         assert not (is_trigger and public_may_execute), name
 
 
