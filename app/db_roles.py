@@ -68,9 +68,10 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
         conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC, "{role}"')  # no operator or function of its own beside ours
         require_no_create(conn, role, schema)
         conn.exec_driver_sql(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
+        harden_functions(conn)  # after a restore that dropped privileges, PUBLIC's too
         for signature, is_trigger, _ in _functions(conn):
             if is_trigger:  # it only ever runs as its table's trigger
-                conn.exec_driver_sql(f'REVOKE EXECUTE ON FUNCTION {signature} FROM PUBLIC, "{role}"')
+                conn.exec_driver_sql(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
             else:
                 conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
         database = conn.execute(text("SELECT current_database()")).scalar_one()

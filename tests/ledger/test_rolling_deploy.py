@@ -22,6 +22,7 @@ from ledger.store import append_batch
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
 from tests.support.db_roles import app_role_url
+from tests.support.previous_release import set_balances_as_before_0030
 
 USD = 10**9
 
@@ -49,13 +50,6 @@ def test_the_previous_signature_still_places_holds(pg_ledger, pg_engine):
     assert pg_ledger.balance(customer).available_nano_usd == USD - USD // 4
 
 
-# Across migration 0030: how the previous release wrote balances after its postings.
-_PREVIOUS_RELEASE_WRITE = text(
-    "UPDATE account_balances AS b SET balance_nano_usd = u.balance, last_event_seq = :last_seq "
-    "FROM unnest(CAST(:ids AS bigint[]), CAST(:balances AS bigint[])) AS u(account_id, balance) WHERE b.account_id = u.account_id"
-)
-
-
 def test_the_previous_release_still_writes_the_balances_its_postings_moved(pg_ledger, pg_engine, postgres_url):
     """A replica of the previous release, after its postings, sets each balance it
     decided: the value the postings have just set, so nothing moves; a balance
@@ -68,8 +62,7 @@ def test_the_previous_release_still_writes_the_balances_its_postings_moved(pg_le
                 with service.begin() as conn:
                     append_batch(conn, [cmd.GrantCredits(customer, USD, "more", key("grant"))])
                     last_seq = conn.execute(text("SELECT last_seq FROM ledger_head")).scalar_one()
-                    conn.execute(_PREVIOUS_RELEASE_WRITE, {"last_seq": last_seq, "ids": [customer],
-                                                           "balances": [2 * USD + off_by_nano_usd]})
+                    set_balances_as_before_0030(conn, last_seq, {customer: 2 * USD + off_by_nano_usd})
     finally:
         service.dispose()
     assert pg_ledger.balance(customer).balance_nano_usd == 2 * USD

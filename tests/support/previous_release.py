@@ -21,15 +21,19 @@ FROM unnest(%(id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance) W
 """
 
 
+def set_balances_as_before_0030(conn: Connection, last_seq: int, balances: dict[int, int]) -> None:
+    """That release's write after its postings: each balance it decided, and the batch's last event."""
+    ids = sorted(balances)
+    conn.exec_driver_sql(_SET_BALANCES, {"last_seq": last_seq, "id": ints(ids), "balance": ints([balances[a] for a in ids])})
+
+
 @contextmanager
 def appending_as_before_0030():
     write_appended = PostgresStorage.write_appended
 
     def write_as_before(self, conn: Connection, batch: AppendedBatch) -> None:
         write_appended(self, conn, batch._replace(balances={}))  # nothing to compare: the postings moved none
-        ids = sorted(batch.balances)
-        conn.exec_driver_sql(_SET_BALANCES, {"last_seq": batch.last_seq, "id": ints(ids),
-                                             "balance": ints([batch.balances[a] for a in ids])})
+        set_balances_as_before_0030(conn, batch.last_seq, batch.balances)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PostgresStorage, "write_appended", write_as_before)
