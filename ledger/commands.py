@@ -243,17 +243,24 @@ def payouts_paid_account(rail: str) -> str:
 
 
 def command_digest(command: Command) -> bytes:
-    fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
-    return ev.content_digest(type(command).__name__, fields)
+    kind = type(command)
+    names = _DIGESTED_FIELDS.get(kind)
+    if names is None:
+        names = _DIGESTED_FIELDS[kind] = tuple(k for k in kind.__slots__ if k != "idempotency_key")
+    return ev.content_digest(kind.__name__, {k: getattr(command, k) for k in names})
 
+
+_DIGESTED_FIELDS: dict[type, tuple[str, ...]] = {}  # a command type's fields but its key, in order
 
 
 def require_text(value: object, what: str, length_max: int) -> None:
     """Text every store keeps as given: no NUL (PostgreSQL refuses it), no lone surrogates."""
-    if not isinstance(value, str) or not value.strip() or len(value) > length_max:
+    if not isinstance(value, str) or len(value) > length_max or not value.strip():
         raise InvalidInput(f"{what} must be 1 to {length_max} characters")
     if "\x00" in value:
         raise InvalidInput(f"{what} must not contain NUL characters")
+    if value.isascii():  # a flag of the string: no surrogate, nothing to encode
+        return
     try:
         value.encode()
     except UnicodeEncodeError:
@@ -263,6 +270,11 @@ def require_text(value: object, what: str, length_max: int) -> None:
 def validate_shape(command: Command) -> None:
     """Checks that need no database: run before a command is queued."""
     require_text(command.idempotency_key, "idempotency key", IDEMPOTENCY_KEY_CHARS_MAX)
+    if isinstance(command, SettleRequest):  # one per request: checked before the rarer kinds are tried
+        require_positive(command.charge_nano_usd, "charge")
+        require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
+        _validate_meta(command.meta)
+        return
     if hasattr(command, "reason"):
         require_text(command.reason, "a reason", REASON_CHARS_MAX)
     match command:
@@ -282,10 +294,6 @@ def validate_shape(command: Command) -> None:
                 raise InvalidAmount("an adjustment must be a non-zero integer number of nano-USD")
             if abs(command.delta_nano_usd) > AMOUNT_NANO_USD_MAX:
                 raise InvalidAmount("adjustment exceeds the amount limit")
-        case SettleRequest():
-            require_positive(command.charge_nano_usd, "charge")
-            require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
-            _validate_meta(command.meta)
         case RequestPayout() | SettlePayout() | FailPayout() | RecordPayoutSent():
             _validate_payout(command)
         case ReverseEvent():
@@ -354,6 +362,16 @@ def _validate_meta(meta: object) -> None:
 def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
     """The event this command produces and its postings, or a typed error: every
     rule that does not read a balance (`require_covered` is the rest)."""
+    if isinstance(command, SettleRequest):  # one per request: before the rarer kinds are tried
+        event, postings = _settle(command, book)
+    else:
+        event, postings = _prepare_other(command, book)
+    if sum([amount for _, amount in postings]) != 0:
+        raise InvariantBroken(f"{type(event).__name__} postings do not sum to zero")
+    return event, postings
+
+
+def _prepare_other(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]:
     match command:
         case GrantCredits():
             _require_kind(book, command.account_id, CUSTOMER)
@@ -386,8 +404,6 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             counter = book.system_account(ADJUSTMENTS_ACCOUNT)
             event = ev.BalanceAdjusted(command.account_id, command.delta_nano_usd, command.reason)
             postings = [ev.Posting(command.account_id, command.delta_nano_usd), ev.Posting(counter, -command.delta_nano_usd)]
-        case SettleRequest():
-            event, postings = _settle(command, book)
         case ReverseEvent():
             event, postings = _reverse(command, book)
         case RecordUsageDiscrepancy():
@@ -406,8 +422,6 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
             event, postings = _payout(command, book)
         case _:
             raise InvalidInput(f"unknown command {type(command).__name__}")
-    if sum(p.amount_nano_usd for p in postings) != 0:
-        raise InvariantBroken(f"{type(event).__name__} postings do not sum to zero")
     return event, postings
 
 
