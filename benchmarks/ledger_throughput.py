@@ -133,12 +133,14 @@ def appender_state(state: str | None, wait_type: str | None, wait_event: str | N
 
 
 class AppenderSampler(threading.Thread):
-    """Samples pg_stat_activity every few milliseconds during the load: of the
-    time the appending backends spend inside a batch, the shares waiting for
-    the append lock, flushing the WAL at commit, executing, and waiting on their
-    own process (its Python work inside the transaction)."""
+    """Samples pg_stat_activity every 20 ms during the load: of the time the
+    appending backends spend inside a batch, the shares waiting for the append
+    lock, flushing the WAL at commit, executing, and waiting on their own
+    process (its Python work inside the transaction). Every 5 ms, its queries
+    took about 5 µs of the server's CPU per settlement, counted as the ledger's;
+    a 10 s load still gives some 500 samples per backend."""
 
-    def __init__(self, url: str, interval_s: float = 0.005) -> None:
+    def __init__(self, url: str, interval_s: float = 0.020) -> None:
         super().__init__(name="appender-sampler", daemon=True)
         self.url, self.interval_s = url, interval_s
         self.counts = dict.fromkeys(APPENDER_STATES, 0)
