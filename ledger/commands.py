@@ -242,15 +242,20 @@ def payouts_paid_account(rail: str) -> str:
     return f"external:payouts:{rail}"
 
 
-def command_digest(command: Command) -> bytes:
+def command_fields(command: Command) -> dict:
+    """The command's content: its fields but its idempotency key, in order."""
     kind = type(command)
-    names = _DIGESTED_FIELDS.get(kind)
+    names = _CONTENT_FIELDS.get(kind)
     if names is None:
-        names = _DIGESTED_FIELDS[kind] = tuple(k for k in kind.__slots__ if k != "idempotency_key")
-    return ev.content_digest(kind.__name__, {k: getattr(command, k) for k in names})
+        names = _CONTENT_FIELDS[kind] = tuple(k for k in kind.__slots__ if k != "idempotency_key")
+    return {k: getattr(command, k) for k in names}
 
 
-_DIGESTED_FIELDS: dict[type, tuple[str, ...]] = {}  # a command type's fields but its key, in order
+_CONTENT_FIELDS: dict[type, tuple[str, ...]] = {}  # named once per command type: the digest reads them per command
+
+
+def command_digest(command: Command) -> bytes:
+    return ev.content_digest(type(command).__name__, command_fields(command))
 
 
 def require_text(value: object, what: str, length_max: int) -> None:
@@ -407,17 +412,14 @@ def _prepare_other(command: Command, book: BookView) -> tuple[object, list[ev.Po
         case ReverseEvent():
             event, postings = _reverse(command, book)
         case RecordUsageDiscrepancy():
-            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
-            event, postings = ev.UsageDiscrepancyRecorded(**fields), []
+            event, postings = ev.UsageDiscrepancyRecorded(**command_fields(command)), []
         case RecordWorkerSuspension():
             event = ev.WorkerSuspended(command.worker_id, command.reason, command.strikes, list(command.request_ids))
             postings = []
         case RecordWorkerResumption():
-            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
-            event, postings = ev.WorkerResumed(**fields), []
+            event, postings = ev.WorkerResumed(**command_fields(command)), []
         case RecordInvoice():
-            fields = {k: getattr(command, k) for k in command.__slots__ if k != "idempotency_key"}
-            event, postings = ev.InvoiceIssued(**fields), []
+            event, postings = ev.InvoiceIssued(**command_fields(command)), []
         case RequestPayout() | RecordPayoutSent() | SettlePayout() | FailPayout():
             event, postings = _payout(command, book)
         case _:
