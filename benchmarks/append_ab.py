@@ -25,12 +25,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from checkout import REPO, revision_checkout
+
 CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 
 
@@ -92,9 +91,7 @@ def backend_cpu_s(pid: int) -> float:
 
 
 def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="paralon-ab-") as tmp:
-        base_root = str(Path(tmp) / "base")
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", base_root, base], check=True)
+    with revision_checkout(base) as base_root:
         sides: dict[str, subprocess.Popen] = {}
         try:
             for name, root in (("base", base_root), ("current", str(REPO))):
@@ -127,7 +124,6 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                     process.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     process.kill()
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", base_root], check=False)
     return {"base": base, "batches": batches, "batch_size": batch_size,
             **side_by_side("", cpu_us), **side_by_side("backend_", backend_us)}
 
@@ -160,7 +156,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches)
         return
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from scratch import print_result
 
     print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches), args.json)

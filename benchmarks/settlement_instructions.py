@@ -24,11 +24,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from checkout import REPO, revision_checkout
+
 PARTS = ("caller", "writer")
 SMALL, LARGE = 1000, 3000  # settlements per run: the difference is what is counted
 CUSTOMERS = 64
@@ -106,13 +105,8 @@ def main() -> None:
         raise SystemExit("valgrind is not installed (Debian: valgrind)")
     result = {f"{part}_instructions_per_settlement": n for part, n in per_settlement(str(REPO)).items()}
     if args.base:
-        with tempfile.TemporaryDirectory(prefix="paralon-instr-") as tmp:
-            base_root = str(Path(tmp) / "base")
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", base_root, args.base], check=True)
-            try:
-                base = per_settlement(base_root)
-            finally:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", base_root], check=False)
+        with revision_checkout(args.base) as base_root:
+            base = per_settlement(base_root)
         result["base"] = args.base
         for part, n in base.items():
             result[f"base_{part}_instructions_per_settlement"] = n
