@@ -5,7 +5,10 @@ touches state, so it cannot undo a drain). A draining worker becomes `drained`
 once it reports nothing running or waiting, or at the 120 s deadline. Each
 probe's scrape of the worker's /metrics is also what its load and its
 capacity are measured from (proxy/capacity.py), and its prefix-cache
-counters are written with the heartbeat, for its owner to see."""
+counters are written with the heartbeat, for its owner to see. A healthy
+worker whose probe times out keeps its health until it has timed out
+HEALTH_TIMEOUTS_IN_A_ROW_MAX times in a row: a loaded worker answers late,
+a dead one refuses."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +21,8 @@ from ledger.schema import utc_now
 from proxy import capacity
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
-from proxy.limits import CAPACITY_PERIOD_S, CAPACITY_WINDOW_PERCENT_MIN, HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S
+from proxy.limits import (CAPACITY_PERIOD_S, CAPACITY_WINDOW_PERCENT_MIN, HEALTH_INTERVAL_S, HEALTH_PROBE_TIMEOUT_S,
+                          HEALTH_TIMEOUTS_IN_A_ROW_MAX)
 
 
 def context_from_models(payload: dict) -> tuple[int | None, str | None]:
@@ -48,6 +52,7 @@ class HealthChecker:
         self.client = client
         self.interval_s = interval_s
         self.period_s = period_s  # of capacity measurements
+        self.timeouts_in_a_row: dict[int, int] = {}  # by worker id, on this replica
 
     async def run(self) -> None:
         while True:
@@ -62,6 +67,7 @@ class HealthChecker:
         results = await asyncio.gather(*(self.probe(w) for w in fleet))
         now_s = time.monotonic()
         for worker, probe in zip(fleet, results):  # on the loop's thread, like every change of a load
+            probe["healthy"] = self._health(worker, probe)
             self.directory.load(worker.id).scraped(probe.get("metrics") or capacity.WorkerMetrics(), now_s,
                                                    answered=probe["healthy"], relayed_by_all=worker.relayed_tokens_total)
         await asyncio.to_thread(self._record, list(zip(fleet, results)), now_s)
@@ -79,8 +85,19 @@ class HealthChecker:
             metrics = await self.client.get(worker.url + "/metrics", timeout=HEALTH_PROBE_TIMEOUT_S)
             scraped = capacity.parse_metrics(metrics.text) if metrics.status_code == 200 else capacity.WorkerMetrics()
             return {"healthy": True, "context_length": context, "served_model": served, "metrics": scraped}
+        except httpx.TimeoutException:
+            return {"healthy": False, "timed_out": True}
         except (httpx.HTTPError, ValueError):
             return {"healthy": False}
+
+    def _health(self, worker: registry.WorkerView, probe: dict) -> bool | None:
+        """What to record: None (health unchanged) for a healthy worker's first
+        timeouts in a row, else what the probe found."""
+        timeouts = self.timeouts_in_a_row.get(worker.id, 0) + 1 if probe.get("timed_out") else 0
+        self.timeouts_in_a_row[worker.id] = timeouts
+        if worker.healthy and 0 < timeouts < HEALTH_TIMEOUTS_IN_A_ROW_MAX:
+            return None
+        return probe["healthy"]
 
     async def _probe_llamacpp(self, worker: registry.WorkerView) -> dict:
         """llama-cpp-python's server has no /health, and every model endpoint

@@ -78,6 +78,9 @@ SSE_EVENT_BYTES_MAX = 4 * 1024 * 1024  # one upstream event, buffered until it i
 # --- Health checks (proxy/health.py) ------------------------------------------
 HEALTH_INTERVAL_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
+# A healthy worker too busy to answer in time is not down: it is unhealthy
+# after this many probes in a row timed out (refused or failing: at once).
+HEALTH_TIMEOUTS_IN_A_ROW_MAX = 2
 DRAIN_DEADLINE_S = 120  # a draining worker counts as drained after this long
 PREFIX_CACHE_HIT_RATE_DECIMALS = 4  # of the hit rate shown to a worker's owner (0.8125)
 

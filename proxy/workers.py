@@ -204,14 +204,15 @@ def drain_overdue(worker: WorkerView, now: datetime) -> bool:
     return worker.drain_requested_at is not None and now - worker.drain_requested_at >= timedelta(seconds=DRAIN_DEADLINE_S)
 
 
-def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context_length: int | None = None,
+def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool | None, context_length: int | None = None,
                      served_model: str | None = None, relayed_tokens: int = 0,
                      prefix_cache: tuple[int | None, int | None] | None = None) -> None:
     """Health, and the tokens this replica relayed since its last heartbeat
     (added to every replica's): this statement has no `state` in it, on purpose.
     `prefix_cache`: (hits, queries) as the worker's metrics said, None where
-    they said nothing; left as it is when not given."""
-    values: dict = {"healthy": healthy}
+    they said nothing; left as it is when not given. `healthy` None leaves
+    the health as it was."""
+    values: dict = {} if healthy is None else {"healthy": healthy}
     if prefix_cache is not None:
         values["prefix_cache_hits_tokens"], values["prefix_cache_queries_tokens"] = prefix_cache
     if relayed_tokens:
@@ -222,7 +223,8 @@ def record_heartbeat(conn: Connection, worker_id: int, *, healthy: bool, context
         values["context_length"] = context_length
     if served_model is not None:
         values["served_model"] = served_model
-    conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
+    if values:
+        conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
 
 
 def record_capacity(conn: Connection, worker: WorkerView, capacity: Capacity, now: datetime) -> bool:

@@ -89,6 +89,7 @@ def _sim_embeddings(database_url: str):
     try:
         fleet = EmbeddingFleet(database_url, [w.url for w in workers[:2]], ["vllm", "vllm"], workers[2].url)
         with serving(database_url) as proxy:
+            fleet.fleet.await_routable(also=tuple(fleet.worker_ids))
             yield fleet, proxy, workers
         fleet.fleet.engine.dispose()
     finally:
@@ -280,6 +281,7 @@ def llama_embeddings(tmp_path):
     with running_llamacpp_server(model_path, "tiny-embed", n_ctx=LLAMACPP_CONTEXT_TOKENS, embedding=True) as llama_url:
         fleet = EmbeddingFleet(database_url, [llama_url], ["llamacpp"], chat.url)
         with serving(database_url) as proxy:
+            fleet.fleet.await_routable(also=tuple(fleet.worker_ids))
             yield fleet, proxy, llama_url
     chat.stop()
     fleet.fleet.engine.dispose()

@@ -200,6 +200,48 @@ def test_an_unreachable_worker_is_unhealthy(registry_engine):
     assert _stored(registry_engine, worker_id).healthy is False
 
 
+def _rounds(engine, worker_id: int, answers: list) -> list[registry.WorkerView]:
+    """One replica's checker, one round per answer; the stored worker after each round."""
+    directory, answer, after = Directory(engine), {}, []
+
+    async def rounds() -> None:
+        transport = httpx.MockTransport(lambda request: answer["now"](request))
+        async with httpx.AsyncClient(transport=transport) as client:
+            checker = HealthChecker(directory, client)
+            for answer["now"] in answers:
+                await directory.refresh_async()
+                await checker.check_all()
+                after.append(_stored(engine, worker_id))
+
+    asyncio.run(rounds())
+    return after
+
+
+def _time_out(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+def _refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def test_a_healthy_worker_too_busy_to_answer_once_stays_healthy_and_is_unhealthy_the_second_time(registry_engine):
+    worker_id, _ = _add_worker(registry_engine, 9010)
+    answers = FakeWorkers().handle
+    seen = _rounds(registry_engine, worker_id, [answers, _time_out, _time_out, answers, _time_out, answers])
+    assert [w.healthy for w in seen] == [True, True, False, True, True, True]
+    assert seen[1].last_heartbeat_at == seen[0].last_heartbeat_at, "a probe that timed out is no heartbeat"
+    assert seen[5].last_heartbeat_at > seen[3].last_heartbeat_at
+
+
+def test_a_worker_that_refuses_or_fails_is_unhealthy_at_once_and_one_that_never_answered_stays_so(registry_engine):
+    worker_id, _ = _add_worker(registry_engine, 9011)
+    answers, failing = FakeWorkers().handle, FakeWorkers()
+    failing.health_status["http://127.0.0.1:9011"] = 503
+    seen = _rounds(registry_engine, worker_id, [_time_out, answers, _refuse, answers, failing.handle])
+    assert [w.healthy for w in seen] == [False, True, False, True, False]
+
+
 def test_a_llamacpp_worker_is_up_when_its_server_answers_below_500(registry_engine):
     worker_id, url = _add_worker(registry_engine, 9004, "llamacpp")
     fake = FakeWorkers()

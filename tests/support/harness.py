@@ -250,11 +250,12 @@ class Fleet:
         with self.engine.connect() as conn:
             return registry.get_worker(conn, worker_id)
 
-    def await_routable(self, timeout_s: float = 30.0) -> None:
-        """Until a health check has found every worker healthy (a worker starts
-        unhealthy, and a first check that times out on a loaded machine leaves it
-        so until the next), and every replica's directory has read that."""
-        wait_for(lambda: all(self.worker(w).healthy for w in self.worker_ids), timeout_s=timeout_s)
+    def await_routable(self, timeout_s: float = 30.0, also: tuple[int, ...] = ()) -> None:
+        """Until a health check has found every worker (and those of `also`)
+        healthy (a worker starts unhealthy, and a first check that times out on a
+        loaded machine leaves it so until the next), and every replica's
+        directory has read that."""
+        wait_for(lambda: all(self.worker(w).healthy for w in (*self.worker_ids, *also)), timeout_s=timeout_s)
         time.sleep(2 * DIRECTORY_REFRESH_INTERVAL_S)
 
 

@@ -47,7 +47,8 @@ def _deliver(proxy, payload: bytes, signature: str | None) -> httpx.Response:
     headers = {"content-type": "application/json"}
     if signature is not None:
         headers["stripe-signature"] = signature
-    return httpx.post(proxy.url + "/webhooks/stripe", content=payload, headers=headers)
+    # Patient: without a broker the service renders the last top-up's invoice in its own process.
+    return httpx.post(proxy.url + "/webhooks/stripe", content=payload, headers=headers, timeout=30)
 
 
 def _counts(fleet) -> tuple[int, int, int]:
