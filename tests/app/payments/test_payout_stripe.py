@@ -12,7 +12,6 @@ import json
 import threading
 from datetime import timedelta
 
-import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -27,6 +26,7 @@ from ledger import commands as cmd
 from ledger.schema import accounts, ledger_events
 from ledger.service import append_now
 from ledger.verify import verify
+from tests.app.payments.test_stripe import _deliver
 from tests.support.harness import ThreadedServer, serving, wait_for
 from tests.support.stripe_standin import (
     BALANCE_INSUFFICIENT,
@@ -355,18 +355,14 @@ def test_a_reversed_transfer_returns_the_payout_through_the_webhook_endpoint_and
     event = transfer_event("transfer.reversed", transfer)
     env = {"PARALON_STRIPE_SECRET_KEY": API_KEY, "PARALON_STRIPE_WEBHOOK_SECRET": SECRET, "PARALON_STRIPE_API_BASE": settings.api_base}
     with serving(database_url, **env) as proxy:
-        def deliver(payload: bytes, signature: str | None) -> httpx.Response:
-            headers = {"content-type": "application/json", **({"stripe-signature": signature} if signature else {})}
-            return httpx.post(proxy.url + "/webhooks/stripe", content=payload, headers=headers)
-
         forged = event.replace(str(transfer["amount"]).encode(), b"999999")
         for payload, signature in ((event, None), (event, signed(event, "whsec_someone_else")), (forged, signed(event, SECRET))):
-            refused = deliver(payload, signature)
+            refused = _deliver(proxy, payload, signature)
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "bad_signature"
         assert books(engine, owner) == PAID_40 and _stored_events(engine) == 0, "nothing stored, nothing moved"
 
         for _ in range(2):
-            assert deliver(event, signed(event, SECRET)).status_code == 200
+            assert _deliver(proxy, event, signed(event, SECRET)).status_code == 200
         wait_for(lambda: _payout(engine, settled["id"])["state"] == po.FAILED)
         wait_for(lambda: _processed_events(engine) == 1)
 
