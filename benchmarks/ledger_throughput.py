@@ -35,13 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.migrate import migrate  # noqa: E402
 from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
-from ledger.db import make_engine, normalise_url  # noqa: E402
+from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.verify import verify  # noqa: E402
 
 CUSTOMERS = 64
+# The parts of the append lock's time, by the writer's mark that ends each.
+LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
 OWNERS = 8
 HOLD_NANO_USD = 5_000_000
 
@@ -199,6 +201,7 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
                "holder": ledger.holder.native_thread_id}
     thread_cpu_started = {name: thread_cpu_s(tid) for name, tid in threads.items()}
     cpu_started, lock_held_started_s = time.process_time(), ledger.appender.append_lock_held_s
+    lock_parts_started_s = dict(ledger.appender.append_lock_parts_s)
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
@@ -207,13 +210,14 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     ))
     cpu_s = time.process_time() - cpu_started
     lock_held_s = ledger.appender.append_lock_held_s - lock_held_started_s
+    lock_parts_s = {part: held_s - lock_parts_started_s.get(part, 0.0) for part, held_s in ledger.appender.append_lock_parts_s.items()}
     thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
     batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed
     ledger.close()
     engine.dispose()
     return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
-            "lock_held_s": lock_held_s,
+            "lock_held_s": lock_held_s, "lock_parts_s": lock_parts_s,
             "batches": batches, "hold_batches": hold_batches, "per_second": per_second}
 
 
@@ -309,6 +313,12 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         # the lock, not the cores, is what limits settlements per second.
         "append_lock_held_share": round(sum(part["lock_held_s"] for part in parts) / seconds, 3),
         "append_lock_held_us_per_settlement": round(sum(part["lock_held_s"] for part in parts) / max(settled, 1) * 1e6, 1),
+        # What the lock was held for: the rules that read balances and the hash
+        # chain (Python), the rows' COPYs and the statement after them, the commit.
+        "append_lock_held_us_per_settlement_by_part": {
+            name: round(sum(part["lock_parts_s"].get(moment, 0.0) for part in parts) / max(settled, 1) * 1e6, 1)
+            for name, moment in LOCK_PARTS.items()
+        },
         "postgres_cpu_us_per_settlement": (
             round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
         ),

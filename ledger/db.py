@@ -6,6 +6,8 @@ happens there.
 """
 from __future__ import annotations
 
+import time
+
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
@@ -17,13 +19,28 @@ from ledger.storage.base import Storage
 from ledger.storage.postgres import PostgresStorage
 from ledger.storage.sqlite import SqliteStorage
 
-__all__ = ["APPEND_LOCK_TAKEN_AT", "BadDatabaseUrl", "STORAGES", "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres",
-           "snapshot_connection", "is_connection_failure"]
+__all__ = ["APPEND_MARKS", "CHAINED", "COMMITTED", "LOCK_TAKEN", "WRITTEN", "mark_append", "BadDatabaseUrl", "STORAGES",
+           "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres", "snapshot_connection",
+           "is_connection_failure"]
 
 STORAGES: tuple[Storage, ...] = (PostgresStorage(), SqliteStorage())
-# In a connection's `info`: when its transaction took the append lock
-# (`time.perf_counter()`), so a writer can count how long it held it.
-APPEND_LOCK_TAKEN_AT = "paralon_append_lock_taken_at"
+# In a connection's `info`: the moments (`time.perf_counter()`) its append
+# took the lock and finished each part under it, so a writer can count how
+# long it held the lock and on what.
+APPEND_MARKS = "paralon_append_marks"
+LOCK_TAKEN, CHAINED, WRITTEN, COMMITTED = "lock_taken", "chained", "written", "committed"
+
+
+def mark_append(conn: Connection, moment: str) -> None:
+    """Note that an append under the lock reached `moment`. LOCK_TAKEN starts
+    the list afresh: an append outside a writer leaves its marks to the next."""
+    mark = (moment, time.perf_counter())
+    if moment == LOCK_TAKEN:
+        conn.info[APPEND_MARKS] = [mark]
+    else:
+        conn.info.setdefault(APPEND_MARKS, []).append(mark)
+
+
 _BY_DIALECT = {storage.dialect: storage for storage in STORAGES}
 _BY_BACKEND = {backend: storage for storage in STORAGES for backend in storage.url_backends}
 _DRIVER_CONNECTION_ERRORS = tuple(error for storage in STORAGES for error in storage.driver_connection_errors)

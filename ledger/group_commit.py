@@ -29,7 +29,7 @@ from typing import Callable, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ledger.db import APPEND_LOCK_TAKEN_AT, is_connection_failure, storage_of
+from ledger.db import APPEND_MARKS, COMMITTED, is_connection_failure, storage_of
 from ledger.errors import DatabaseUnavailable, LedgerError, WriterClosed, WriterOverloaded
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_SIZE_MAX_DEFAULT,
@@ -86,6 +86,9 @@ class GroupCommitWriter(Generic[C, R]):
         # committing): every append in every process waits for that lock, so
         # appends per second cannot exceed 1 / (this / commands) whatever the cores.
         self.append_lock_held_s = 0.0
+        # The same seconds by what the lock was held for, each part named by
+        # the moment that ended it (ledger.db's marks, COMMITTED last).
+        self.append_lock_parts_s: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -173,13 +176,18 @@ class GroupCommitWriter(Generic[C, R]):
                 raise
             conn.commit()  # ends SQLAlchemy's own bookkeeping; the database committed already
             return results
-        conn.info.pop(APPEND_LOCK_TAKEN_AT, None)
+        conn.info.pop(APPEND_MARKS, None)
         with conn.begin():
             results = self._apply_batch(conn, commands)
-        taken_at = conn.info.pop(APPEND_LOCK_TAKEN_AT, None)
-        if taken_at is not None:
-            self.append_lock_held_s += time.perf_counter() - taken_at
+        marks = conn.info.pop(APPEND_MARKS, None)
+        if marks:
+            self._count_lock_held([*marks, (COMMITTED, time.perf_counter())])
         return results
+
+    def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
+        self.append_lock_held_s += marks[-1][1] - marks[0][1]
+        for (_, started), (moment, ended) in zip(marks, marks[1:]):
+            self.append_lock_parts_s[moment] = self.append_lock_parts_s.get(moment, 0.0) + ended - started
 
     def _drop_connection(self) -> None:
         """The connection failed: the pool must never hand it out again."""

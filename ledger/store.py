@@ -7,7 +7,6 @@ write. Holds are never locked here except the ones being settled.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.commands import CREATED, EXISTS
-from ledger.db import APPEND_LOCK_TAKEN_AT, storage_of
+from ledger.db import CHAINED, LOCK_TAKEN, WRITTEN, mark_append, storage_of
 from ledger.errors import (
     HoldNotActive,
     IdempotencyConflict,
@@ -166,6 +165,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         prev_hash = event_hash
         results[i] = AppendResult(CREATED, seq, columns[0])
 
+    mark_append(conn, CHAINED)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
     if event_rows:
         try:
@@ -176,6 +176,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
             if closing_keys_to_the_index:
                 conn.info[_LOOK_UP_EVERY_KEY] = True
             raise
+        mark_append(conn, WRITTEN)
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
     if any(r is None for r in results):
@@ -370,7 +371,7 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
             if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
     head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids))
-    conn.info[APPEND_LOCK_TAKEN_AT] = time.perf_counter()
+    mark_append(conn, LOCK_TAKEN)
     book.balances.update(head.balances)
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)

@@ -7,12 +7,15 @@ import time
 import pytest
 
 from ledger import commands as cmd
+from ledger.accounts import create_account
 from ledger.errors import InsufficientFunds, WriterClosed, WriterOverloaded
 from ledger.events import GENESIS_HASH
+from ledger.db import APPEND_MARKS
 from ledger.group_commit import GroupCommitWriter
 from ledger.holds import PlaceHold
 from ledger.money import NANO_USD_PER_USD as USD
 from ledger.schema import ledger_head
+from ledger.store import append_batch
 from tests.ledger.helpers import customer_with, key
 
 
@@ -101,4 +104,25 @@ def test_the_appender_counts_the_time_it_held_the_append_lock_and_the_holds_writ
     with pytest.raises(InsufficientFunds):  # refused under the lock: the lock was held all the same
         ledger.append(cmd.AdjustBalance(customer, -20 * USD, "too much", key("adjust")))
     assert ledger.appender.append_lock_held_s > held_s
-    assert ledger.holder.append_lock_held_s == 0.0
+    assert ledger.holder.append_lock_held_s == 0.0 and ledger.holder.append_lock_parts_s == {}
+
+
+def test_the_lock_held_is_split_into_the_chain_the_write_and_the_commit_which_add_up_to_it(ledger):
+    customer = customer_with(ledger, 10 * USD)
+    with pytest.raises(InsufficientFunds):  # refused under the lock: nothing written, chained and committed all the same
+        ledger.append(cmd.AdjustBalance(customer, -20 * USD, "too much", key("adjust")))
+    parts = ledger.appender.append_lock_parts_s
+    assert set(parts) == {"chained", "written", "committed"} and all(s > 0 for s in parts.values())
+    assert sum(parts.values()) == pytest.approx(ledger.appender.append_lock_held_s, rel=1e-9)
+
+
+def test_appends_outside_a_writer_keep_only_their_last_marks_on_the_connection(engine):
+    """A connection's `info` outlives its checkouts: marks nobody counts must not pile up."""
+    with engine.begin() as conn:
+        customer = create_account(conn, cmd.CUSTOMER, "customer")
+    with engine.connect() as conn:
+        for i in range(5):
+            with conn.begin():
+                append_batch(conn, [cmd.GrantCredits(customer, USD, "credits", key(f"grant{i}"))])
+            assert [moment for moment, _ in conn.info[APPEND_MARKS]] == ["lock_taken", "chained", "written"]
+
