@@ -42,10 +42,10 @@ from ledger.service import Ledger  # noqa: E402
 from ledger.verify import verify  # noqa: E402
 
 CUSTOMERS = 64
-# The parts of the append lock's time, by the writer's mark that ends each.
-LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
 OWNERS = 8
 HOLD_NANO_USD = 5_000_000
+# The parts of the append lock's time, by the writer's mark that ends each.
+LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
 
 
 def idle_cpu_s() -> float:

@@ -8,9 +8,9 @@ import pytest
 
 from ledger import commands as cmd
 from ledger.accounts import create_account
+from ledger.db import APPEND_MARKS
 from ledger.errors import InsufficientFunds, WriterClosed, WriterOverloaded
 from ledger.events import GENESIS_HASH
-from ledger.db import APPEND_MARKS
 from ledger.group_commit import GroupCommitWriter
 from ledger.holds import PlaceHold
 from ledger.money import NANO_USD_PER_USD as USD
@@ -125,4 +125,3 @@ def test_appends_outside_a_writer_keep_only_their_last_marks_on_the_connection(e
             with conn.begin():
                 append_batch(conn, [cmd.GrantCredits(customer, USD, "credits", key(f"grant{i}"))])
             assert [moment for moment, _ in conn.info[APPEND_MARKS]] == ["lock_taken", "chained", "written"]
-
