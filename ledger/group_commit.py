@@ -82,15 +82,19 @@ class GroupCommitWriter(Generic[C, R]):
         self._database_away = False  # the last batch could not reach it: the next one tries once only
         self.batches_committed = 0
         self.commands_committed = 0
-        # Seconds the committed batches held the append lock (from taking it to
-        # committing): every append in every process waits for that lock, so
-        # appends per second cannot exceed 1 / (this / commands) whatever the cores.
-        self.append_lock_held_s = 0.0
-        # The same seconds by what the lock was held for, each part named by
-        # the moment that ended it (ledger.db's marks, COMMITTED last).
+        # Seconds the committed batches held the append lock, by what it was
+        # held for: each part named by the moment that ended it (ledger.db's
+        # marks, COMMITTED last).
         self.append_lock_parts_s: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def append_lock_held_s(self) -> float:
+        """Seconds the committed batches held the append lock (from taking it to
+        committing): every append in every process waits for that lock, so
+        appends per second cannot exceed 1 / (this / commands) whatever the cores."""
+        return sum(self.append_lock_parts_s.values(), 0.0)
 
     @property
     def native_thread_id(self) -> int | None:
@@ -185,7 +189,6 @@ class GroupCommitWriter(Generic[C, R]):
         return results
 
     def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
-        self.append_lock_held_s += marks[-1][1] - marks[0][1]
         for (_, started), (moment, ended) in zip(marks, marks[1:]):
             self.append_lock_parts_s[moment] = self.append_lock_parts_s.get(moment, 0.0) + ended - started
 
