@@ -65,6 +65,10 @@ class EmbeddingFleet:
         ids = [self.fleet.customer_id, *self.owner_ids, *self.fleet.owner_ids, self.platform_id]
         return {i: (view.balance_nano_usd, view.held_nano_usd) for i in ids for view in [self.fleet.balance(i)]}
 
+    def await_routable(self) -> None:
+        """Until the chat worker and every embedding worker can be routed to."""
+        self.fleet.await_routable(also=tuple(self.worker_ids))
+
     def client(self, proxy) -> openai.OpenAI:
         return openai.OpenAI(base_url=proxy.url + "/v1", api_key=self.fleet.key, max_retries=0, timeout=120)
 
@@ -89,7 +93,7 @@ def _sim_embeddings(database_url: str):
     try:
         fleet = EmbeddingFleet(database_url, [w.url for w in workers[:2]], ["vllm", "vllm"], workers[2].url)
         with serving(database_url) as proxy:
-            fleet.fleet.await_routable(also=tuple(fleet.worker_ids))
+            fleet.await_routable()
             yield fleet, proxy, workers
         fleet.fleet.engine.dispose()
     finally:
@@ -281,7 +285,7 @@ def llama_embeddings(tmp_path):
     with running_llamacpp_server(model_path, "tiny-embed", n_ctx=LLAMACPP_CONTEXT_TOKENS, embedding=True) as llama_url:
         fleet = EmbeddingFleet(database_url, [llama_url], ["llamacpp"], chat.url)
         with serving(database_url) as proxy:
-            fleet.fleet.await_routable(also=tuple(fleet.worker_ids))
+            fleet.await_routable()
             yield fleet, proxy, llama_url
     chat.stop()
     fleet.fleet.engine.dispose()
