@@ -64,6 +64,10 @@ def grant_app_role(engine: Engine, role: str) -> list[str]:
         for table in tables:
             conn.exec_driver_sql(f'REVOKE ALL ON "{table}" FROM "{role}"')
             conn.exec_driver_sql(f'GRANT {NARROW_PRIVILEGES.get(table, ORDINARY_PRIVILEGES)} ON "{table}" TO "{role}"')
+        views = conn.execute(text("SELECT viewname FROM pg_views WHERE schemaname = current_schema() ORDER BY 1")).scalars().all()
+        for view in views:  # read only (ledger_event_postings)
+            conn.exec_driver_sql(f'REVOKE ALL ON "{view}" FROM "{role}"')
+            conn.exec_driver_sql(f'GRANT SELECT ON "{view}" TO "{role}"')
         schema = _schema(conn)
         conn.exec_driver_sql(f'REVOKE CREATE ON SCHEMA "{schema}" FROM PUBLIC, "{role}"')  # no operator or function of its own beside ours
         require_no_create(conn, role, schema)

@@ -12,6 +12,10 @@ Each pair of neighbouring batches gives a ratio of each; drift moves both
 sides alike.
 
     python benchmarks/append_ab.py --base HEAD~1 --json
+    python benchmarks/append_ab.py --base HEAD --postings-in-event-row --json
+
+The second compares the two postings layouts of this checkout (migration
+0031): this checkout with postings in their event's row, the base with rows.
 
 Prints one JSON line: the medians of each side and of the ratios (this
 checkout over the base: below 1 is less CPU), for the writer's thread and for
@@ -33,7 +37,7 @@ from checkout import REPO, revision_checkout
 CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 
 
-def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> None:
+def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool) -> None:
     """One side: settle `batches` batches from `root`'s ledger, one per line read, printing
     CPU µs per settlement of the writer's thread and of its database backend."""
     sys.path[:0] = [root, str(Path(root) / "benchmarks")]  # its own scratch.py, which puts its own root first again
@@ -49,6 +53,11 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
 
     with ScratchDatabase(database_url, "paralon_append_ab") as scratch:
         engine = scratch.engine()
+        if in_event_row:
+            from ledger.store import set_postings_in_event_row
+
+            with engine.begin() as conn:
+                set_postings_in_event_row(conn, True)
         ledger = Ledger(engine)
         customers = [ledger.create_account(cmd.CUSTOMER, f"ab customer {i}") for i in range(CUSTOMERS)]
         owners = [ledger.create_account(cmd.OWNER, f"ab owner {i}") for i in range(OWNERS)]
@@ -90,14 +99,15 @@ def backend_cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int) -> dict:
+def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool) -> dict:
     with revision_checkout(base) as base_root:
         sides: dict[str, subprocess.Popen] = {}
         try:
             for name, root in (("base", base_root), ("current", str(REPO))):
                 sides[name] = subprocess.Popen(
                     [sys.executable, __file__, "--worker", root, "--database-url", database_url, "--batches", str(batches),
-                     "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches)],
+                     "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches),
+                     *(["--postings-in-event-row"] if in_event_row and name == "current" else [])],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
             for (name, process), root in zip(sides.items(), (base_root, str(REPO))):
                 ready = process.stdout.readline().split(maxsplit=1)
@@ -124,7 +134,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                     process.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     process.kill()
-    return {"base": base, "batches": batches, "batch_size": batch_size,
+    return {"base": base, "batches": batches, "batch_size": batch_size, "postings_in_event_row": in_event_row,
             **side_by_side("", cpu_us), **side_by_side("backend_", backend_us)}
 
 
@@ -149,17 +159,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
     parser.add_argument("--warm-up-batches", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--postings-in-event-row", action="store_true",
+                        help="this checkout's side puts postings in their event's row (migration 0031)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the root of one side's checkout
     args = parser.parse_args()
     if args.batches < 2:
         raise SystemExit("--batches must be at least 2")
     if args.worker:
-        worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches)
+        worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches, args.postings_in_event_row)
         return
     sys.path.insert(0, str(REPO / "benchmarks"))
     from scratch import print_result
 
-    print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches), args.json)
+    print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches,
+                         args.postings_in_event_row), args.json)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  #
 from ledger.holds import PlaceHold  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
+from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
 
 CUSTOMERS = 64
@@ -251,7 +252,8 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
-             balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True) -> dict:
+             balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
+             postings_in_event_row: bool = False) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
@@ -264,6 +266,9 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     if not postings_guard:  # and the postings guard of migration 0016
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP TRIGGER ledger_postings_guard ON ledger_postings")
+    if postings_in_event_row:  # migration 0031's layout, as `paralon ledger postings-in-event-row on` sets it
+        with engine.begin() as conn:
+            set_postings_in_event_row(conn, True)
     ledger = Ledger(engine)
     customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
     owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
@@ -343,6 +348,8 @@ def main() -> None:
     parser.add_argument("--without-postings-guard", action="store_true", help="drop migration 0016's postings guard first")
     parser.add_argument("--without-flush-wait", action="store_true",
                         help="commit without waiting for the WAL flush (not durable: a measurement of what the wait costs)")
+    parser.add_argument("--postings-in-event-row", action="store_true",
+                        help="appends put postings in their event's row (migration 0031), not in ledger_postings")
     args = parser.parse_args()
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
@@ -353,7 +360,7 @@ def main() -> None:
     with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
         result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                           args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
-                          not args.without_postings_guard, not args.without_flush_wait)
+                          not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row)
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -367,6 +374,7 @@ def main() -> None:
         balance_guard=not args.without_balance_guard,
         postings_guard=not args.without_postings_guard,
         flush_wait=not args.without_flush_wait,
+        postings_in_event_row=args.postings_in_event_row,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

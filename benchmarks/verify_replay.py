@@ -9,6 +9,7 @@ run, is the least any check must do: read every event and posting row once
 through psycopg and throw them away; the ratios say what the checks cost on top.
 
     python benchmarks/verify_replay.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
+    python benchmarks/verify_replay.py --postings-in-event-row --json   # postings in their events' rows (migration 0031)
 
 The database in the URL is only used to create (and finally drop) a scratch
 database of the benchmark's own.
@@ -31,7 +32,7 @@ from ledger import commands as cmd  # noqa: E402
 from ledger.db import normalise_url  # noqa: E402
 from ledger.accounts import create_account  # noqa: E402
 from ledger.holds import PlaceHold, place_holds  # noqa: E402
-from ledger.store import append_batch  # noqa: E402
+from ledger.store import append_batch, set_postings_in_event_row  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
 
 CUSTOMERS = 256
@@ -105,12 +106,16 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3, help="times verify and replay each run on the one log")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--postings-in-event-row", action="store_true", help="write postings in their events' rows (migration 0031)")
     args = parser.parse_args()
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("give a postgresql:// URL")
     with ScratchDatabase(args.database_url, "paralon_verify") as scratch:
         url = scratch.url.render_as_string(hide_password=False)
         engine = scratch.engine()
+        if args.postings_in_event_row:
+            with engine.begin() as conn:
+                set_postings_in_event_row(conn, True)
         log(f"writing {args.events:,} events ...")
         written = write_log(engine, args.events)
         with engine.begin() as conn:
@@ -130,6 +135,7 @@ def main() -> None:
             runs.append({"verify_s": round(verify_s, 1), "replay_s": round(replay_s, 1), "read_every_row_s": round(baseline_s, 1),
                          "verify_to_read_ratio": round(verify_s / baseline_s, 2), "replay_to_read_ratio": round(replay_s / baseline_s, 2)})
     result = {"events": written, "verify_ok": True, "runs": runs, "bound_s": VERIFY_BOUND_S,
+              "postings_in_event_row": args.postings_in_event_row,
               "verify_s_max": max(r["verify_s"] for r in runs), "replay_s_max": max(r["replay_s"] for r in runs)}
     print(json.dumps(result, sort_keys=True) if args.json else "\n".join(f"{k}: {v}" for k, v in sorted(result.items())))
 

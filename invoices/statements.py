@@ -40,7 +40,7 @@ from ledger.commands import CUSTOMER, OWNER
 from ledger.errors import InvalidInput, InvariantBroken, LedgerError
 from ledger.events import GENESIS_HASH
 from ledger.log import consumer_position
-from ledger.schema import accounts, ledger_events, ledger_postings, utc_now
+from ledger.schema import accounts, ledger_event_postings, ledger_events, utc_now
 
 SETTLED = "RequestSettled"
 STATED_KINDS, STATED_RULE = (CUSTOMER, OWNER), "statements are for customers and owners"
@@ -203,7 +203,7 @@ def reconcile(engine: Engine, end: datetime, account_id: int | None = None) -> d
     the ledger and in the read model (its postings, or their sums per day, which
     statements are drawn from): {account: (ledger, read model)}; empty when all agree.
     One pass over the ledger's postings (which have no per-account index) checks every account at once."""
-    lp, ap, pd = ledger_postings.c, account_postings.c, postings_daily.c
+    lp, ap, pd = ledger_event_postings.c, account_postings.c, postings_daily.c
     with engine.connect() as conn:
         ledger_totals = dict(conn.execute(
             select(lp.account_id, func.sum(lp.amount_nano_usd)).join(ledger_events, ledger_events.c.seq == lp.event_seq)

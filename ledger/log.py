@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine, func, select, update
 
 from ledger.db import storage_of
 from ledger.limits import LOG_PAGE_EVENTS_DEFAULT, LOG_PAGE_EVENTS_MAX
-from ledger.schema import consumer_positions, ledger_events, ledger_postings, utc_now
+from ledger.schema import consumer_positions, ledger_event_postings, ledger_events, utc_now
 
 
 class StoredEvent(NamedTuple):
@@ -56,11 +56,12 @@ def iter_postings(conn: Connection, through_seq: int, page_events: int = LOG_PAG
     """Pages of (event seq, account_id, amount_nano_usd), in order, of events 1 to
     `through_seq`: what a replay of balances needs, without the events themselves.
     Paged by seq range, which the log keeps without gaps."""
+    p = ledger_event_postings.c
     for start in range(0, through_seq, page_events):
         yield conn.execute(
-            select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-            .where(ledger_postings.c.event_seq > start, ledger_postings.c.event_seq <= min(start + page_events, through_seq))
-            .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+            select(p.event_seq, p.account_id, p.amount_nano_usd)
+            .where(p.event_seq > start, p.event_seq <= min(start + page_events, through_seq))
+            .order_by(p.event_seq, p.leg)
         ).all()
 
 

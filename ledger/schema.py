@@ -84,6 +84,9 @@ ledger_head = Table(
     Column("id", Integer, primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
     Column("last_hash", Sha256, nullable=False),
+    # Appends put each event's postings in its own row (migration 0031), not
+    # in ledger_postings: set once every replica reads them there.
+    Column("postings_in_event_row", Boolean, nullable=False, server_default=text("false")),
 )
 
 ledger_events = Table(
@@ -113,6 +116,19 @@ ledger_postings = Table(
     Column("leg", Integer, primary_key=True, autoincrement=False),
     Column("account_id", BigInteger, nullable=False),
     Column("amount_nano_usd", BigInteger, nullable=False),
+)
+
+# Every event's postings, wherever they are kept: rows of ledger_postings, or
+# the two arrays of the event's own row (PostgreSQL, migration 0031). A view,
+# so it has its own metadata: nothing creates it but its migration.
+views = MetaData()
+ledger_event_postings = Table(
+    "ledger_event_postings",
+    views,
+    Column("event_seq", BigInteger),
+    Column("leg", Integer),
+    Column("account_id", BigInteger),
+    Column("amount_nano_usd", BigInteger),
 )
 
 # Active reservations beside the log, never hashed. A hold is deleted when it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
 from ledger import accounts as acc
@@ -21,6 +21,7 @@ from ledger.db import CHAINED, LOCK_TAKEN, WRITTEN, mark_append, storage_of
 from ledger.errors import (
     HoldNotActive,
     IdempotencyConflict,
+    InvalidInput,
     InvariantBroken,
     LedgerError,
     NotReversible,
@@ -28,8 +29,8 @@ from ledger.errors import (
     UnknownEvent,
 )
 from ledger.limits import ACCOUNT_KINDS_CACHED_MAX
-from ledger.schema import accounts, holds, ledger_events, ledger_postings, utc_now
-from ledger.storage.base import HOLD_ROW_SPEND_LIMIT, AppendedBatch, KnownKeys, in_chunks
+from ledger.schema import accounts, holds, ledger_event_postings, ledger_events, ledger_head, utc_now
+from ledger.storage.base import HOLD_ROW_SPEND_LIMIT, POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, KnownKeys, in_chunks
 
 
 class AppendResult(NamedTuple):
@@ -126,8 +127,9 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
     storage = storage_of(conn)
     drafts = list(prepared.values())
-    unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts])
-    head_seq, head_hash, late = _lock_and_read(conn, book, keyed, drafts)
+    unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts],
+                                         in_event_row=conn.info.get(POSTINGS_IN_EVENT_ROW_SEEN, False))
+    head_seq, head_hash, in_event_row, late = _lock_and_read(conn, book, keyed, drafts)
     if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
         _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
 
@@ -171,7 +173,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         try:
             storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
                                                        holds_closed, limit_usage, seq, prev_hash, recorded_at,
-                                                       None if unchained is None else [unchained[k] for k in written], hashes_hex))
+                                                       None if unchained is None else [unchained[k] for k in written], hashes_hex,
+                                                       in_event_row))
         except IntegrityError:
             if closing_keys_to_the_index:
                 conn.info[_LOOK_UP_EVERY_KEY] = True
@@ -359,11 +362,12 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
-def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, dict]:
+def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, bool, dict]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
     account posted to, and the active holds of customers debited outside a
-    hold (their hold rows locked). Returns (last seq, last hash, answers for late keys)."""
+    hold (their hold rows locked). Returns (last seq, last hash, whether the
+    postings go in the event row, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
     for event, postings, *_ in prepared:
         for p in postings:
@@ -376,7 +380,7 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)
     book.held_by_account.update({a: view.held_nano_usd for a, view in acc.read_books(conn, customers).items()})
-    return head.last_seq, head.last_hash, _answers(keyed, head.known_keys)
+    return head.last_seq, head.last_hash, head.postings_in_event_row, _answers(keyed, head.known_keys)
 
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:
@@ -384,10 +388,9 @@ def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) 
     for chunk in in_chunks(seqs):
         for r in conn.execute(select(ledger_events.c.seq, ledger_events.c.event_type).where(storage.one_of(ledger_events.c.seq, chunk))):
             book.events[r.seq] = (r.event_type, [])
+        p = ledger_event_postings.c
         for r in conn.execute(
-            select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-            .where(storage.one_of(ledger_postings.c.event_seq, chunk))
-            .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+            select(p.event_seq, p.account_id, p.amount_nano_usd).where(storage.one_of(p.event_seq, chunk)).order_by(p.event_seq, p.leg)
         ):
             book.events[r.event_seq][1].append(ev.Posting(r.account_id, r.amount_nano_usd))
 
@@ -397,3 +400,16 @@ def _load_reversals(conn: Connection, book: _BatchBook, seqs: list[int]) -> None
     for chunk in in_chunks(seqs):
         for r in conn.execute(select(ledger_events.c.reverses_seq, ledger_events.c.seq).where(storage.one_of(ledger_events.c.reverses_seq, chunk))):
             book.reversals[r.reverses_seq] = r.seq
+
+
+def set_postings_in_event_row(conn: Connection, on: bool) -> bool:
+    """Where appends put postings from the next batch on: in each event's row
+    (`on`) or as ledger_postings rows. Every replica must read them where
+    they go (a release with migration 0031) before this is turned on. Set under
+    the append lock, as the owner (the service's role may not); returns
+    whether it was on before."""
+    if not storage_of(conn).postings_in_event_row_possible:
+        raise InvalidInput("only PostgreSQL keeps postings in their event's row: this database keeps them as rows")
+    was_on = conn.execute(select(ledger_head.c.postings_in_event_row).where(ledger_head.c.id == 1).with_for_update()).scalar_one()
+    conn.execute(update(ledger_head).where(ledger_head.c.id == 1).values(postings_in_event_row=on))
+    return was_on

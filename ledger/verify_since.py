@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, select, text, update
 
 from ledger.chain import REFUND_EVENT_TYPES, Progress, VerifyReport, check_head, walk
-from ledger.schema import ledger_events, ledger_postings, ledger_verifications, utc_now
+from ledger.schema import ledger_event_postings, ledger_events, ledger_verifications, utc_now
 from ledger.verify import _check_balances, _check_hold_counters, _check_spend_limits
 
 _POSTINGS_OF_NO_EVENT = text("""
@@ -28,7 +28,7 @@ WHERE NOT EXISTS (SELECT 1 FROM ledger_events e WHERE e.seq = p.event_seq) ORDER
 # The chain check sums the postings of the events it reads (those since the
 # checkpoint); a posting added later to an older event is found only here.
 _EVENTS_NOT_SUMMING_TO_ZERO = text("""
-SELECT event_seq, sum(amount_nano_usd) FROM ledger_postings GROUP BY event_seq HAVING sum(amount_nano_usd) <> 0 ORDER BY 1
+SELECT event_seq, sum(amount_nano_usd) FROM ledger_event_postings GROUP BY event_seq HAVING sum(amount_nano_usd) <> 0 ORDER BY 1
 """)
 
 
@@ -49,8 +49,8 @@ def verify_since(conn: Connection, start: Checkpoint, progress: Progress | None 
     report = VerifyReport()
     end = _check_chain_from(conn, start, report, progress)
     report.refunded_by_account = _refunded_by_account(conn)
-    totals = conn.execute(select(ledger_postings.c.account_id, func.sum(ledger_postings.c.amount_nano_usd))
-                          .group_by(ledger_postings.c.account_id)).all()
+    p = ledger_event_postings.c
+    totals = conn.execute(select(p.account_id, func.sum(p.amount_nano_usd)).group_by(p.account_id)).all()
     _check_balances(conn, {account_id: int(total) for account_id, total in totals}, report)
     _check_postings(conn, report)
     _check_hold_counters(conn, report)
@@ -84,11 +84,12 @@ def _check_chain_from(conn: Connection, start: Checkpoint, report: VerifyReport,
 
 def _refunded_by_account(conn: Connection) -> dict[int, int]:
     """What each customer took back by refunds and disputes (its debt allowance)."""
+    p = ledger_event_postings.c
     rows = conn.execute(
-        select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-        .join(ledger_events, ledger_events.c.seq == ledger_postings.c.event_seq)
+        select(p.event_seq, p.account_id, p.amount_nano_usd)
+        .join(ledger_events, ledger_events.c.seq == p.event_seq)
         .where(ledger_events.c.event_type.in_(REFUND_EVENT_TYPES))
-        .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+        .order_by(p.event_seq, p.leg)
     ).all()
     refunded: dict[int, int] = {}
     seen: set[int] = set()

@@ -25,6 +25,7 @@ from ledger.events import GENESIS_HASH
 from ledger.money import nano_usd_to_usd_text, usd_to_nano_usd
 from ledger.schema import utc_now
 from ledger.service import append_now, sweep_expired_holds
+from ledger.store import set_postings_in_event_row
 from ledger.verify import count_events, rebuild_balances, verify
 from ledger.verify_since import Checkpoint, verify_since
 
@@ -191,6 +192,29 @@ def ledger_replay(as_json: bool) -> None:
                                        "(PARALON_MIGRATION_DATABASE_URL)")
     emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
          f"replayed {total} events into {accounts_rebuilt} account balances")
+
+
+@ledger_group.command("postings-in-event-row")
+@click.argument("state", type=click.Choice(["on", "off"]))
+@json_option
+@handles_errors
+def ledger_postings_in_event_row(state: str, as_json: bool) -> None:
+    """Where appends put postings from now on, as the owner role (PARALON_MIGRATION_DATABASE_URL):
+    in each event's own row (on: fewer bytes and less time under the append lock; PostgreSQL) or as
+    ledger_postings rows (off). Turn it on only once every replica runs a release with migration 0031,
+    which reads postings from both."""
+    on = state == "on"
+    try:
+        with owner_engine().begin() as conn:
+            was_on = set_postings_in_event_row(conn, on)
+    except ProgrammingError as exc:
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        fail(as_json, "not_the_owner", "the service's role may not move postings: run it as the owner role "
+                                       "(PARALON_MIGRATION_DATABASE_URL)")
+    emit(as_json, {"postings_in_event_row": on, "was": was_on},
+         f"appends put postings {'in their event row' if on else 'in ledger_postings rows'}"
+         + (" (already so)" if was_on == on else ""))
 
 
 @ledger_group.command("export")

@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from ledger.errors import LedgerError
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import IN_CLAUSE_VALUES_MAX
-from ledger.schema import account_balances, holds, ledger_events, ledger_postings
+from ledger.schema import account_balances, holds, ledger_event_postings, ledger_events
 
 # An event as the log is read back (ledger.log.StoredEvent's order, postings apart).
 STORED_EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "recorded_at", "prev_hash", "hash")
@@ -34,6 +34,10 @@ NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s",
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
             "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta", "replica_id")
 HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
+
+# In a connection's `info`: where its last append wrote postings, so the next
+# drafts them that way before the lock tells.
+POSTINGS_IN_EVENT_ROW_SEEN = "paralon_postings_in_event_row"
 
 KnownKeys = dict[str, tuple[bytes, int, str]]  # idempotency key -> (content digest, seq, event type)
 HoldRules = Callable[[Connection, list[PlaceHold]], list[HoldResult | LedgerError]]
@@ -46,6 +50,7 @@ class HeadRead(NamedTuple):
     last_hash: bytes
     known_keys: KnownKeys  # of the keys asked about, those committed meanwhile
     balances: dict[int, int]  # account id -> balance_nano_usd
+    postings_in_event_row: bool = False  # ledger_head's flag (migration 0031): where this batch writes postings
 
 
 class AppendedBatch(NamedTuple):
@@ -65,6 +70,7 @@ class AppendedBatch(NamedTuple):
     # None: the storage drafts nothing, or the rows were not drafted.
     drafted: list | None = None
     hashes_hex: list[str] | None = None
+    postings_in_event_row: bool = False  # as the head said under the lock
 
 
 def in_chunks(values: list, size: int = IN_CLAUSE_VALUES_MAX) -> Iterator[list]:
@@ -81,6 +87,8 @@ class Storage(ABC):
     # Whether `place_holds` is one statement: a group-commit batch of holds then
     # runs without BEGIN and COMMIT, the statement being its own transaction.
     holds_in_one_statement: ClassVar[bool]
+    # Whether events can carry their postings in their own row (migration 0031).
+    postings_in_event_row_possible: ClassVar[bool] = False
 
     # Engines and transactions
     @abstractmethod
@@ -155,10 +163,10 @@ class Storage(ABC):
         ).all()
         if not events:
             return [], []
+        p = ledger_event_postings.c
         return events, conn.execute(
-            select(ledger_postings.c.event_seq, ledger_postings.c.account_id, ledger_postings.c.amount_nano_usd)
-            .where(ledger_postings.c.event_seq.between(events[0][0], events[-1][0]))
-            .order_by(ledger_postings.c.event_seq, ledger_postings.c.leg)
+            select(p.event_seq, p.account_id, p.amount_nano_usd)
+            .where(p.event_seq.between(events[0][0], events[-1][0])).order_by(p.event_seq, p.leg)
         ).all()
 
     @abstractmethod
@@ -171,12 +179,14 @@ class Storage(ABC):
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         """Events, postings, balances, spend limits and the head of the chain."""
 
-    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]]) -> list | None:
+    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]], *,
+                         in_event_row: bool = False) -> list | None:
         """What `write_appended` can encode of each event before the append
         lock, so the lock is held for less; None: nothing. `event_columns` are
         EVENT_COLUMNS from event_type to reverses_seq: all but what the lock
         decides (the sequence and the hashes); `event_postings` are each
-        event's (account_id, amount_nano_usd) legs in order."""
+        event's (account_id, amount_nano_usd) legs in order; `in_event_row`:
+        drafted for postings in the event's row (the head may yet say otherwise)."""
         return None
 
     # Holds

@@ -29,6 +29,7 @@ from ledger.schema import utc_now
 from ledger.storage.base import (
     HOLD_ROW,
     NEW_HOLD_COLUMNS,
+    POSTINGS_IN_EVENT_ROW_SEEN,
     STORED_EVENT_COLUMNS,
     AppendedBatch,
     HeadRead,
@@ -52,14 +53,14 @@ _SESSION_IN_UTC = "-c TimeZone=UTC"
 # Serialisation failure, deadlock, unique violation.
 _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
 
-_LOCK_HEAD = "SELECT last_seq, last_hash FROM ledger_head WHERE id = 1 FOR UPDATE"
+_LOCK_HEAD = "SELECT last_seq, last_hash, postings_in_event_row FROM ledger_head WHERE id = 1 FOR UPDATE"
 _KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "
                "WHERE idempotency_key = ANY(%(keys)s::text[])")
 # A page of the log on the raw cursor: psycopg's own loaders give UTC-aware
 # times (the column is timestamptz) and plain tuples, without a Python
 # conversion per row; a replay reads a million of them.
 _LOG_EVENTS = f"SELECT {', '.join(STORED_EVENT_COLUMNS)} FROM ledger_events WHERE seq > %(after)s ORDER BY seq LIMIT %(limit)s"
-_LOG_POSTINGS = ("SELECT event_seq, account_id, amount_nano_usd FROM ledger_postings "
+_LOG_POSTINGS = ("SELECT event_seq, account_id, amount_nano_usd FROM ledger_event_postings "
                  "WHERE event_seq BETWEEN %(first)s AND %(last)s ORDER BY event_seq, leg")
 _BALANCES = "SELECT account_id, balance_nano_usd FROM account_balances WHERE account_id = ANY(%(ids)s::bigint[])"
 
@@ -71,6 +72,8 @@ _BALANCES = "SELECT account_id, balance_nano_usd FROM account_balances WHERE acc
 _COPY_EVENTS = ("COPY ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, prev_hash, hash, "
                 "recorded_at) FROM STDIN")
 _COPY_POSTINGS = "COPY ledger_postings (event_seq, leg, account_id, amount_nano_usd) FROM STDIN"
+# Postings in their event's row (migration 0031): two array columns more, no posting rows.
+_COPY_EVENTS_WITH_POSTINGS = _COPY_EVENTS.replace("recorded_at)", "recorded_at, posting_account_ids, posting_amounts_nano_usd)")
 # COPY's text format: these four characters are escaped, NULL is \N.
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 _COPY_NULL = "\\N"
@@ -160,6 +163,7 @@ class PostgresStorage(Storage):
     dialect = "postgresql"
     url_backends = ("postgresql", "postgres")
     holds_in_one_statement = True
+    postings_in_event_row_possible = True
     # OperationalError: refused, dropped, terminated by an administrator, timed out;
     # InterfaceError: used after it closed.
     driver_connection_errors = (psycopg.OperationalError, psycopg.InterfaceError)
@@ -224,28 +228,39 @@ class PostgresStorage(Storage):
     def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
         """The lock and both reads in one pipelined round trip: each read runs
         after the lock is held, so it sees what committed while it waited."""
-        head_rows, key_rows, balance_rows = _pipelined_rows(conn, [
-            (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
-        ])
-        last_seq, last_hash = head_rows[0]
-        return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows))
+        try:
+            head_rows, key_rows, balance_rows = _pipelined_rows(conn, [
+                (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
+            ])
+        except psycopg.errors.UndefinedColumn:  # deployed before its migration: nothing is written
+            raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
+        last_seq, last_hash, in_event_row = head_rows[0]
+        return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows), in_event_row)
 
-    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]]) -> list:
+    def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]], *,
+                         in_event_row: bool = False) -> list:
         """Per event: its COPY line between its sequence and its previous
-        hash's hex; and its postings' lines after their event_seq, behind an
-        empty first item, so that `str(seq).join` makes them whole."""
+        hash's hex; and its postings: as rows, their lines after their
+        event_seq, behind an empty first item, so that `str(seq).join` makes
+        them whole (a list); in the event's row, the end of its line (a str)."""
         drafted = []
         for (event_type, payload, key, digest, reverses), postings in zip(event_columns, event_postings):
-            legs = [""]
-            for leg, (account_id, amount) in enumerate(postings):
-                legs.append(f"\t{leg}\t{account_id}\t{amount}\n")
+            if in_event_row:
+                legs = _postings_columns(postings)
+            else:
+                legs = [""]
+                for leg, (account_id, amount) in enumerate(postings):
+                    legs.append(f"\t{leg}\t{account_id}\t{amount}\n")
             drafted.append((f"\t{event_type}\t{_copy_text(payload)}\t{_copy_text(key)}\t{_copy_bytea(digest)}"
                             f"\t{_COPY_NULL if reverses is None else reverses}\t{_COPY_BYTEA_HEX}", legs))
         return drafted
 
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
-        rows = batch.event_rows
-        drafted = batch.drafted if batch.drafted is not None else self._draft_rows(rows, batch.posting_rows)
+        rows, in_event_row = batch.event_rows, batch.postings_in_event_row
+        conn.info[POSTINGS_IN_EVENT_ROW_SEEN] = in_event_row
+        drafted = batch.drafted
+        if drafted is None or (drafted and isinstance(drafted[0][1], str) != in_event_row):  # drafted the other way
+            drafted = self._draft_rows(rows, batch.posting_rows, in_event_row)
         hexes = batch.hashes_hex
         if hexes is None:
             chain = [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
@@ -255,9 +270,14 @@ class PostgresStorage(Storage):
             raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
-            _copy(cursor, _COPY_EVENTS, "".join([f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
-                                                 for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
-            if batch.posting_rows:
+            if in_event_row:
+                _copy(cursor, _COPY_EVENTS_WITH_POSTINGS, "".join([
+                    f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}{legs}\n"
+                    for row, (middle, legs), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
+            else:
+                _copy(cursor, _COPY_EVENTS, "".join([f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
+                                                     for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
+            if batch.posting_rows and not in_event_row:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
         ids, closed_ids, limit_ids = sorted(batch.balances), sorted(batch.holds_closed), sorted(batch.limit_usage)
         head = conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
@@ -270,7 +290,7 @@ class PostgresStorage(Storage):
         if head.rowcount != 1:
             raise InvariantBroken("the postings did not move the balances to those the batch decided (is migration 0030 applied?)")
 
-    def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple]) -> list:
+    def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
         each posting after its event's others, its legs numbered from 0."""
         legs: dict[int, list[tuple[int, int]]] = {row[0]: [] for row in event_rows}
@@ -279,7 +299,7 @@ class PostgresStorage(Storage):
             if postings is None or leg != len(postings):
                 raise InvariantBroken(f"posting {seq}/{leg} does not follow its event's legs in order")
             postings.append((account_id, amount))
-        return self.encode_unchained([row[1:6] for row in event_rows], list(legs.values()))
+        return self.encode_unchained([row[1:6] for row in event_rows], list(legs.values()), in_event_row=in_event_row)
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
         """The server runs the rules (migration 0015's function): `rules` is not needed."""
@@ -329,6 +349,14 @@ def _copy_text(value: str) -> str:
     if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
         return value.translate(_COPY_ESCAPES)
     return value
+
+
+def _postings_columns(postings: list[tuple[int, int]]) -> str:
+    """An event's legs as the last two columns of its COPY line: two array
+    literals (NULL when it has none, as the CHECK of 0031 asks)."""
+    if not postings:
+        return f"\t{_COPY_NULL}\t{_COPY_NULL}"
+    return "\t{" + ",".join([str(p[0]) for p in postings]) + "}\t{" + ",".join([str(p[1]) for p in postings]) + "}"
 
 
 def _copy_bytea(value: bytes) -> str:

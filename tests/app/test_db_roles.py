@@ -327,6 +327,92 @@ def test_a_posting_to_an_account_without_a_balance_is_refused(books):
     assert money_snapshot(owner) == before
 
 
+def _forged_event_with_legs(head, accounts: str, amounts: str) -> str:
+    """The next event of the chain carrying its postings in its row (migration 0031)."""
+    return (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "
+            f"recorded_at, posting_account_ids, posting_amounts_nano_usd) VALUES ({head.last_seq + 1}, 'CreditsGranted', "
+            f"'{{}}', 'forged', '\\x00', '\\x{bytes(head.last_hash).hex()}', '\\x00', now(), {accounts}, {amounts})")
+
+
+def _head_and_platform(owner):
+    with owner.connect() as conn:
+        head = conn.execute(text("SELECT last_seq, last_hash FROM ledger_head")).one()
+        platform = conn.execute(text("SELECT id FROM accounts WHERE system_code = 'platform:revenue'")).scalar_one()
+    return head, platform
+
+
+def test_legs_in_an_event_row_must_sum_to_zero(books):
+    owner, service, customer = books
+    head, platform = _head_and_platform(owner)
+    _refused_and_nothing_moved(owner, service, [
+        _forged_event_with_legs(head, f"ARRAY[:c, {platform}]", f"ARRAY[{THOUSAND_USD}, -1]"),
+    ], customer, f"postings sum to {THOUSAND_USD - 1} nano-USD, not 0")
+
+
+@pytest.mark.parametrize("accounts, amounts", [
+    ("ARRAY[:c, {p}]", f"ARRAY[{USD}]"),  # lengths differ
+    ("ARRAY[:c, NULL]", f"ARRAY[{USD}, -{USD}]"),  # an account missing
+    ("ARRAY[:c, {p}]", f"ARRAY[{USD}, NULL]"),  # an amount missing
+    ("CAST('{{}}' AS bigint[])", "CAST('{{}}' AS bigint[])"),  # no leg at all
+    ("ARRAY[:c, {p}]", "NULL"),  # accounts without amounts
+    ("ARRAY[[:c], [{p}]]", f"ARRAY[[{USD}], [-{USD}]]"),  # two dimensions
+])
+def test_legs_in_an_event_row_are_two_arrays_of_one_length_without_a_gap(books, accounts, amounts):
+    owner, service, customer = books
+    head, platform = _head_and_platform(owner)
+    _refused_and_nothing_moved(owner, service, [_forged_event_with_legs(head, accounts.format(p=platform), amounts.format())],
+                               customer, "ck_ledger_events_posting_arrays")
+
+
+def test_legs_in_an_event_row_move_the_balances_and_no_posting_row_may_join_them(books):
+    """The service's role writes an event with its legs in its row as appends do: the
+    balances move in the same statement. A posting row added to that event is refused."""
+    owner, service, customer = books
+    head, platform = _head_and_platform(owner)
+    seq = head.last_seq + 1
+    event = _forged_event_with_legs(head, f"ARRAY[:c, {platform}]", f"ARRAY[{USD}, -{USD}]")
+    with service.connect() as conn:
+        with conn.begin() as transaction:
+            conn.execute(text(event), {"c": customer})
+            moved = conn.execute(text("SELECT balance_nano_usd, last_event_seq FROM account_balances WHERE account_id = :c"),
+                                 {"c": customer}).one()
+            transaction.rollback()
+    assert tuple(moved) == (11 * USD, seq)
+    _refused_and_nothing_moved(owner, service, [
+        event, f"INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES ({seq}, 2, :c, 0)",
+    ], customer, "its event carries its postings in its row")
+
+
+def test_legs_in_an_event_row_to_an_account_without_a_balance_are_refused(books):
+    owner, service, customer = books
+    head, _ = _head_and_platform(owner)
+    with service.begin() as conn:
+        bare = conn.execute(text("INSERT INTO accounts (kind, name, created_at) VALUES ('customer', 'bare', now()) "
+                                 "RETURNING id")).scalar_one()
+    before = money_snapshot(owner)
+    with pytest.raises(DBAPIError, match=f"account {bare} has no balance to post to"):
+        with service.begin() as conn:
+            conn.execute(text(_forged_event_with_legs(head, f"ARRAY[:c, {bare}]", f"ARRAY[-{USD}, {USD}]")), {"c": customer})
+    assert money_snapshot(owner) == before
+
+
+def test_the_event_postings_function_runs_for_ledger_events_alone(books):
+    """Like the postings guard, it runs as its owner: no one may execute it, and granted
+    that right anyway, it refuses to run for any other table."""
+    owner, service, customer = books
+    head, platform = _head_and_platform(owner)
+    attach = [
+        "CREATE TEMPORARY TABLE fake (seq bigint, posting_account_ids bigint[], posting_amounts_nano_usd bigint[])",
+        "CREATE TRIGGER fake_apply AFTER INSERT ON fake REFERENCING NEW TABLE AS new_events "
+        "FOR EACH STATEMENT EXECUTE FUNCTION paralon_apply_event_postings()",
+        f"INSERT INTO fake VALUES ({head.last_seq + 1}, ARRAY[:c, {platform}], ARRAY[{THOUSAND_USD}, -{THOUSAND_USD}])",
+    ]
+    _refused_and_nothing_moved(owner, service, attach, customer, "permission denied for function paralon_apply_event_postings")
+    with owner.begin() as conn:
+        conn.execute(text(f'GRANT EXECUTE ON FUNCTION paralon_apply_event_postings() TO "{APP_ROLE}"'))
+    _refused_and_nothing_moved(owner, service, attach, customer, "runs only after inserts into ledger_events")
+
+
 def _forged_event(head) -> str:
     """The next event of the chain, written by hand as the service's role could."""
     return (f"INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, prev_hash, hash, "

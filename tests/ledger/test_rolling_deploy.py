@@ -17,12 +17,13 @@ from app.migrate import alembic_config
 from ledger import commands as cmd
 from ledger.db import make_engine, snapshot_connection
 from ledger.errors import InvariantBroken
+from ledger.log import read_events
 from ledger.service import Ledger, append_now
-from ledger.store import append_batch
-from ledger.verify import verify
-from tests.ledger.helpers import customer_with, key, money_snapshot
+from ledger.store import append_batch, set_postings_in_event_row
+from ledger.verify import rebuild_balances, verify
+from tests.ledger.helpers import customer_with, key, money_snapshot, postings_in_event_row
 from tests.support.db_roles import app_role_url
-from tests.support.previous_release import set_balances_as_before_0030
+from tests.support.previous_release import appending_as_before_0030, set_balances_as_before_0030
 
 USD = 10**9
 
@@ -70,15 +71,62 @@ def test_the_previous_release_still_writes_the_balances_its_postings_moved(pg_le
         assert verify(conn).ok
 
 
-def test_this_release_refuses_to_append_where_postings_do_not_move_the_balances(pg_ledger, pg_engine):
-    """Deployed before its migration (0030), this release's postings would move no
-    balance: the batch is refused whole and nothing moves."""
+@pytest.mark.parametrize("revision", ["0029", "0030"])
+def test_this_release_refuses_to_append_before_its_migrations(pg_ledger, pg_engine, revision):
+    """Deployed before its migrations (0030: its postings would move no balance;
+    0031: its head has no say on where postings go): the batch is refused
+    whole and nothing moves. A log whose events carry their postings in their
+    rows cannot go back before 0031 at all: the releases before it would not
+    see those postings."""
     customer = customer_with(pg_ledger, USD)
-    with pg_engine.begin() as conn:
+    if postings_in_event_row(pg_engine):
+        before = money_snapshot(pg_engine)
+        with pytest.raises(RuntimeError, match="cannot read them"):
+            _downgrade(pg_engine, revision)
+        assert money_snapshot(pg_engine) == before
+        with pg_engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0031"
+        return
+    _downgrade(pg_engine, revision)
+    before = money_snapshot(pg_engine)
+    with pytest.raises(InvariantBroken, match="migration 0031"):
+        append_now(pg_engine, cmd.GrantCredits(customer, USD, "more", key("grant")))
+    assert money_snapshot(pg_engine) == before
+
+
+def _downgrade(engine, revision: str) -> None:
+    with engine.begin() as conn:
         config = alembic_config()
         config.attributes["connection"] = conn
-        command.downgrade(config, "0029")
+        command.downgrade(config, revision)
+
+
+def test_a_log_written_as_rows_and_then_in_event_rows_reads_reverses_verifies_and_replays_as_one(pg_ledger, pg_engine):
+    """Migration 0031's two layouts in one log: a replica of the previous release
+    wrote rows, then postings went into their events' rows. Every reader gets each
+    event's legs in order from either place; a reversal of either kind negates
+    them; verify and a replay agree with the balances."""
+    customer = customer_with(pg_ledger, 0)
+    with appending_as_before_0030():
+        as_rows = pg_ledger.append(cmd.GrantCredits(customer, 3 * USD, "as rows", key("grant")))
+    with pg_engine.begin() as conn:
+        set_postings_in_event_row(conn, True)
+    in_row = pg_ledger.append(cmd.GrantCredits(customer, 5 * USD, "in its row", key("grant")))
+    with pg_engine.connect() as conn:
+        kept = dict(conn.execute(text("SELECT seq, posting_account_ids IS NOT NULL FROM ledger_events")).all())
+        events = {e.seq: e.postings for e in read_events(conn, 0)}
+    assert (kept[as_rows.seq], kept[in_row.seq]) == (False, True)
+    counter = events[as_rows.seq][1][0]
+    assert events[as_rows.seq] == [(customer, 3 * USD), (counter, -3 * USD)]
+    assert events[in_row.seq] == [(customer, 5 * USD), (counter, -5 * USD)]
+    for reversed_ in (as_rows, in_row):
+        reversal = pg_ledger.append(cmd.ReverseEvent(reversed_.seq, "undo", key("reverse")))
+        with pg_engine.connect() as conn:
+            assert read_events(conn, reversal.seq - 1)[0].postings == [(a, -amount) for a, amount in events[reversed_.seq]]
+    assert pg_ledger.balance(customer).balance_nano_usd == 0
+    with snapshot_connection(pg_engine) as conn:
+        assert verify(conn).ok
     before = money_snapshot(pg_engine)
-    with pytest.raises(InvariantBroken, match="did not move the balances"):
-        append_now(pg_engine, cmd.GrantCredits(customer, USD, "more", key("grant")))
+    with pg_engine.begin() as conn:
+        rebuild_balances(conn)
     assert money_snapshot(pg_engine) == before

@@ -16,7 +16,7 @@ from ledger.schema import ledger_events
 from ledger.service import Ledger
 from ledger.chain import VerifyReport
 from ledger.verify import replay_balances, verify
-from tests.ledger.helpers import customer_with, keep_granting, key
+from tests.ledger.helpers import customer_with, keep_granting, key, leg_changed
 from tests.support.tampering import tamper_as_superuser
 
 PROCESSES = 2  # one range in this process, one in another
@@ -74,7 +74,7 @@ def test_damage_anywhere_is_reported_alike(busy_ledger):
     edited = [2, edge, edge + 1, last]
     for seq in edited:
         tamper_as_superuser(busy_ledger, f"UPDATE ledger_events SET payload = payload || ' ' WHERE seq = {seq}")
-    tamper_as_superuser(busy_ledger, f"UPDATE ledger_postings SET amount_nano_usd = amount_nano_usd + 3 WHERE event_seq = {last - 1} AND leg = 0")
+    tamper_as_superuser(busy_ledger, leg_changed(busy_ledger, last - 1, 0, 3))
     one, several = _both(busy_ledger)
     assert one == several
     for seq in edited:

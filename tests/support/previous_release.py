@@ -1,5 +1,6 @@
 """Appends as the release before migration 0030 wrote them on PostgreSQL, for
-tests that write on a database migrated only part of the way.
+tests that write on a database migrated only part of the way (before 0031 too:
+that release read no layout flag from the head).
 
 That release set, after its postings, every balance it had decided; this one
 leaves the balances to the postings themselves and refuses a batch whose
@@ -13,6 +14,7 @@ from sqlalchemy import Connection
 
 from ledger.storage.base import AppendedBatch
 from ledger.storage.pg_arrays import ints
+from ledger.storage import postgres
 from ledger.storage.postgres import PostgresStorage
 
 _SET_BALANCES = """
@@ -37,4 +39,6 @@ def appending_as_before_0030():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PostgresStorage, "write_appended", write_as_before)
+        # Nor did it know migration 0031's flag: postings were rows.
+        patch.setattr(postgres, "_LOCK_HEAD", "SELECT last_seq, last_hash, false FROM ledger_head WHERE id = 1 FOR UPDATE")
         yield

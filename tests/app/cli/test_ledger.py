@@ -14,6 +14,7 @@ from sqlalchemy import text
 from app.cli import main
 from ledger.db import make_engine
 from tests.ledger.helpers import money_snapshot
+from tests.support.db_roles import app_role_url
 
 
 @pytest.fixture
@@ -109,3 +110,35 @@ def test_the_console_script_runs(tmp_path):
     paralon = Path(sys.executable).parent / "paralon"
     out = subprocess.run([str(paralon), "migrate", "--json"], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == {"revision": "head"}
+
+
+def test_postings_move_into_their_event_row_and_back_as_the_owner_only(paralon, database_url):
+    customer = _json(paralon("accounts", "create", "--kind", "customer", "--name", "Ada", "--json"))["id"]
+    if not database_url.startswith("postgresql"):
+        refused = paralon("ledger", "postings-in-event-row", "on", "--json", expect=2)
+        assert "only PostgreSQL" in json.loads(refused.stderr)["error"]["message"]
+        return
+    engine = make_engine(database_url)
+    service = CliRunner().invoke(main, ["ledger", "postings-in-event-row", "on", "--json"],
+                                 env={"PARALON_DATABASE_URL": app_role_url(database_url)}, catch_exceptions=False)
+    assert (service.exit_code, json.loads(service.stderr)["error"]["code"]) == (2, "not_the_owner")
+    assert _layout(engine) == (False, 0, 0), "nothing written"
+    assert _json(paralon("ledger", "postings-in-event-row", "on", "--json")) == {"postings_in_event_row": True, "was": False}
+    paralon("credits", "grant", str(customer), "--usd", "2", "--reason", "in the row", "--json")
+    assert _layout(engine) == (True, 1, 0), "its two legs are in the event's row, no posting row"
+    assert "already so" in paralon("ledger", "postings-in-event-row", "on").stdout
+    assert _json(paralon("ledger", "postings-in-event-row", "off", "--json")) == {"postings_in_event_row": False, "was": True}
+    paralon("credits", "grant", str(customer), "--usd", "3", "--reason", "as rows", "--json")
+    assert _layout(engine) == (False, 1, 2)
+    assert _json(paralon("balance", str(customer), "--json"))["available_nano_usd"] == 5 * 10**9
+    report = _json(paralon("ledger", "verify", "--json"))
+    assert report["ok"] and report["events_checked"] == 2
+    engine.dispose()
+
+
+def _layout(engine) -> tuple[bool, int, int]:
+    """The head's flag, the events carrying their postings, the posting rows."""
+    with engine.connect() as conn:
+        return tuple(conn.execute(text("SELECT (SELECT postings_in_event_row FROM ledger_head), "
+                                 "(SELECT count(*) FROM ledger_events WHERE posting_account_ids IS NOT NULL), "
+                                 "(SELECT count(*) FROM ledger_postings)")).one())
