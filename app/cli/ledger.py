@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+from contextlib import contextmanager
 
 import click
 from sqlalchemy.exc import ProgrammingError
@@ -174,6 +175,17 @@ def ledger_anchor(as_json: bool) -> None:
 INSUFFICIENT_PRIVILEGE = "42501"  # PostgreSQL's SQLSTATE: e.g. not the owner of the table
 
 
+@contextmanager
+def _as_the_owner(as_json: bool, what: str):
+    """The database's refusal of the service's role, as one line (exit 2)."""
+    try:
+        yield
+    except ProgrammingError as exc:
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        fail(as_json, "not_the_owner", f"{what}: run it as the owner role (PARALON_MIGRATION_DATABASE_URL)")
+
+
 @ledger_group.command("replay")
 @json_option
 @handles_errors
@@ -182,14 +194,9 @@ def ledger_replay(as_json: bool) -> None:
     db = owner_engine()
     with db.connect() as conn:
         total = count_events(conn)
-    try:
+    with _as_the_owner(as_json, "replay rewrites balances past their guard"):
         with db.begin() as conn, progress(total, "replaying") as bar:
             accounts_rebuilt = rebuild_balances(conn, progress=bar.update)
-    except ProgrammingError as exc:
-        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
-            raise
-        fail(as_json, "not_the_owner", "replay rewrites balances past their guard: run it as the owner role "
-                                       "(PARALON_MIGRATION_DATABASE_URL)")
     emit(as_json, {"events_replayed": total, "accounts_rebuilt": accounts_rebuilt},
          f"replayed {total} events into {accounts_rebuilt} account balances")
 
@@ -204,14 +211,8 @@ def ledger_postings_in_event_row(state: str, as_json: bool) -> None:
     ledger_postings rows (off). Turn it on only once every replica runs a release with migration 0031,
     which reads postings from both."""
     on = state == "on"
-    try:
-        with owner_engine().begin() as conn:
-            was_on = set_postings_in_event_row(conn, on)
-    except ProgrammingError as exc:
-        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
-            raise
-        fail(as_json, "not_the_owner", "the service's role may not move postings: run it as the owner role "
-                                       "(PARALON_MIGRATION_DATABASE_URL)")
+    with _as_the_owner(as_json, "the service's role may not move postings"), owner_engine().begin() as conn:
+        was_on = set_postings_in_event_row(conn, on)
     emit(as_json, {"postings_in_event_row": on, "was": was_on},
          f"appends put postings {'in their event row' if on else 'in ledger_postings rows'}"
          + (" (already so)" if was_on == on else ""))
