@@ -156,7 +156,8 @@ holds = Table(
     # The proxy replica that placed it (PARALON_REPLICA_ID): restarted after a
     # crash, it settles the holds it left at once instead of waiting for expiry.
     Column("replica_id", String(REPLICA_ID_CHARS_MAX)),
-    Index("ix_holds_expiry", "expires_at"),
+    # No index by expiry (migration 0032): renewals then rewrite a hold in
+    # place, and the sweeper scans what is in flight.
 )
 
 # A spend limit (an API key's) is reserved like a customer's balance: placing a

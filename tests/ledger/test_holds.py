@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from ledger import commands as cmd
 from ledger import spend_limits
@@ -199,3 +199,27 @@ def test_a_restarted_replica_settles_the_holds_it_left_at_once_and_no_one_elses(
     assert _limit(engine)["spent_nano_usd"] == capture and _limit(engine)["held_nano_usd"] == 2 * USD
     with engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_renewals_rewrite_holds_in_place_and_the_sweeper_still_finds_the_expired(pg_engine):
+    """No index by expiry and room on each page (migration 0032): a renewal, which a
+    running request sends about once a second, is a heap-only update that writes no
+    index entry. The sweeper, scanning what is in flight, still closes what expired."""
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 20 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    placed = [ledger.place_hold(PlaceHold(customer, USD, key("hold"))) for _ in range(20)]
+    with pg_engine.begin() as conn:
+        renewed = renew_holds(conn, [HoldRenewal(h.hold_id, 30, 1_000, owner, f"req-{i}", {"model": "m"}) for i, h in enumerate(placed)])
+        updated, in_place = conn.execute(text(
+            "SELECT pg_stat_get_xact_tuples_updated(CAST('holds' AS regclass)), "
+            "pg_stat_get_xact_tuples_hot_updated(CAST('holds' AS regclass))")).one()
+    assert renewed == {h.hold_id for h in placed}
+    assert (updated, in_place) == (20, 20)
+    before = money_snapshot(pg_engine)
+    with pg_engine.begin() as conn:
+        released = expire_holds(conn, now=utc_now() + timedelta(seconds=60))
+        captures = expired_captures(conn, now=utc_now() + timedelta(seconds=60))
+    assert released == 0 and sorted(c.hold_id for c in captures) == sorted(h.hold_id for h in placed), "each delivered something"
+    assert money_snapshot(pg_engine) == before
+    ledger.close()
