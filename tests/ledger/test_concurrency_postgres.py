@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from ledger import commands as cmd
 from ledger import spend_limits
@@ -18,9 +18,10 @@ from ledger.holds import PlaceHold, place_holds
 from ledger.log import consume_once
 from ledger.schema import ledger_events
 from ledger.service import Ledger, append_now
-from ledger.store import append_batch
+from ledger.store import append_batch, set_postings_in_event_row
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, keep_granting, key, money_snapshot
+from tests.support.harness import wait_for
 
 HOLD = 1_000_000
 
@@ -211,3 +212,45 @@ def test_verify_while_appends_go_on_reads_one_state_and_finds_nothing_wrong(pg_e
         appended = sum(writer.result() for writer in writers)
     assert appended > 0, "appends went on while verifying"
     assert [r.problems for r in reports if not r.ok] == []
+
+
+def test_the_postings_layout_flips_while_two_writers_append_and_every_event_keeps_its_legs(pg_engine):
+    """Two writers append while the owner turns postings-in-event-row on and off
+    again and again. The flag is read under the append lock, so every event after
+    a flip is written the new way, even by a batch drafted the old way before the
+    lock; each event keeps its legs in exactly one place, and verify passes."""
+    ledger = Ledger(pg_engine)
+    account = customer_with(ledger, 0)
+    ledger.close()
+    with pg_engine.connect() as conn:
+        flips = [(0, conn.execute(text("SELECT postings_in_event_row FROM ledger_head")).scalar_one())]
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        writers = [pool.submit(keep_granting, pg_engine, account, stop) for _ in range(2)]
+        try:
+            for flip in range(20):
+                with pg_engine.begin() as conn:
+                    set_postings_in_event_row(conn, flip % 2 == 0)
+                    flips.append((conn.execute(text("SELECT last_seq FROM ledger_head")).scalar_one(), flip % 2 == 0))
+                wait_for(lambda: _last_seq(pg_engine) > flips[-1][0], timeout_s=30, interval_s=0.005)  # written this way
+        finally:
+            stop.set()
+        appended = sum(writer.result() for writer in writers)
+    with pg_engine.connect() as conn:
+        layouts = conn.execute(text(
+            "SELECT e.seq, e.posting_account_ids IS NOT NULL, count(p.event_seq) FROM ledger_events e "
+            "LEFT JOIN ledger_postings p ON p.event_seq = e.seq GROUP BY e.seq ORDER BY e.seq")).all()
+    assert appended == len(layouts) > 20
+    for seq, in_row, posting_rows in layouts:
+        expected = [on for flipped_at, on in flips if flipped_at < seq][-1]
+        assert (in_row, posting_rows) == ((True, 0) if expected else (False, 2)), (seq, flips)
+    assert {in_row for _, in_row, _ in layouts} == {True, False}, "both layouts were written"
+    with snapshot_connection(pg_engine) as conn:
+        report = verify(conn)
+    assert report.ok, report.problems
+    assert money_snapshot(pg_engine)["balances"][account] == appended
+
+
+def _last_seq(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT last_seq FROM ledger_head")).scalar_one()
