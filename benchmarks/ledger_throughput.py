@@ -193,9 +193,10 @@ async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadl
 
 
 async def _process_load(url: str, index: int, producers: int, customers: list[int], owners: list[int],
-                        start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float) -> dict:
+                        start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
+                        flush_after_commit: bool) -> dict:
     engine = make_engine(url, pool_size=4)
-    ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms)
+    ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
     await asyncio.sleep(max(0.0, start_at - time.time()))
     threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
@@ -253,7 +254,7 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
-             postings_in_event_row: bool = False) -> dict:
+             postings_in_event_row: bool = False, flush_after_commit: bool = True) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
@@ -278,7 +279,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     ledger.close()
     start_at = time.time() + 3.0  # every process starts producing at the same moment
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms)
+    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit)
             for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
@@ -350,6 +351,8 @@ def main() -> None:
                         help="commit without waiting for the WAL flush (not durable: a measurement of what the wait costs)")
     parser.add_argument("--postings-in-event-row", action="store_true",
                         help="appends put postings in their event's row (migration 0031), not in ledger_postings")
+    parser.add_argument("--flush-under-lock", action="store_true",
+                        help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
     args = parser.parse_args()
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
@@ -360,7 +363,8 @@ def main() -> None:
     with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
         result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                           args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
-                          not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row)
+                          not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
+                          not args.flush_under_lock)
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -375,6 +379,7 @@ def main() -> None:
         postings_guard=not args.without_postings_guard,
         flush_wait=not args.without_flush_wait,
         postings_in_event_row=args.postings_in_event_row,
+        flush_after_commit=not args.flush_under_lock,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

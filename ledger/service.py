@@ -34,11 +34,12 @@ class Ledger:
         batch_size_max: int = BATCH_SIZE_MAX_DEFAULT,
         batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
         hold_batch_wait_ms: float = HOLD_BATCH_WAIT_MS_DEFAULT,
+        flush_after_commit: bool = True,
     ) -> None:
         self.engine = engine
         self.appender: GroupCommitWriter[cmd.Command, AppendResult] = GroupCommitWriter(
             engine, partial(append_batch, closing_keys_to_the_index=True), name="ledger-appender", batch_size_max=batch_size_max,
-            batch_wait_ms=batch_wait_ms, validate=cmd.validate_shape,
+            batch_wait_ms=batch_wait_ms, validate=cmd.validate_shape, flush_after_commit=flush_after_commit,
         )
         self.holder: GroupCommitWriter[hl.PlaceHold, hl.HoldResult] = GroupCommitWriter(
             engine, hl.place_holds, name="ledger-holds", batch_size_max=batch_size_max,

@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 
 from app.anchoring import file as anchor_file
 from ledger.anchors import Anchor, read_head
+from ledger.db import storage_of
 from ledger.errors import InvalidInput
 from ledger.schema import utc_now
 
@@ -37,6 +38,10 @@ def write_anchor(engine: Engine, settings: AnchorSettings, *, only_if_moved: boo
     newest anchor is already this head (beat's runs on an idle ledger)."""
     with engine.connect() as conn:
         seq, head_hash = read_head(conn)
+        conn.rollback()
+        # The durable writer commits first and answers after the flush: a head
+        # it has not flushed yet would be anchored, then lost in a crash.
+        storage_of(conn).wait_for_flush(conn)
     if seq == 0:
         raise NothingToAnchor("the ledger has no event yet: nothing to anchor")
     if only_if_moved and _newest_in_file(settings.file) == (seq, head_hash):

@@ -108,7 +108,15 @@ class Storage(ABC):
     @abstractmethod
     def skip_flush_wait(self, conn: Connection) -> None:
         """This transaction's commit need not wait for its flush: used for
-        holds only, which a crash may lose without costing anyone anything."""
+        holds only, which a crash may lose without costing anyone anything;
+        and the durable writer's batches, which then `wait_for_flush`."""
+
+    @abstractmethod
+    def wait_for_flush(self, conn: Connection) -> None:
+        """Return once everything committed before, on any connection, is
+        flushed: a batch committed without waiting (so the append lock is
+        free for the next) is durable before any caller hears of it. Called
+        outside a transaction."""
 
     # The driver's own error classes among which a failed connection is
     # reported, as its raw connection raises them (statements that bypass

@@ -53,6 +53,11 @@ _SESSION_IN_UTC = "-c TimeZone=UTC"
 # Serialisation failure, deadlock, unique violation.
 _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
 
+# A commit waits for the flush only if its transaction wrote WAL and took a
+# transaction id: a transactional logical message does both (a bare
+# pg_current_xact_id() writes nothing, and its commit does not wait).
+_FLUSH_BARRIER = "SELECT pg_logical_emit_message(true, 'paralon-flush', '')"
+
 _LOCK_HEAD = "SELECT last_seq, last_hash, postings_in_event_row FROM ledger_head WHERE id = 1 FOR UPDATE"
 _KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "
                "WHERE idempotency_key = ANY(%(keys)s::text[])")
@@ -195,6 +200,17 @@ class PostgresStorage(Storage):
 
     def skip_flush_wait(self, conn: Connection) -> None:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+
+    def wait_for_flush(self, conn: Connection) -> None:
+        """One transaction of its own that writes a WAL record and waits for
+        its flush, which flushes every commit before it in the WAL too."""
+        raw = conn.connection.driver_connection
+        raw.autocommit = True  # the statement is the transaction: one round trip
+        try:
+            raw.execute(_FLUSH_BARRIER)
+        finally:
+            if not raw.closed:
+                raw.autocommit = False
 
     def is_retryable_error(self, error: BaseException | None) -> bool:
         return getattr(error, "sqlstate", None) in _RETRYABLE_SQLSTATES

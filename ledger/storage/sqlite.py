@@ -89,6 +89,9 @@ class SqliteStorage(Storage):
     def skip_flush_wait(self, conn: Connection) -> None:
         """Every SQLite commit is flushed: holds too."""
 
+    def wait_for_flush(self, conn: Connection) -> None:
+        """Every SQLite commit is flushed already."""
+
     def is_retryable_error(self, error: BaseException | None) -> bool:
         return "UNIQUE constraint failed" in str(error)
 

@@ -1,0 +1,179 @@
+"""The durable writer frees the append lock before its batch's WAL flush, and
+answers its callers only after it: what a caller was told survives a crash.
+
+The batch commits without waiting (`synchronous_commit = off`, so the lock,
+a row lock, is released at once), then a transaction of its own that writes
+WAL waits for the flush, which takes every commit before it along."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, text
+
+from app.anchoring.service import AnchorSettings, read_anchors, write_anchor
+from app.migrate import migrate
+from ledger import commands as cmd
+from ledger.commands import EXISTS
+from ledger.db import make_engine, storage_of
+from ledger.errors import DatabaseUnavailable
+from ledger.anchors import check_anchors
+from ledger.holds import PlaceHold
+from ledger.money import split_charge
+from ledger.schema import holds, ledger_events
+from ledger.service import Ledger
+from ledger.store import append_one
+from ledger.verify import verify
+from tests.conftest import _admin_engine
+from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.private_postgres import PrivatePostgres, server_binaries
+from tests.support.services import REQUIRE_SERVICES
+
+CREDITS_NANO_USD = 10_000_000
+HOLD_NANO_USD = 100_000
+CHARGE_NANO_USD = 61_237
+SETTLEMENTS = 40
+
+
+@pytest.fixture
+def private_postgres():
+    if server_binaries() is None:
+        if REQUIRE_SERVICES:
+            pytest.fail("no PostgreSQL server binaries (initdb, postgres) to run a private server")
+        pytest.skip("no PostgreSQL server binaries (initdb, postgres) to run a private server")
+    # Not under pytest's tmp_path: the server's user must be able to reach it.
+    server = PrivatePostgres(Path(tempfile.mkdtemp(prefix="paralon-private-pg-")))
+    try:
+        yield server.create()
+    finally:
+        server.stop()
+
+
+def _settle_all(ledger: Ledger, customer: int, owner: int) -> list:
+    placed = [ledger.place_hold(PlaceHold(customer, HOLD_NANO_USD, key("hold"))) for _ in range(SETTLEMENTS)]
+    futures = [ledger.appender.submit(cmd.SettleRequest(h.hold_id, owner, CHARGE_NANO_USD, key("req"), key("settle")))
+               for h in placed]
+    return [f.result(timeout=30) for f in futures]
+
+
+def test_every_settlement_a_caller_was_told_of_survives_a_crash_of_the_database(private_postgres):
+    engine = make_engine(private_postgres.url)
+    migrate(engine)
+    ledger = Ledger(engine)
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    owner = ledger.create_account(cmd.OWNER, "owner")
+    told = _settle_all(ledger, customer, owner)
+    private_postgres.crash()  # the moment the last caller heard: the postmaster and every backend, SIGKILL
+    engine.dispose()
+    private_postgres.start()  # recovery replays what was flushed, nothing else
+    ledger.close()
+    engine = make_engine(private_postgres.url)
+    try:
+        with engine.connect() as conn:
+            kept = set(conn.execute(select(ledger_events.c.seq)).scalars())
+            assert {r.seq for r in told} <= kept, "a settlement its caller was told of was lost in the crash"
+            assert verify(conn).ok
+        view = Ledger(engine, flush_after_commit=False).balance(customer)
+        assert view.balance_nano_usd == CREDITS_NANO_USD - SETTLEMENTS * CHARGE_NANO_USD
+        assert view.held_nano_usd == 0
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def pg_ledger(postgres_url):
+    engine = make_engine(postgres_url)
+    ledger = Ledger(engine)
+    yield ledger
+    ledger.close()
+    engine.dispose()
+
+
+def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledger, monkeypatch):
+    """The batch committed; the wait for its flush finds the connection gone.
+    The writer runs it again on a new connection: its key finds the committed
+    settlement, nothing is charged twice, and the caller is answered only
+    after a wait for the flush succeeded."""
+    ledger = pg_ledger
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    owner = ledger.create_account(cmd.OWNER, "owner")
+    hold = ledger.place_hold(PlaceHold(customer, HOLD_NANO_USD, key("hold")))
+    before = money_snapshot(ledger.engine)
+    storage = storage_of(ledger.engine)
+    wait_for_flush, waits = storage.wait_for_flush, []
+
+    def cut_the_first(conn):
+        waits.append(conn.connection.driver_connection.info.backend_pid)
+        if len(waits) == 1:
+            with _admin_engine().connect() as admin:
+                admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": waits[0]})
+        wait_for_flush(conn)
+
+    monkeypatch.setattr(storage, "wait_for_flush", cut_the_first)
+    request_key = key("settle")
+    result = ledger.append(cmd.SettleRequest(hold.hold_id, owner, CHARGE_NANO_USD, key("req"), request_key))
+    monkeypatch.undo()
+
+    assert len(waits) == 2 and waits[0] != waits[1], "answered after a second wait, on a new connection"
+    after = money_snapshot(ledger.engine)
+    owner_share, platform_share = split_charge(CHARGE_NANO_USD)
+    assert after["events"] == before["events"] + 1
+    assert after["balances"][customer] == before["balances"][customer] - CHARGE_NANO_USD
+    assert after["balances"][owner] == before["balances"][owner] + owner_share
+    with ledger.engine.connect() as conn:
+        assert conn.execute(select(ledger_events.c.seq).where(ledger_events.c.idempotency_key == request_key)).scalar_one() == result.seq
+        assert conn.execute(select(func.count()).select_from(holds)).scalar_one() == 0
+        assert verify(conn).ok
+    assert platform_share == CHARGE_NANO_USD - owner_share
+
+
+def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_once(pg_ledger, monkeypatch):
+    """While no wait for the flush succeeds, the caller hears `DatabaseUnavailable`,
+    never a result: a grant not known to be flushed is not announced. Its
+    commit stands; the caller's retry with the same key finds it, once."""
+    ledger = pg_ledger
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    storage = storage_of(ledger.engine)
+    before = money_snapshot(ledger.engine)
+
+    def always_gone(conn):
+        with _admin_engine().connect() as admin:
+            admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": conn.connection.driver_connection.info.backend_pid})
+        type(storage).wait_for_flush(storage, conn)
+
+    grant = cmd.GrantCredits(customer, 5, "announced late", key("grant"))
+    monkeypatch.setattr(storage, "wait_for_flush", always_gone)
+    with pytest.raises(DatabaseUnavailable):
+        ledger.append(grant)
+    monkeypatch.undo()
+    retried = ledger.append(grant)
+    after = money_snapshot(ledger.engine)
+    assert retried.status == EXISTS
+    assert after["events"] == before["events"] + 1
+    assert after["balances"][customer] == before["balances"][customer] + 5
+
+
+def test_a_head_committed_but_not_flushed_is_flushed_before_it_is_anchored(private_postgres, tmp_path):
+    """A writer commits, then waits for the flush: an anchor taken in between
+    must not publish a head a crash then takes back."""
+    engine = make_engine(private_postgres.url)
+    migrate(engine)
+    ledger = Ledger(engine)
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    ledger.close()
+    with engine.begin() as conn:  # what the writer does before its wait for the flush
+        storage_of(conn).skip_flush_wait(conn)
+        appended = append_one(conn, cmd.GrantCredits(customer, 1, "committed, not flushed", key("grant")))
+    settings = AnchorSettings(tmp_path / "anchors.jsonl")
+    anchored = write_anchor(engine, settings)
+    assert anchored["seq"] == appended.seq
+    private_postgres.crash()
+    engine.dispose()
+    private_postgres.start()
+    engine = make_engine(private_postgres.url)
+    try:
+        with engine.connect() as conn:
+            assert check_anchors(conn, read_anchors(settings).anchors) == []
+    finally:
+        engine.dispose()
