@@ -336,6 +336,12 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     }
 
 
+def flush_after_commit(args: argparse.Namespace) -> bool:
+    """Whether the writer waits for its flush after the commit; never without
+    the flush wait, which that wait would otherwise still make."""
+    return not (args.flush_under_lock or args.without_flush_wait)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
@@ -364,7 +370,7 @@ def main() -> None:
         result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                           args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                           not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                          not args.flush_under_lock)
+                          flush_after_commit(args))
     log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
     tps_after = pgbench_tps(args.database_url, int(args.seconds))
     pgbench = (tps_before + tps_after) / 2
@@ -379,7 +385,7 @@ def main() -> None:
         postings_guard=not args.without_postings_guard,
         flush_wait=not args.without_flush_wait,
         postings_in_event_row=args.postings_in_event_row,
-        flush_after_commit=not args.flush_under_lock,
+        flush_after_commit=flush_after_commit(args),
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -194,11 +194,23 @@ class GroupCommitWriter(Generic[C, R]):
         if marks:
             self._count_lock_held([*marks, (COMMITTED, time.perf_counter())])
         if self._flush_after_commit:
-            # Even a batch that wrote nothing may answer from another writer's
-            # commit not flushed yet. A failure here runs the batch again: its
-            # idempotency keys find what committed.
-            self._storage.wait_for_flush(conn)
+            self._wait_for_flush(conn, len(commands))
         return results
+
+    def _wait_for_flush(self, conn: Connection, commands: int) -> None:
+        """Even a batch that wrote nothing may answer from another writer's
+        commit not flushed yet. A lost connection runs the batch again (its
+        idempotency keys find what committed); any other failure leaves the
+        batch committed but not known durable, which no caller may be told
+        is done, nor that it failed."""
+        try:
+            self._storage.wait_for_flush(conn)
+        except Exception as exc:
+            if is_connection_failure(exc):
+                raise
+            log.exception("batch of %d committed; its flush could not be waited for", commands)
+            raise DatabaseUnavailable("the batch committed but its flush could not be confirmed: "
+                                      "send it again with the same idempotency key") from exc
 
     def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
         for (_, started), (moment, ended) in zip(marks, marks[1:]):
@@ -221,6 +233,8 @@ class GroupCommitWriter(Generic[C, R]):
         while True:
             try:
                 results = self._apply_once(commands)
+            except DatabaseUnavailable as exc:  # committed, not known durable: answered as "try again"
+                return [exc] * len(commands)
             except Exception as exc:
                 if is_connection_failure(exc):
                     self._drop_connection()

@@ -55,8 +55,14 @@ _RETRYABLE_SQLSTATES = ("40001", "40P01", "23505")
 
 # A commit waits for the flush only if its transaction wrote WAL and took a
 # transaction id: a transactional logical message does both (a bare
-# pg_current_xact_id() writes nothing, and its commit does not wait).
-_FLUSH_BARRIER = "SELECT pg_logical_emit_message(true, 'paralon-flush', '')"
+# pg_current_xact_id() writes nothing, and its commit does not wait). It
+# waits even where the server, the database or the role turned
+# synchronous_commit off (then for the local flush); any other setting is
+# kept, a synchronous standby's wait included.
+_FLUSH_BARRIER = (
+    "SELECT pg_logical_emit_message(true, 'paralon-flush', '') FROM (SELECT set_config('synchronous_commit', "
+    "CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true)) AS s"
+)
 
 _LOCK_HEAD = "SELECT last_seq, last_hash, postings_in_event_row FROM ledger_head WHERE id = 1 FOR UPDATE"
 _KNOWN_KEYS = ("SELECT idempotency_key, content_digest, seq, event_type FROM ledger_events "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import psycopg
 import pytest
 from sqlalchemy import func, select, text
 
@@ -57,7 +58,12 @@ def _settle_all(ledger: Ledger, customer: int, owner: int) -> list:
     return [f.result(timeout=30) for f in futures]
 
 
-def test_every_settlement_a_caller_was_told_of_survives_a_crash_of_the_database(private_postgres):
+@pytest.mark.parametrize("database_synchronous_commit", ["on", "off"])
+def test_every_settlement_a_caller_was_told_of_survives_a_crash_of_the_database(private_postgres, database_synchronous_commit):
+    """Also where the database's own setting turned synchronous_commit off:
+    the writer's wait for the flush does not depend on it."""
+    with psycopg.connect(private_postgres.url, autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE postgres SET synchronous_commit = {database_synchronous_commit}")
     engine = make_engine(private_postgres.url)
     migrate(engine)
     ledger = Ledger(engine)
@@ -128,22 +134,31 @@ def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledge
     assert platform_share == CHARGE_NANO_USD - owner_share
 
 
-def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_once(pg_ledger, monkeypatch):
+def _terminated(conn) -> None:
+    with _admin_engine().connect() as admin:
+        admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": conn.connection.driver_connection.info.backend_pid})
+
+
+def _refused(conn) -> None:
+    raise psycopg.errors.InsufficientPrivilege("permission denied for function pg_logical_emit_message")
+
+
+@pytest.mark.parametrize("failure", [_terminated, _refused], ids=["connection-lost-each-time", "refused"])
+def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_once(pg_ledger, monkeypatch, failure):
     """While no wait for the flush succeeds, the caller hears `DatabaseUnavailable`,
-    never a result: a grant not known to be flushed is not announced. Its
-    commit stands; the caller's retry with the same key finds it, once."""
+    never a result nor a failure of its own: a grant not known to be flushed
+    is not announced. Its commit stands; the retry with the same key finds it, once."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
     storage = storage_of(ledger.engine)
     before = money_snapshot(ledger.engine)
 
-    def always_gone(conn):
-        with _admin_engine().connect() as admin:
-            admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": conn.connection.driver_connection.info.backend_pid})
+    def failing(conn):
+        failure(conn)
         type(storage).wait_for_flush(storage, conn)
 
     grant = cmd.GrantCredits(customer, 5, "announced late", key("grant"))
-    monkeypatch.setattr(storage, "wait_for_flush", always_gone)
+    monkeypatch.setattr(storage, "wait_for_flush", failing)
     with pytest.raises(DatabaseUnavailable):
         ledger.append(grant)
     monkeypatch.undo()
