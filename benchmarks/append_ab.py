@@ -13,9 +13,11 @@ sides alike.
 
     python benchmarks/append_ab.py --base HEAD~1 --json
     python benchmarks/append_ab.py --base HEAD --postings-in-event-row --json
+    python benchmarks/append_ab.py --base HEAD --postings-in-event-row --base-postings-in-event-row --json
 
 The second compares the two postings layouts of this checkout (migration
 0031): this checkout with postings in their event's row, the base with rows.
+The third compares uncommitted changes with both sides in the event-row layout.
 
 Prints one JSON line: the medians of each side and of the ratios (this
 checkout over the base: below 1 is less CPU), for the writer's thread and for
@@ -99,7 +101,8 @@ def backend_cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool) -> dict:
+def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool,
+            base_in_event_row: bool = False) -> dict:
     with revision_checkout(base) as base_root:
         sides: dict[str, subprocess.Popen] = {}
         try:
@@ -107,7 +110,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                 sides[name] = subprocess.Popen(
                     [sys.executable, __file__, "--worker", root, "--database-url", database_url, "--batches", str(batches),
                      "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches),
-                     *(["--postings-in-event-row"] if in_event_row and name == "current" else [])],
+                     *(["--postings-in-event-row"] if (in_event_row if name == "current" else base_in_event_row) else [])],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
             for (name, process), root in zip(sides.items(), (base_root, str(REPO))):
                 ready = process.stdout.readline().split(maxsplit=1)
@@ -135,6 +138,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                 except subprocess.TimeoutExpired:
                     process.kill()
     return {"base": base, "batches": batches, "batch_size": batch_size, "postings_in_event_row": in_event_row,
+            "base_postings_in_event_row": base_in_event_row,
             **side_by_side("", cpu_us), **side_by_side("backend_", backend_us)}
 
 
@@ -161,6 +165,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--postings-in-event-row", action="store_true",
                         help="this checkout's side puts postings in their event's row (migration 0031)")
+    parser.add_argument("--base-postings-in-event-row", action="store_true", help="and so does the base's side")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the root of one side's checkout
     args = parser.parse_args()
     if args.batches < 2:
@@ -172,7 +177,7 @@ def main() -> None:
     from scratch import print_result
 
     print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches,
-                         args.postings_in_event_row), args.json)
+                         args.postings_in_event_row, args.base_postings_in_event_row), args.json)
 
 
 if __name__ == "__main__":

@@ -276,6 +276,8 @@ def validate_shape(command: Command) -> None:
     """Checks that need no database: run before a command is queued."""
     require_text(command.idempotency_key, "idempotency key", IDEMPOTENCY_KEY_CHARS_MAX)
     if isinstance(command, SettleRequest):  # one per request: checked before the rarer kinds are tried
+        # An id that is no 64-bit integer has no canonical text: it would fail its whole batch, not itself.
+        _require_counts(command, ("hold_id", "owner_account_id"))
         require_positive(command.charge_nano_usd, "charge")
         require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
         _validate_meta(command.meta)

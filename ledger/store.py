@@ -30,6 +30,7 @@ from ledger.errors import (
 )
 from ledger.limits import ACCOUNT_KINDS_CACHED_MAX
 from ledger.schema import accounts, holds, ledger_event_postings, ledger_events, ledger_head, utc_now
+from ledger.settlement_texts import SettleTexts, settle_texts, settled_texts
 from ledger.storage.base import HOLD_ROW_SPEND_LIMIT, POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, KnownKeys, in_chunks
 
 
@@ -113,7 +114,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     and the inserts. The lock's time per settlement bounds how many settle
     per second, whatever the cores."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
-    digests = [cmd.command_digest(c) for c in commands]
+    texts = [settle_texts(c) if type(c) is cmd.SettleRequest else None for c in commands]
+    digests = [cmd.command_digest(c) if t is None else t.digest for c, t in zip(commands, texts)]
     book = _load_book(conn, commands)
     # A settlement that just closed its hold cannot have been appended before,
     # so only the others are looked up now; every key is checked again under the lock.
@@ -121,7 +123,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     for i, result in answered.items():
         results[i] = result
     pending = [i for i in range(len(commands)) if i not in answered]
-    prepared, same_batch = _prepare(commands, digests, pending, book, results)
+    prepared, same_batch = _prepare(commands, digests, texts, pending, book, results)
 
     every_key = not closing_keys_to_the_index or conn.info.pop(_LOOK_UP_EVERY_KEY, False)
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
@@ -223,7 +225,7 @@ class _Draft(NamedTuple):
     hashed: tuple[str, str]  # ev.hashed_parts
 
 
-def _prepare(commands, digests, pending, book, results):
+def _prepare(commands, digests, texts, pending, book, results):
     """Rules that read no balance, for each command not yet answered.
 
     Returns {index: _Draft} in command order, and {index: index of the first
@@ -245,14 +247,19 @@ def _prepare(commands, digests, pending, book, results):
         if isinstance(event, ev.RequestSettled):  # a second settlement of it in this batch must fail
             hold = book.holds[event.hold_id]
             book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
-        prepared[i] = _draft(event, postings, key, digests[i])
+        prepared[i] = _draft(event, postings, key, digests[i], texts[i])
     return prepared, same_batch
 
 
-def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes) -> _Draft:
-    event_type, payload_json = type(event).__name__, ev.canonical_json(ev.event_payload(event))
-    return _Draft(event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)),
-                  ev.hashed_parts(event_type, key, payload_json, postings))
+def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes, texts: SettleTexts | None) -> _Draft:
+    """`texts`: a settlement's, written directly (ledger.settlement_texts); None: any event, through its fields."""
+    event_type = type(event).__name__
+    if texts is not None:
+        payload_json, hashed = settled_texts(event, postings, texts)
+    else:
+        payload_json = ev.canonical_json(ev.event_payload(event))
+        hashed = ev.hashed_parts(event_type, key, payload_json, postings)
+    return _Draft(event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)), hashed)
 
 
 def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_content: bool) -> AppendResult | LedgerError:

@@ -77,6 +77,10 @@ def test_same_key_other_content_is_a_conflict_and_moves_nothing(ledger, engine):
         (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"tokens": 1.5}), InvalidInput),
         (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"tokens": 2**64}), InvalidInput),
         (lambda a: cmd.SettleRequest(1, a, 0, "r", key(), {}), InvalidAmount),
+        (lambda a: cmd.SettleRequest(2**64, a, 5, "r", key(), {}), InvalidInput),
+        (lambda a: cmd.SettleRequest(-1, a, 5, "r", key(), {}), InvalidInput),
+        (lambda a: cmd.SettleRequest("1", a, 5, "r", key(), {}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, True, 5, "r", key(), {}), InvalidInput),
     ],
 )
 def test_bad_commands_fail_with_a_typed_error_and_move_nothing(ledger, engine, bad, error):

@@ -1,0 +1,60 @@
+"""A settlement's texts written directly, for the command a ledger appends most.
+
+`command_digest`, `canonical_json(event_payload(...))` and `hashed_parts` make
+any event's texts through a dict of its fields, sorted by `orjson`. A
+settlement's keys are always the same, so its texts are written here in one
+format string each, with `orjson` called only for the values that may need
+escapes (the request id, the idempotency key, the metadata), and each of those
+once for the digest and the event both. The bytes are the generic functions'
+own (`tests/ledger/test_settlement_texts.py` compares them on generated
+settlements); a settlement with any id or amount that is not a plain integer
+of 64 bits gets `None` here and takes the generic path, which writes or refuses
+it as it always did.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+from ledger import commands as cmd
+from ledger import events as ev
+from ledger.limits import INT64_MAX
+
+_SETTLED_TYPE_JSON = '"RequestSettled"'
+
+
+class SettleTexts(NamedTuple):
+    digest: bytes  # `command_digest` of the command
+    meta_json: str
+    request_id_json: str
+    key_json: str
+
+
+def _plain(value: object) -> bool:
+    """An integer that both str() and orjson write as its digits."""
+    return type(value) is int and 0 <= value <= INT64_MAX
+
+
+def settle_texts(command: cmd.SettleRequest) -> SettleTexts | None:
+    """The command's digest and the JSON of its text values, or None: then
+    the generic functions write it."""
+    hold_id, owner, charge = command.hold_id, command.owner_account_id, command.charge_nano_usd
+    if not (_plain(hold_id) and _plain(owner) and _plain(charge)):
+        return None
+    meta_json, request_id_json = ev.canonical_json(command.meta), ev.canonical_json(command.request_id)
+    content = (f'SettleRequest\n{{"charge_nano_usd":{charge},"hold_id":{hold_id},"meta":{meta_json},'
+               f'"owner_account_id":{owner},"request_id":{request_id_json}}}')
+    return SettleTexts(hashlib.sha256(content.encode()).digest(), meta_json, request_id_json,
+                       ev.canonical_json(command.idempotency_key))
+
+
+def settled_texts(event: ev.RequestSettled, postings: list[ev.Posting], texts: SettleTexts) -> tuple[str, tuple[str, str]]:
+    """The event's payload JSON and its hashed parts (`ev.hashed_parts`), from
+    the texts of the command it settles."""
+    payload = (f'{{"charge_nano_usd":{event.charge_nano_usd},"customer_account_id":{event.customer_account_id},'
+               f'"hold_id":{event.hold_id},"meta":{texts.meta_json},"owner_account_id":{event.owner_account_id},'
+               f'"owner_nano_usd":{event.owner_nano_usd},"platform_nano_usd":{event.platform_nano_usd},'
+               f'"released_nano_usd":{event.released_nano_usd},"request_id":{texts.request_id_json}}}')
+    (customer, debit), (owner, owner_share), (platform, platform_share) = postings
+    return payload, (f',"type":{_SETTLED_TYPE_JSON},"key":{texts.key_json},"at":"',
+                     f'","payload":{payload},"postings":[[{customer},{debit}],[{owner},{owner_share}],[{platform},{platform_share}]]}}')
