@@ -277,7 +277,9 @@ def validate_shape(command: Command) -> None:
     require_text(command.idempotency_key, "idempotency key", IDEMPOTENCY_KEY_CHARS_MAX)
     if isinstance(command, SettleRequest):  # one per request: checked before the rarer kinds are tried
         # An id that is no 64-bit integer has no canonical text: it would fail its whole batch, not itself.
-        _require_counts(command, ("hold_id", "owner_account_id"))
+        hold_id, owner = command.hold_id, command.owner_account_id
+        if type(hold_id) is not int or type(owner) is not int or not (0 <= hold_id <= INT64_MAX and 0 <= owner <= INT64_MAX):
+            raise InvalidInput("a settlement's hold_id and owner_account_id are non-negative 64-bit integers")
         require_positive(command.charge_nano_usd, "charge")
         require_text(command.request_id, "request id", IDEMPOTENCY_KEY_CHARS_MAX)
         _validate_meta(command.meta)

@@ -114,8 +114,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     and the inserts. The lock's time per settlement bounds how many settle
     per second, whatever the cores."""
     results: list[AppendResult | LedgerError | None] = [None] * len(commands)
-    texts = [settle_texts(c) if type(c) is cmd.SettleRequest else None for c in commands]
-    digests = [cmd.command_digest(c) if t is None else t.digest for c, t in zip(commands, texts)]
+    texts, digests = _texts_and_digests(commands)
     book = _load_book(conn, commands)
     # A settlement that just closed its hold cannot have been appended before,
     # so only the others are looked up now; every key is checked again under the lock.
@@ -249,6 +248,12 @@ def _prepare(commands, digests, texts, pending, book, results):
             book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
         prepared[i] = _draft(event, postings, key, digests[i], texts[i])
     return prepared, same_batch
+
+
+def _texts_and_digests(commands: list[cmd.Command]) -> tuple[list[SettleTexts | None], list[bytes]]:
+    """Each command's content digest, and a settlement's texts, written directly, where it can have them."""
+    texts = [settle_texts(c) if type(c) is cmd.SettleRequest else None for c in commands]
+    return texts, [cmd.command_digest(c) if t is None else t.digest for c, t in zip(commands, texts)]
 
 
 def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes, texts: SettleTexts | None) -> _Draft:
