@@ -47,6 +47,11 @@ UPSTREAM_CONNECTIONS_MAX = 1024
 UPSTREAM_READ_TIMEOUT_S = 600.0
 UPSTREAM_WRITE_TIMEOUT_S = 30.0
 UPSTREAM_POOL_TIMEOUT_S = 30.0
+# An idle client connection is kept this long: longer than clients keep theirs (httpx and
+# the `openai` SDK 5 s, aiohttp 15 s, load balancers 60 s), so that the client, not the
+# server, closes it. A server that closes first races a request sent on it at that
+# moment, which the client sees as a connection reset (uvicorn's default is 5 s).
+HTTP_IDLE_CONNECTION_KEPT_S = 75
 # A request catches the read models up at most once; still behind, it answers 503 with Retry-After.
 HTTP_CATCH_UP_ROUNDS_MAX = 1
 # GET /ready: each check (a SELECT 1, a Redis PING) gets this long before it counts as failed,

@@ -292,22 +292,26 @@ class Settler:
         interval_s = min(HOLD_RENEW_INTERVAL_S_MAX, self.hold_ttl_s / HOLD_RENEWALS_PER_TTL_MIN)
         while True:
             await asyncio.sleep(interval_s)
-            live = [g for g in list(self._live.values()) if not g.finished]
-            for generation in live:
-                self._book_relayed(generation)
-            renewals = [self.renewal(g) for g in live]
-            if not renewals:
-                continue
-            try:
-                active = await asyncio.to_thread(self.ledger.renew_holds, renewals)
-            except Exception:  # the database is away: try again next round; settlement does not need the hold
-                log.warning("could not renew %d hold(s)", len(renewals), exc_info=True)
-                continue
-            for renewal in renewals:
-                if renewal.hold_id not in active:  # the sweeper took it: stop, and charge the rest at the end
-                    lost = self._live.pop(renewal.hold_id, None)
-                    if lost is not None:
-                        lost.lose_hold()
+            await self.renew_holds_once()
+
+    async def renew_holds_once(self) -> None:
+        live = [g for g in list(self._live.values()) if not g.finished]
+        for generation in live:
+            self._book_relayed(generation)
+        renewals = [self.renewal(g) for g in live]
+        if not renewals:
+            return
+        try:
+            active = await asyncio.to_thread(self.ledger.renew_holds, renewals)
+        except Exception:  # the database is away: try again next round; settlement does not need the hold
+            log.warning("could not renew %d hold(s)", len(renewals), exc_info=True)
+            return
+        for generation, renewal in zip(live, renewals, strict=True):
+            # Gone: the sweeper took it, and the stream stops (the rest is charged at the
+            # end); or the request settled, and closed it, while this renewal was on its way.
+            if renewal.hold_id not in active and not generation.finished:
+                self._live.pop(renewal.hold_id, None)
+                generation.lose_hold()
 
     def _book_relayed(self, generation: Generation) -> None:
         """What a request relayed since it was last booked counts as its

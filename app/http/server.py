@@ -14,6 +14,7 @@ from litestar import Litestar
 from app import wiring
 from app.http.factory import create_app
 from app.jobs.read_model_follower import FollowerState, ReadModelFollower
+from app.limits import HTTP_IDLE_CONNECTION_KEPT_S
 from app.runtime import event_loop_name, tune_garbage_collector
 from app.settings import Settings
 from ledger.limits import MS_PER_S
@@ -67,7 +68,7 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     config = uvicorn.Config(app, host=host, port=port, http="httptools", loop=event_loop_name(), log_level="warning",
-                            access_log=False)
+                            access_log=False, timeout_keep_alive=HTTP_IDLE_CONNECTION_KEPT_S)
     follower.start()
     try:
         _Server(config, on_listening).run()

@@ -247,6 +247,52 @@ def test_a_renewal_records_what_a_stream_delivered_and_only_when_it_changed(book
     assert books.settler.renewal(generation).capture_nano_usd == 0, "unchanged: the hold is only renewed"
 
 
+def test_a_hold_the_sweeper_took_stops_the_stream_at_the_next_renewal(books):
+    generation = books.open()
+    relay(generation, 4, finish=False, usage=(12, 4))
+    books.sweep()
+    asyncio.run(books.settler.renew_holds_once())
+    assert generation.hold_lost and not generation.finished
+
+
+def test_a_request_settled_while_its_renewal_was_on_its_way_has_not_lost_its_hold(books, monkeypatch):
+    """The renewal finds the hold gone because the request closed it by
+    settling (its answer not yet given): the answer is whole, where a Responses
+    answer said `incomplete`, and the charge is the whole usage, once."""
+    generation = books.open()
+    relay(generation, 4, usage=(12, 4))
+    renew_holds, settle_delivered = books.ledger.renew_holds, books.settler._settle_delivered
+
+    async def run() -> None:
+        loop, written, answer = asyncio.get_running_loop(), asyncio.Event(), asyncio.Event()
+
+        async def settle_then_wait(*args) -> None:  # the settlement is durable; the answer is not given yet
+            await settle_delivered(*args)
+            written.set()
+            await answer.wait()
+
+        def settle_first(renewals):  # in the renewal's thread, once the request was seen running
+            asyncio.run_coroutine_threadsafe(_started(generation.settle_once, written), loop).result()
+            return renew_holds(renewals)
+
+        monkeypatch.setattr(books.settler, "_settle_delivered", settle_then_wait)
+        monkeypatch.setattr(books.ledger, "renew_holds", settle_first)
+        await books.settler.renew_holds_once()
+        answer.set()
+        await books.settler.drain_background()
+
+    asyncio.run(run())
+    assert generation.finished and not generation.hold_lost
+    charge = 12 * 150 + 4 * 600
+    assert [s["charge_nano_usd"] for s in books.settlements().values()] == [charge]
+    assert books.balance(books.customer).balance_nano_usd == CREDITS_NANO_USD - charge
+
+
+async def _started(settle_once, written: asyncio.Event) -> None:
+    settle_once(charge=True)
+    await written.wait()
+
+
 def test_a_non_streaming_caller_has_received_nothing_until_the_end(books):
     generation = books.open(streaming=False)
     relay(generation, 4, finish=False, usage=(12, 4))
