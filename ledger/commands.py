@@ -440,17 +440,11 @@ def _settle(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, 
     _require_kind(book, command.owner_account_id, OWNER)
     platform = book.system_account(PLATFORM_REVENUE_ACCOUNT)
     owner_nano_usd, platform_nano_usd = split_charge(command.charge_nano_usd)
-    event = ev.RequestSettled(
-        hold_id=hold.hold_id,
-        customer_account_id=hold.account_id,
-        owner_account_id=command.owner_account_id,
-        charge_nano_usd=command.charge_nano_usd,
-        owner_nano_usd=owner_nano_usd,
-        platform_nano_usd=platform_nano_usd,
-        released_nano_usd=hold.amount_nano_usd - command.charge_nano_usd,
-        request_id=command.request_id,
-        meta=dict(command.meta),
-    )
+    # hold_id, customer_account_id, owner_account_id, charge_nano_usd, owner_nano_usd,
+    # platform_nano_usd, released_nano_usd, request_id, meta: by position, once per request
+    event = ev.RequestSettled(hold.hold_id, hold.account_id, command.owner_account_id, command.charge_nano_usd,
+                              owner_nano_usd, platform_nano_usd, hold.amount_nano_usd - command.charge_nano_usd,
+                              command.request_id, dict(command.meta))
     postings = [
         ev.Posting(hold.account_id, -command.charge_nano_usd),
         ev.Posting(command.owner_account_id, owner_nano_usd),

@@ -6,7 +6,6 @@ function on PostgreSQL), and both answer with the results built here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, NamedTuple
 
@@ -25,8 +24,9 @@ from ledger.limits import HOLD_TTL_S_DEFAULT, HOLD_TTL_S_MAX, IDEMPOTENCY_KEY_CH
 from ledger.money import require_positive
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceHold:
+class PlaceHold(NamedTuple):
+    """A tuple, as the events are (ledger.events): one is built per request."""
+
     account_id: int
     amount_nano_usd: int
     idempotency_key: str
