@@ -16,11 +16,14 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple
 
+import orjson
+
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger.limits import INT64_MAX
 
 _SETTLED_TYPE_JSON = '"RequestSettled"'
+_dumps, _SORTED = orjson.dumps, orjson.OPT_SORT_KEYS
 
 
 class SettleTexts(NamedTuple):
@@ -41,11 +44,13 @@ def settle_texts(command: cmd.SettleRequest) -> SettleTexts | None:
     hold_id, owner, charge = command.hold_id, command.owner_account_id, command.charge_nano_usd
     if not (_plain(hold_id) and _plain(owner) and _plain(charge)):
         return None
-    meta_json, request_id_json = ev.canonical_json(command.meta), ev.canonical_json(command.request_id)
+    # orjson as `ev.canonical_json` calls it, without its two frames: three values per settlement
+    meta_json = _dumps(command.meta, option=_SORTED).decode()
+    request_id_json = _dumps(command.request_id).decode()
     content = (f'SettleRequest\n{{"charge_nano_usd":{charge},"hold_id":{hold_id},"meta":{meta_json},'
                f'"owner_account_id":{owner},"request_id":{request_id_json}}}')
     return SettleTexts(hashlib.sha256(content.encode()).digest(), meta_json, request_id_json,
-                       ev.canonical_json(command.idempotency_key))
+                       _dumps(command.idempotency_key).decode())
 
 
 def settled_texts(event: ev.RequestSettled, postings: list[ev.Posting], texts: SettleTexts) -> tuple[str, tuple[str, str]]:
