@@ -38,7 +38,7 @@ from ledger import commands as cmd  # noqa: E402
 from ledger.accounts import create_account  # noqa: E402
 from ledger.holds import PlaceHold, place_holds  # noqa: E402
 from ledger.store import append_batch  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, log, modify_table_nodes, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, bench_settlement, log, modify_table_nodes, print_result  # noqa: E402
 
 CUSTOMERS = 64
 OWNERS = 8
@@ -85,8 +85,7 @@ def _batch(engine, customers: list[int], owners: list[int], tag: str, size: int)
     its driver's share of the round trips)."""
     with engine.begin() as conn:
         holds = place_holds(conn, [PlaceHold(customers[i % CUSTOMERS], HOLD_NANO_USD, f"h:{tag}:{i}") for i in range(size)])
-    settles = [cmd.SettleRequest(h.hold_id, owners[i % OWNERS], 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
-                                 {"model": "bench", "prompt_tokens": 900 + i % 97}) for i, h in enumerate(holds)]
+    settles = [bench_settlement(h.hold_id, owners[i % OWNERS], tag, i) for i, h in enumerate(holds)]
     with engine.begin() as conn:
         started = time.process_time()
         append_batch(conn, settles)

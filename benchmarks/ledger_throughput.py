@@ -37,7 +37,7 @@ from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E40
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
-from scratch import ScratchDatabase, log  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, log  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
@@ -271,10 +271,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         with engine.begin() as conn:
             set_postings_in_event_row(conn, True)
     ledger = Ledger(engine)
-    customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
-    owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
-    for c in customers:
-        ledger.append(cmd.GrantCredits(c, 10**15, "benchmark credits", f"grant:{c}"))
+    customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
     warm_up(ledger, customers, owners)
     ledger.close()
     start_at = time.time() + 3.0  # every process starts producing at the same moment

@@ -14,7 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import create_engine, text  # noqa: E402
 
 from app.migrate import migrate  # noqa: E402
+from ledger import commands as cmd  # noqa: E402
 from ledger.db import make_engine, normalise_url  # noqa: E402
+
+BENCH_CREDITS_NANO_USD = 10**15  # far more than any run spends
 
 
 def log(message: str) -> None:
@@ -30,6 +33,21 @@ def batch_arguments(description: str, batches: int) -> argparse.Namespace:
     parser.add_argument("--warm-up-batches", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     return parser.parse_args()
+
+
+def funded_accounts(ledger, customers: int, owners: int) -> tuple[list[int], list[int]]:
+    """`customers` customers, each granted the benchmark's credits, and `owners` owners."""
+    customer_ids = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(customers)]
+    owner_ids = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(owners)]
+    for customer in customer_ids:
+        ledger.append(cmd.GrantCredits(customer, BENCH_CREDITS_NANO_USD, "benchmark credits", f"grant:{customer}"))
+    return customer_ids, owner_ids
+
+
+def bench_settlement(hold_id: int, owner: int, tag: str, i: int) -> cmd.SettleRequest:
+    """The `i`th settlement of batch `tag`: a request's charge and metadata, varied as traffic varies them."""
+    return cmd.SettleRequest(hold_id, owner, 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
+                             {"model": "bench", "prompt_tokens": 900 + i % 97})
 
 
 def modify_table_nodes(plan: dict) -> list[dict]:

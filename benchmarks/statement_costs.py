@@ -28,11 +28,10 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger import commands as cmd  # noqa: E402
 from ledger.holds import PlaceHold  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, bench_settlement, funded_accounts, log, print_result  # noqa: E402
 
 CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 STATEMENTS_SHOWN = 16
@@ -49,8 +48,7 @@ SELECT calls, total_exec_time, left(regexp_replace(query, '\\s+', ' ', 'g'), :ch
 def _round(ledger: Ledger, customers: list[int], owners: list[int], tag: str, size: int) -> None:
     """One batch of holds, then their settlements, each through its group-commit writer."""
     holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], HOLD_NANO_USD, f"h:{tag}:{i}")) for i in range(size)]
-    settles = [ledger.appender.submit(cmd.SettleRequest(hold.result().hold_id, owners[i % len(owners)], 150 * (900 + i % 97),
-                                                        f"req:{tag}:{i}", f"s:{tag}:{i}", {"model": "bench", "prompt_tokens": 900 + i % 97}))
+    settles = [ledger.appender.submit(bench_settlement(hold.result().hold_id, owners[i % len(owners)], tag, i))
                for i, hold in enumerate(holds)]
     for settled in settles:
         settled.result()
@@ -74,10 +72,7 @@ def main() -> None:
             set_postings_in_event_row(conn, True)
         ledger = Ledger(engine, batch_size_max=args.batch_size)
         try:
-            customers = [ledger.create_account(cmd.CUSTOMER, f"bench customer {i}") for i in range(CUSTOMERS)]
-            owners = [ledger.create_account(cmd.OWNER, f"bench owner {i}") for i in range(OWNERS)]
-            for customer in customers:
-                ledger.append(cmd.GrantCredits(customer, 10**15, "benchmark credits", f"grant:{customer}"))
+            customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
             for r in range(args.warm_up_batches):
                 _round(ledger, customers, owners, f"warm{r}", args.batch_size)
             with engine.connect() as conn:
