@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 
 from ledger import commands as cmd
@@ -33,6 +34,17 @@ class TestPostgresStorage(StorageContract):
         with engine.begin() as conn:
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
             storage.skip_flush_wait(conn)
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        with engine.begin() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
+
+    def test_skipping_the_flush_wait_first_starts_the_transaction_with_it(self, engine, storage):
+        """As the durable writer calls it: before any statement, so its BEGIN
+        and the SET go in one pipeline; the SET is still the transaction's own."""
+        with engine.begin() as conn:
+            storage.skip_flush_wait(conn)
+            raw = conn.connection.driver_connection
+            assert raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
         with engine.begin() as conn:
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
