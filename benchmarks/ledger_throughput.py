@@ -2,12 +2,15 @@
 
 Many concurrent producers each place a hold (committed without waiting for the
 flush) and settle it (80/20, durable), as the proxy will. pgbench tpcb-like runs
-before and after on the same server, and the ratio is what to read: this
-machine is shared and absolute numbers drift.
+on the same server before, between and after the ledger's rounds (three by
+default), and the ratio is what to read: this machine is shared and absolute
+numbers drift. Each round's ratio is to the pgbench windows on either side
+of it; a single window moved by a fifth from one to the next here, so the
+round with the median ratio is reported, with every round's ratio beside it.
 
     python benchmarks/ledger_throughput.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
 
-The database in the URL is only used to create (and finally drop) two scratch
+The database in the URL is only used to create (and finally drop) scratch
 databases of the benchmark's own.
 """
 from __future__ import annotations
@@ -347,6 +350,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="processes the producers are spread over")
     parser.add_argument("--batch-size-max", type=int, default=1024)
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="ledger loads, each between two pgbench windows; the round with the median ratio is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--without-balance-guard", action="store_true", help="drop migration 0013's balance guard first")
     parser.add_argument("--without-postings-guard", action="store_true", help="drop migration 0016's postings guard first")
@@ -357,24 +362,36 @@ def main() -> None:
     parser.add_argument("--flush-under-lock", action="store_true",
                         help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
 
-    log("pgbench (before) ...")
-    tps_before = pgbench_tps(args.database_url, int(args.seconds))
-    log(f"  {tps_before:.0f} tps; ledger load ...")
-    with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
-        result = run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
-                          args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
-                          not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                          flush_after_commit(args))
-    log(f"  {result['settlements_per_s']:.0f} settlements/s; pgbench (after) ...")
-    tps_after = pgbench_tps(args.database_url, int(args.seconds))
-    pgbench = (tps_before + tps_after) / 2
+    # pgbench before, between and after the rounds: each round's ratio is to
+    # the pgbench windows on either side of it, and the median round is reported.
+    log("pgbench ...")
+    tps = [pgbench_tps(args.database_url, int(args.seconds))]
+    rounds = []
+    for r in range(args.rounds):
+        log(f"  {tps[-1]:.0f} tps; ledger load, round {r + 1} of {args.rounds} ...")
+        with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
+            rounds.append(run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
+                                   args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
+                                   not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
+                                   flush_after_commit(args)))
+        log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s; pgbench ...")
+        tps.append(pgbench_tps(args.database_url, int(args.seconds)))
+    ratios = [round(part["settlements_per_s"] / ((tps[i] + tps[i + 1]) / 2), 2) for i, part in enumerate(rounds)]
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    result = rounds[median]
     result.update(
-        pgbench_tps_before=round(tps_before, 1),
-        pgbench_tps_after=round(tps_after, 1),
-        ratio_to_pgbench_tps=round(result["settlements_per_s"] / pgbench, 2),
+        pgbench_tps_before=round(tps[median], 1),
+        pgbench_tps_after=round(tps[median + 1], 1),
+        ratio_to_pgbench_tps=ratios[median],
+        ratio_to_pgbench_tps_by_round=ratios,
+        settlements_per_s_by_round=[part["settlements_per_s"] for part in rounds],
+        pgbench_tps_by_window=[round(t, 1) for t in tps],
+        median_round=median + 1,
         producers=args.producers,
         processes=args.processes,
         seconds=args.seconds,
