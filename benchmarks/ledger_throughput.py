@@ -10,6 +10,10 @@ round with the median ratio is reported, with every round's ratio beside it.
 
     python benchmarks/ledger_throughput.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
 
+With --holds-placed-before N, each producer's first N holds are placed before
+the clock starts: what settlements per second would be if placing a hold cost
+nothing (the most that holds kept off the database could give).
+
 The database in the URL is only used to create (and finally drop) scratch
 databases of the benchmark's own.
 """
@@ -39,7 +43,7 @@ from app.migrate import migrate  # noqa: E402
 from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
-from ledger.holds import PlaceHold  # noqa: E402
+from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
 from scratch import ScratchDatabase, funded_accounts, log  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
@@ -48,6 +52,9 @@ from ledger.verify import verify  # noqa: E402
 CUSTOMERS = 64
 OWNERS = 8
 HOLD_NANO_USD = 5_000_000
+# Holds placed before the clock starts (--holds-placed-before), per second of
+# lead time given to place them.
+HOLDS_PLACED_AHEAD_PER_S = 20_000
 # The parts of the append lock's time, by the writer's mark that ends each.
 LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
 
@@ -181,11 +188,12 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     return float(match.group(1))
 
 
-async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadline: float, latencies_ms: list[float]) -> int:
+async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadline: float, latencies_ms: list[float],
+                   placed_ahead: list) -> int:
     done = 0
     while time.time() < deadline:
         tag = f"{worker}:{done}"
-        hold = await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, f"h:{tag}"))
+        hold = placed_ahead.pop() if placed_ahead else await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, f"h:{tag}"))
         charge = 150 * (900 + done % 97) + 600 * (100 + done % 53)
         started = time.perf_counter()
         await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, f"req:{tag}", f"s:{tag}",
@@ -197,33 +205,40 @@ async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadl
 
 async def _process_load(url: str, index: int, producers: int, customers: list[int], owners: list[int],
                         start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
-                        flush_after_commit: bool) -> dict:
+                        flush_after_commit: bool, holds_ahead: int) -> dict:
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
+    placed_ahead = [place_ahead(ledger, customers[i % len(customers)], f"{index}.{i}", holds_ahead) for i in range(producers)]
+    if holds_ahead and time.time() > start_at:
+        raise SystemExit("the holds placed before the clock took longer than their lead time: give fewer")
     await asyncio.sleep(max(0.0, start_at - time.time()))
     threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
                "holder": ledger.holder.native_thread_id}
     thread_cpu_started = {name: thread_cpu_s(tid) for name, tid in threads.items()}
     cpu_started, lock_held_started_s = time.process_time(), ledger.appender.append_lock_held_s
+    hold_batches_started = ledger.holder.batches_committed
     lock_parts_started_s = dict(ledger.appender.append_lock_parts_s)
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
-        producer(ledger, customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}", start_at + seconds, latencies_ms)
+        producer(ledger, customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}", start_at + seconds, latencies_ms,
+                 placed_ahead[i])
         for i in range(producers)
     ))
     cpu_s = time.process_time() - cpu_started
+    unused_ahead = sum(len(holds) for holds in placed_ahead)
     lock_held_s = ledger.appender.append_lock_held_s - lock_held_started_s
     lock_parts_s = {part: held_s - lock_parts_started_s.get(part, 0.0) for part, held_s in ledger.appender.append_lock_parts_s.items()}
     thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
-    batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed
+    batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed - hold_batches_started
     ledger.close()
     engine.dispose()
     return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
             "lock_held_s": lock_held_s, "lock_parts_s": lock_parts_s,
-            "batches": batches, "hold_batches": hold_batches, "per_second": per_second}
+            "batches": batches, "hold_batches": hold_batches, "per_second": per_second,
+            "holds_placed_in_window": sum(counts) - (holds_ahead * producers - unused_ahead)}
 
 
 async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
@@ -234,6 +249,13 @@ async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
         now = ledger.appender.commands_committed
         out.append(now - last)
         last = now
+
+
+def place_ahead(ledger: Ledger, customer: int, worker: str, count: int) -> list:
+    """`count` holds for one producer, placed before the clock starts; popped from the end."""
+    futures = [ledger.holder.submit(PlaceHold(customer, HOLD_NANO_USD, f"ahead:{worker}:{k}", ttl_s=HOLD_TTL_S_MAX))
+               for k in range(count)]
+    return [future.result() for future in futures]
 
 
 def process_load(args: tuple) -> dict:
@@ -257,7 +279,7 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
-             postings_in_event_row: bool = False, flush_after_commit: bool = True) -> dict:
+             postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
@@ -277,10 +299,11 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
     warm_up(ledger, customers, owners)
     ledger.close()
-    start_at = time.time() + 3.0  # every process starts producing at the same moment
+    # Every process starts producing at the same moment.
+    start_at = time.time() + 3.0 + holds_ahead * producers / HOLDS_PLACED_AHEAD_PER_S
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit)
-            for p in range(processes)]
+    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
+             holds_ahead) for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
@@ -301,6 +324,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     engine.dispose()
     latencies_ms = sorted(x for part in parts for x in part["latencies_ms"])
     settled = sum(part["settlements"] for part in parts)
+    placed_in_window = sum(part["holds_placed_in_window"] for part in parts)
     return {
         "settlements": settled,
         "settlements_per_s": round(settled / seconds, 1),
@@ -308,7 +332,9 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         # Holds are placed one per settlement, each batch one call of the hold function.
-        "hold_batch_size_mean": round(settled / max(sum(part["hold_batches"] for part in parts), 1), 1),
+        "hold_batch_size_mean": round(placed_in_window / max(sum(part["hold_batches"] for part in parts), 1), 1),
+        # Non-zero with --holds-placed-before: its producers ran out of holds placed ahead.
+        "holds_placed_in_window": placed_in_window,
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
         # The same CPU by thread: the callers' event loop, the durable writer, the holds' writer.
         "producer_cpu_us_per_settlement_by_thread": {
@@ -359,11 +385,15 @@ def main() -> None:
                         help="commit without waiting for the WAL flush (not durable: a measurement of what the wait costs)")
     parser.add_argument("--postings-in-event-row", action="store_true",
                         help="appends put postings in their event's row (migration 0031), not in ledger_postings")
+    parser.add_argument("--holds-placed-before", type=int, default=0, metavar="N",
+                        help="place each producer's first N holds before the clock starts (what free holds would give)")
     parser.add_argument("--flush-under-lock", action="store_true",
                         help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.holds_placed_before < 0:
+        raise SystemExit("--holds-placed-before must be 0 or more")
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
 
@@ -378,7 +408,7 @@ def main() -> None:
             rounds.append(run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                                    args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                                    not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                                   flush_after_commit(args)))
+                                   flush_after_commit(args), args.holds_placed_before))
         log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s; pgbench ...")
         tps.append(pgbench_tps(args.database_url, int(args.seconds)))
     ratios = [round(part["settlements_per_s"] / ((tps[i] + tps[i + 1]) / 2), 2) for i, part in enumerate(rounds)]
@@ -400,6 +430,7 @@ def main() -> None:
         flush_wait=not args.without_flush_wait,
         postings_in_event_row=args.postings_in_event_row,
         flush_after_commit=flush_after_commit(args),
+        holds_placed_before=args.holds_placed_before,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))
