@@ -178,8 +178,11 @@ class StorageContract:
 
     def test_closed_holds_come_back_whole_when_reopened(self, engine, storage, customer):
         with engine.begin() as conn:
-            ids = storage.insert_holds(conn, [(customer, 5, "h-1", 60, LIMIT_ID, "host:8000"), (customer, 6, "h-2", 60, None, None)],
-                                       utc_now())
+            # Texts that quoting gets wrong: a row's fields come back whole however it travels.
+            awkward = 'h-1, "(x)\\\t{y}'
+            now = utc_now()
+            ids = storage.insert_holds(conn, [(customer, 5, awkward, 60, LIMIT_ID, "host:8000"), (customer, 6, "h-2", 60, None, None)], now)
+            storage.renew_holds(conn, [HoldRenewal(ids[awkward], 60, 4, 8, 'r "1", (2)', {})], ['{"q":"a\\"b,(c)"}'], now)
             before = {tuple(r) for r in conn.execute(select(*(holds.c[name] for name in HOLD_ROW)))}
             closed = storage.close_holds(conn, sorted(ids.values()) + [max(ids.values()) + 99])
             assert {tuple(r) for r in closed} == before
