@@ -331,9 +331,10 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "settle_latency_ms_p50": round(statistics.median(latencies_ms), 2),
         "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
-        # Holds are placed one per settlement, each batch one call of the hold function.
+        # Holds placed in the window (one per settlement, unless placed before
+        # the clock) per batch, each batch one call of the hold function.
         "hold_batch_size_mean": round(placed_in_window / max(sum(part["hold_batches"] for part in parts), 1), 1),
-        # Non-zero with --holds-placed-before: its producers ran out of holds placed ahead.
+        # Non-zero with --holds-placed-before: producers ran out of the holds placed ahead.
         "holds_placed_in_window": placed_in_window,
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
         # The same CPU by thread: the callers' event loop, the durable writer, the holds' writer.
