@@ -211,7 +211,8 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     latencies_ms: list[float] = []
     placed_ahead = [place_ahead(ledger, customers[i % len(customers)], f"{index}.{i}", holds_ahead) for i in range(producers)]
     if holds_ahead and time.time() > start_at:
-        raise SystemExit("the holds placed before the clock took longer than their lead time: give fewer")
+        # Not SystemExit: a pool's worker would die of it and leave the run waiting for ever.
+        raise RuntimeError("the holds placed before the clock took longer than their lead time: give fewer")
     await asyncio.sleep(max(0.0, start_at - time.time()))
     threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
                "holder": ledger.holder.native_thread_id}
