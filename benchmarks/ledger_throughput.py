@@ -209,7 +209,9 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
-    placed_ahead = [place_ahead(ledger, customers[i % len(customers)], f"{index}.{i}", holds_ahead) for i in range(producers)]
+    # Producer i's customer, owner and name.
+    roles = [(customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}") for i in range(producers)]
+    placed_ahead = [place_ahead(ledger, customer, worker, holds_ahead) for customer, _, worker in roles]
     if holds_ahead and time.time() > start_at:
         # Not SystemExit: a pool's worker would die of it and leave the run waiting for ever.
         raise RuntimeError("the holds placed before the clock took longer than their lead time: give fewer")
@@ -223,9 +225,8 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
-        producer(ledger, customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}", start_at + seconds, latencies_ms,
-                 placed_ahead[i])
-        for i in range(producers)
+        producer(ledger, customer, owner, worker, start_at + seconds, latencies_ms, ahead)
+        for (customer, owner, worker), ahead in zip(roles, placed_ahead)
     ))
     cpu_s = time.process_time() - cpu_started
     unused_ahead = sum(len(holds) for holds in placed_ahead)
