@@ -159,8 +159,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         if isinstance(event, ev.EventReversed):
             book.reversals[event.reversed_seq] = seq
         elif isinstance(event, ev.RequestSettled):
-            held = book.holds[event.hold_id].amount_nano_usd
-            holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
+            held = _add_hold_closed(holds_closed, book, event)
             limit_id = book.closing.pop(event.hold_id)[HOLD_ROW_SPEND_LIMIT]
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
@@ -374,6 +373,13 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
+def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> int:
+    """Count the whole of the settled hold as closed for its customer; returns its amount."""
+    held = book.holds[event.hold_id].amount_nano_usd
+    holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
+    return held
+
+
 def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, bool, dict]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
@@ -381,12 +387,16 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     hold (their hold rows locked). Returns (last seq, last hash, whether the
     postings go in the event row, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
+    holds_closed: dict[int, int] = {}  # if no settlement is refused under the lock
     for event, postings, *_ in prepared:
+        settles = isinstance(event, ev.RequestSettled)
+        if settles:
+            _add_hold_closed(holds_closed, book, event)
         for p in postings:
             account_ids.add(p.account_id)
-            if p.amount_nano_usd < 0 and not isinstance(event, ev.RequestSettled) and book.kinds.get(p.account_id) == cmd.CUSTOMER:
+            if p.amount_nano_usd < 0 and not settles and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
-    head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids))
+    head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids), holds_closed)
     mark_append(conn, LOCK_TAKEN)
     book.balances.update(head.balances)
     customers = sorted(debited_outside_hold)

@@ -178,9 +178,13 @@ class Storage(ABC):
         ).all()
 
     @abstractmethod
-    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
+    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int],
+                           holds_closed: dict[int, int] | None = None) -> HeadRead:
         """Take the append lock, then read (after it, so every batch committed
-        before is seen) which of `keys` are in the log and these balances."""
+        before is seen) which of `keys` are in the log and these balances.
+        `holds_closed`: what the batch expects to close (customer: amount),
+        which a storage may send ahead of its write; `write_appended` is
+        given what it did close, whatever was expected."""
 
     # Appends
     @abstractmethod

@@ -90,32 +90,34 @@ _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\
 _COPY_NULL = "\\N"
 _COPY_BYTEA_HEX = "\\\\x"  # bytea's hex form starts \x; its backslash escaped for COPY
 
-# What an append writes after its rows, as one statement (data-modifying
-# CTEs). The balances have moved already: the postings' COPY moved them
-# (migration 0030). The head moves only if they moved to the balances this
-# batch decided; on a database without 0030 they would not have moved at all.
-# holds_closed_nano_usd is added to, not set: releases change it without the
-# append lock.
-_WRITE_APPENDED_TEMPLATE = """
-WITH closed AS (
-    UPDATE account_balances AS b SET holds_closed_nano_usd = b.holds_closed_nano_usd + u.closed
-    FROM unnest(%(closed_account_id)s::bigint[], %(closed)s::bigint[]) AS u(account_id, closed)
-    WHERE b.account_id = u.account_id
-){limits}
+# What an append writes after its rows, as one statement. The balances have
+# moved already, and the holds the batch settled have closed: the events'
+# COPY did both, in one update of each balance row (migrations 0030 and
+# 0035). The head moves only if the balances are those the batch decided and
+# the closes announced were taken; on a database without those migrations
+# neither happens. Spend limits' usage is added to, not set: releases change
+# it without the append lock.
+_WRITE_APPENDED = """
 UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s
-WHERE id = 1 AND NOT EXISTS (
+WHERE id = 1 AND coalesce(current_setting('paralon.holds_closed_account_ids', true), '') = '' AND NOT EXISTS (
     SELECT FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance)
     LEFT JOIN account_balances b ON b.account_id = u.account_id
     WHERE b.balance_nano_usd IS DISTINCT FROM u.balance)
 """
-_WRITE_APPENDED = _WRITE_APPENDED_TEMPLATE.format(limits="")
 # The same, when the batch settled holds that reserve against spend limits.
-_WRITE_APPENDED_WITH_LIMITS = _WRITE_APPENDED_TEMPLATE.format(limits=""", limits AS (
+_WRITE_APPENDED_WITH_LIMITS = """
+WITH limits AS (
     UPDATE spend_limit_usage AS l
     SET spent_nano_usd = l.spent_nano_usd + u.spent, holds_closed_nano_usd = l.holds_closed_nano_usd + u.closed
     FROM unnest(%(limit_id)s::bigint[], %(limit_spent)s::bigint[], %(limit_closed)s::bigint[]) AS u(limit_id, spent, closed)
     WHERE l.limit_id = u.limit_id
-)""")
+)""" + _WRITE_APPENDED
+# What a batch closes, announced before its events' COPY for the postings'
+# trigger to add (migration 0035); transaction-local, and cleared by the trigger.
+_ANNOUNCE_HOLDS_CLOSED = ("SELECT set_config('paralon.holds_closed_account_ids', %(ids)s, true), "
+                          "set_config('paralon.holds_closed_nano_usd', %(amounts)s, true)")
+# The connection's record of what its transaction announced (conn.info).
+_HOLDS_CLOSED_ANNOUNCED = "paralon_holds_closed_announced"
 
 # The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
@@ -251,13 +253,17 @@ class PostgresStorage(Storage):
             return [], []
         return events, _rows(conn, _LOG_POSTINGS, {"first": events[0][0], "last": events[-1][0]})
 
-    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
+    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int],
+                           holds_closed: dict[int, int] | None = None) -> HeadRead:
         """The lock and both reads in one pipelined round trip: each read runs
-        after the lock is held, so it sees what committed while it waited."""
+        after the lock is held, so it sees what committed while it waited.
+        The holds the batch expects to close are announced in the same trip."""
+        statements = [(_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)})]
+        if holds_closed:
+            statements.append((_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)))
+        conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed or {})
         try:
-            head_rows, key_rows, balance_rows = _pipelined_rows(conn, [
-                (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
-            ])
+            head_rows, key_rows, balance_rows, *_ = _pipelined_rows(conn, statements)
         except psycopg.errors.UndefinedColumn:  # deployed before its migration: nothing is written
             raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
         last_seq, last_hash, in_event_row = head_rows[0]
@@ -296,6 +302,8 @@ class PostgresStorage(Storage):
             raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
+            if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or nothing announced
+                cursor.execute(_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed))
             if in_event_row:
                 _copy(cursor, _COPY_EVENTS_WITH_POSTINGS, "".join([
                     f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}{legs}\n"
@@ -305,16 +313,16 @@ class PostgresStorage(Storage):
                                                      for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
             if batch.posting_rows and not in_event_row:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
-        ids, closed_ids, limit_ids = sorted(batch.balances), sorted(batch.holds_closed), sorted(batch.limit_usage)
+        ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
         head = conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
             "last_seq": batch.last_seq, "last_hash": batch.last_hash,
             "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
-            "closed_account_id": ints(closed_ids), "closed": ints([batch.holds_closed[a] for a in closed_ids]),
             "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
             "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
         })
         if head.rowcount != 1:
-            raise InvariantBroken("the postings did not move the balances to those the batch decided (is migration 0030 applied?)")
+            raise InvariantBroken("the postings did not move the balances to those the batch decided, or close the holds it "
+                                  "settled: run `paralon migrate` (migrations 0030 and 0035)")
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
@@ -368,6 +376,18 @@ class PostgresStorage(Storage):
 def _arrays(encoders: dict, rows: list[tuple]) -> dict[str, str]:
     columns = list(zip(*rows)) or [()] * len(encoders)  # no rows: every array empty
     return {name: encode(column) for (name, encode), column in zip(encoders.items(), columns)}
+
+
+def _closes(holds_closed: dict[int, int]) -> dict[str, str]:
+    """The announcement's two settings; none closed is two empty texts, as the trigger leaves them."""
+    ids = sorted(holds_closed)
+    return {"ids": ints(ids), "amounts": ints([holds_closed[a] for a in ids])} if ids else {"ids": "", "amounts": ""}
+
+
+def _announced(conn: Connection) -> dict[int, int]:
+    """What this transaction announced it would close (settings die with their transaction)."""
+    transaction, holds_closed = conn.info.pop(_HOLDS_CLOSED_ANNOUNCED, (None, {}))
+    return holds_closed if transaction is not None and transaction is conn.get_transaction() else {}
 
 
 def _copy_text(value: str) -> str:

@@ -98,7 +98,8 @@ class SqliteStorage(Storage):
     def one_of(self, column, values: list):
         return column.in_(values)
 
-    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int]) -> HeadRead:
+    def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int],
+                           holds_closed: dict[int, int] | None = None) -> HeadRead:
         last_seq, last_hash = conn.execute(
             select(ledger_head.c.last_seq, ledger_head.c.last_hash).where(ledger_head.c.id == 1).with_for_update()
         ).one()

@@ -2,7 +2,8 @@
 migrated database, and this release refuses to write to one not migrated.
 
 Across migration 0015, the previous release calls the function that places
-holds without a replica; across 0030, it sets the balances its postings moved."""
+holds without a replica; across 0030, it sets the balances its postings moved;
+across 0035, it closes its settlements' holds after its rows."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -18,13 +19,14 @@ from app.migrate import alembic_config
 from ledger import commands as cmd
 from ledger.db import make_engine, snapshot_connection
 from ledger.errors import InvariantBroken
+from ledger.hold_commands import PlaceHold
 from ledger.log import read_events
 from ledger.service import Ledger, append_now
 from ledger.store import append_batch, set_postings_in_event_row
 from ledger.verify import rebuild_balances, verify
 from tests.ledger.helpers import customer_with, key, money_snapshot, postings_in_event_row
 from tests.support.db_roles import app_role_url
-from tests.support.previous_release import appending_as_before_0030, set_balances_as_before_0030
+from tests.support.previous_release import appending_as_before_0030, closing_holds_as_before_0035, set_balances_as_before_0030
 
 USD = 10**9
 
@@ -94,6 +96,38 @@ def test_this_release_refuses_to_append_before_its_migrations(pg_ledger, pg_engi
     with pytest.raises(InvariantBroken, match="migration 0031"):
         append_now(pg_engine, cmd.GrantCredits(customer, USD, "more", key("grant")))
     assert money_snapshot(pg_engine) == before
+
+
+def _settlement(ledger: Ledger, customer: int) -> cmd.SettleRequest:
+    owner = ledger.create_account(cmd.OWNER, "owner")
+    hold = ledger.place_hold(PlaceHold(customer, USD // 4, key("hold")))
+    return cmd.SettleRequest(hold.hold_id, owner, USD // 10, key("req"), key("settle"))
+
+
+def test_the_previous_release_still_closes_its_holds_once(pg_ledger, pg_engine):
+    """It announces nothing, so the postings close nothing, and its own
+    update after the rows closes each hold once."""
+    customer = customer_with(pg_ledger, USD)
+    settle = _settlement(pg_ledger, customer)
+    with closing_holds_as_before_0035():
+        assert pg_ledger.append(settle).status == "created"
+    view = pg_ledger.balance(customer)
+    assert (view.held_nano_usd, view.available_nano_usd) == (0, USD - USD // 10)
+    with snapshot_connection(pg_engine) as conn:
+        assert verify(conn).ok
+
+
+def test_this_release_refuses_to_settle_before_migration_0035(pg_ledger, pg_engine):
+    """Its postings would close no hold: the batch is refused whole, its hold
+    stays held and nothing moves."""
+    customer = customer_with(pg_ledger, USD)
+    settle = _settlement(pg_ledger, customer)
+    _downgrade(pg_engine, "0034")
+    before, view_before = money_snapshot(pg_engine), pg_ledger.balance(customer)
+    with pytest.raises(InvariantBroken, match="0035"):
+        append_now(pg_engine, settle)
+    assert (money_snapshot(pg_engine), pg_ledger.balance(customer)) == (before, view_before)
+    assert view_before.held_nano_usd == USD // 4
 
 
 def _downgrade(engine, revision: str) -> None:

@@ -42,3 +42,19 @@ def appending_as_before_0030():
         # Nor did it know migration 0031's flag: postings were rows.
         patch.setattr(postgres, "_LOCK_HEAD", "SELECT last_seq, last_hash, false FROM ledger_head WHERE id = 1 FOR UPDATE")
         yield
+
+
+@contextmanager
+def closing_holds_as_before_0035():
+    """The release before migration 0035: it announced no closes, and added
+    them to the balances in its statement after the rows."""
+    write_appended = PostgresStorage.write_appended
+
+    def write_as_before(self, conn: Connection, batch: AppendedBatch) -> None:
+        write_appended(self, conn, batch)
+        self.add_holds_closed(conn, batch.holds_closed)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PostgresStorage, "write_appended", write_as_before)
+        patch.setattr(postgres, "_ANNOUNCE_HOLDS_CLOSED", "SELECT %(ids)s, %(amounts)s")  # sets nothing
+        yield
