@@ -1,6 +1,6 @@
-"""Appends as the release before migration 0030 wrote them on PostgreSQL, for
-tests that write on a database migrated only part of the way (before 0031 too:
-that release read no layout flag from the head).
+"""Appends as the releases before migrations 0030 and 0035 wrote them on
+PostgreSQL, for tests that write on a database migrated only part of the way
+(before 0031 too: that release read no layout flag from the head).
 
 That release set, after its postings, every balance it had decided; this one
 leaves the balances to the postings themselves and refuses a batch whose
@@ -31,13 +31,13 @@ def set_balances_as_before_0030(conn: Connection, last_seq: int, balances: dict[
 
 @contextmanager
 def appending_as_before_0030():
-    write_appended = PostgresStorage.write_appended
+    with closing_holds_as_before_0035(), pytest.MonkeyPatch.context() as patch:  # before 0035 too
+        write_appended = PostgresStorage.write_appended
 
-    def write_as_before(self, conn: Connection, batch: AppendedBatch) -> None:
-        write_appended(self, conn, batch._replace(balances={}))  # nothing to compare: the postings moved none
-        set_balances_as_before_0030(conn, batch.last_seq, batch.balances)
+        def write_as_before(self, conn: Connection, batch: AppendedBatch) -> None:
+            write_appended(self, conn, batch._replace(balances={}))  # nothing to compare: the postings moved none
+            set_balances_as_before_0030(conn, batch.last_seq, batch.balances)
 
-    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PostgresStorage, "write_appended", write_as_before)
         # Nor did it know migration 0031's flag: postings were rows.
         patch.setattr(postgres, "_LOCK_HEAD", "SELECT last_seq, last_hash, false FROM ledger_head WHERE id = 1 FOR UPDATE")
