@@ -257,13 +257,16 @@ class PostgresStorage(Storage):
                            holds_closed: dict[int, int] | None = None) -> HeadRead:
         """The lock and both reads in one pipelined round trip: each read runs
         after the lock is held, so it sees what committed while it waited.
-        The holds the batch expects to close are announced in the same trip."""
-        statements = [(_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)})]
-        if holds_closed:
-            statements.append((_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)))
-        conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed or {})
+        The holds the batch expects to close are announced in the same trip,
+        none too: that replaces whatever an earlier batch of the transaction,
+        which then wrote nothing, or a default of the settings left there."""
+        holds_closed = holds_closed or {}
+        conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed)
         try:
-            head_rows, key_rows, balance_rows, *_ = _pipelined_rows(conn, statements)
+            head_rows, key_rows, balance_rows, _ = _pipelined_rows(conn, [
+                (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
+                (_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)),
+            ])
         except psycopg.errors.UndefinedColumn:  # deployed before its migration: nothing is written
             raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
         last_seq, last_hash, in_event_row = head_rows[0]
@@ -302,7 +305,7 @@ class PostgresStorage(Storage):
             raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()
         with conn.connection.driver_connection.cursor() as cursor:
-            if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or nothing announced
+            if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or no lock announced
                 cursor.execute(_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed))
             if in_event_row:
                 _copy(cursor, _COPY_EVENTS_WITH_POSTINGS, "".join([
@@ -384,10 +387,11 @@ def _closes(holds_closed: dict[int, int]) -> dict[str, str]:
     return {"ids": ints(ids), "amounts": ints([holds_closed[a] for a in ids])} if ids else {"ids": "", "amounts": ""}
 
 
-def _announced(conn: Connection) -> dict[int, int]:
-    """What this transaction announced it would close (settings die with their transaction)."""
-    transaction, holds_closed = conn.info.pop(_HOLDS_CLOSED_ANNOUNCED, (None, {}))
-    return holds_closed if transaction is not None and transaction is conn.get_transaction() else {}
+def _announced(conn: Connection) -> dict[int, int] | None:
+    """What this transaction's lock announced it would close; None: no lock
+    announced anything, and the settings hold whatever they hold."""
+    transaction, holds_closed = conn.info.pop(_HOLDS_CLOSED_ANNOUNCED, (None, None))
+    return holds_closed if transaction is not None and transaction is conn.get_transaction() else None
 
 
 def _copy_text(value: str) -> str:

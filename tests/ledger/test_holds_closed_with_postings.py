@@ -3,13 +3,16 @@ customer's balance row as its postings move it (migration 0035): the writer
 announces them, the postings' trigger adds them, and nothing else may."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError
 
 from ledger import commands as cmd
 from ledger.hold_commands import PlaceHold
 from ledger.service import Ledger
+from ledger.storage import postgres
 from ledger.store import append_batch
 from tests.ledger.helpers import customer_with, key, money_snapshot, postings_in_event_row
 
@@ -82,33 +85,62 @@ def test_closes_announced_malformed_are_refused_and_nothing_moves(pg_ledger, pg_
     before = money_snapshot(pg_engine)
     with pytest.raises(DBAPIError, match="announced malformed"):
         with pg_engine.begin() as conn:
-            conn.execute(text(_ANNOUNCE), {"ids": ids, "amounts": amounts})
-            append_batch(conn, [cmd.GrantCredits(customer, USD, "more", key("grant"))])
+            with _announcing(ids, amounts):
+                append_batch(conn, [cmd.GrantCredits(customer, USD, "more", key("grant"))])
     assert money_snapshot(pg_engine) == before
 
 
-def test_closing_more_than_was_placed_is_refused_and_nothing_moves(pg_ledger, pg_engine):
-    """The announcement is the writer's to make, but the balance guard holds
-    every close to what was placed, whoever updates the row."""
+@contextmanager
+def _announcing(ids: str, amounts: str):
+    """The writer's announcement at the lock, made of these two texts whatever the batch closes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(postgres, "_closes", lambda holds_closed: {"ids": ids, "amounts": amounts})
+        yield
+
+
+@pytest.mark.parametrize("closed", [HOLD + 1, -1], ids=["more than was placed", "backwards"])
+def test_a_close_the_guard_refuses_is_refused_whole_and_nothing_moves(pg_ledger, pg_engine, closed):
+    """The announcement is the writer's to make (other SQL's is replaced at
+    the lock, so it is made here as a writer would, before the rows), but
+    the balance guard holds every close to what was placed, whoever updates the row."""
     customer = customer_with(pg_ledger, USD)
     pg_ledger.place_hold(PlaceHold(customer, HOLD, key("hold")))
     before, books_before = money_snapshot(pg_engine), _held_and_available(pg_ledger, customer)
     with pytest.raises(DBAPIError, match="without the events"):
         with pg_engine.begin() as conn:
-            conn.execute(text(_ANNOUNCE), {"ids": f"{{{customer}}}", "amounts": f"{{{HOLD + 1}}}"})
-            append_batch(conn, [cmd.GrantCredits(customer, USD, "more", key("grant"))])
+            with _announcing(f"{{{customer}}}", f"{{{closed}}}"):
+                append_batch(conn, [cmd.GrantCredits(customer, USD, "more", key("grant"))])
     assert (money_snapshot(pg_engine), _held_and_available(pg_ledger, customer)) == (before, books_before)
 
 
-def test_a_close_announced_is_taken_once(pg_ledger, pg_engine):
-    """The trigger clears what it took: a second append in the same
-    transaction closes nothing more."""
+def test_a_batch_that_wrote_nothing_leaves_no_close_for_the_next(pg_ledger, pg_engine):
+    """Its only settlement refused under the lock, a batch writes no event;
+    what it announced must not close the hold in a later append of the same
+    transaction, which settles nothing."""
+    customer = customer_with(pg_ledger, USD)
+    owner = pg_ledger.create_account(cmd.OWNER, "owner")
+    [refused] = _settlements(pg_ledger, [customer], owner, holds_each=1)
+    pg_ledger.append(cmd.GrantCredits(customer, 1, "takes the key", refused.idempotency_key))
+    with pg_engine.begin() as conn:
+        assert type(append_batch(conn, [refused])[0]).__name__ == "IdempotencyConflict"
+        assert append_batch(conn, [cmd.GrantCredits(customer, 1, "later", key("grant"))])[0].status == "created"
+    assert _held_and_available(pg_ledger, customer) == (HOLD, USD + 2 - HOLD)
+
+
+def test_closes_left_in_the_settings_are_never_taken(pg_ledger, pg_engine, postgres_url):
+    """Set by other SQL in the transaction, or as a default of the database:
+    each lock's announcement replaces them."""
     customer = customer_with(pg_ledger, USD)
     pg_ledger.place_hold(PlaceHold(customer, HOLD, key("hold")))
     with pg_engine.begin() as conn:
         conn.execute(text(_ANNOUNCE), {"ids": f"{{{customer}}}", "amounts": f"{{{HOLD}}}"})
-        append_batch(conn, [cmd.GrantCredits(customer, 1, "first", key("grant"))])
-        append_batch(conn, [cmd.GrantCredits(customer, 1, "second", key("grant"))])
-        left = conn.execute(text("SELECT current_setting('paralon.holds_closed_account_ids')")).scalar_one()
-    assert left == ""
-    assert _held_and_available(pg_ledger, customer) == (0, USD + 2)
+        append_batch(conn, [cmd.GrantCredits(customer, 1, "after other SQL", key("grant"))])
+    database = make_url(postgres_url).database
+    with pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for name, value in (("holds_closed_account_ids", f"{{{customer}}}"), ("holds_closed_nano_usd", f"{{{HOLD}}}")):
+            conn.execute(text(f"ALTER DATABASE \"{database}\" SET paralon.{name} = '{value}'"))
+    pg_engine.dispose()  # new sessions take the defaults
+    with pg_engine.connect() as conn:
+        assert conn.execute(text("SELECT current_setting('paralon.holds_closed_nano_usd')")).scalar_one() == f"{{{HOLD}}}"
+    pg_ledger.append(cmd.GrantCredits(customer, 1, "with the defaults", key("grant")))
+    assert _held_and_available(pg_ledger, customer) == (HOLD, USD + 2 - HOLD)
