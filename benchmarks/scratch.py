@@ -16,8 +16,10 @@ from sqlalchemy import create_engine, text  # noqa: E402
 from app.migrate import migrate  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import make_engine, normalise_url  # noqa: E402
+from ledger.hold_commands import PlaceHold  # noqa: E402
 
 BENCH_CREDITS_NANO_USD = 10**15  # far more than any run spends
+BENCH_HOLD_NANO_USD = 5_000_000
 
 
 def log(message: str) -> None:
@@ -48,6 +50,15 @@ def bench_settlement(hold_id: int, owner: int, tag: str, i: int) -> cmd.SettleRe
     """The `i`th settlement of batch `tag`: a request's charge and metadata, varied as traffic varies them."""
     return cmd.SettleRequest(hold_id, owner, 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
                              {"model": "bench", "prompt_tokens": 900 + i % 97})
+
+
+def hold_then_settle(ledger, customers: list[int], owners: list[int], tag: str, size: int) -> None:
+    """One batch of `size` holds, then their settlements, each through its group-commit writer."""
+    holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], BENCH_HOLD_NANO_USD, f"h:{tag}:{i}")) for i in range(size)]
+    settles = [ledger.appender.submit(bench_settlement(hold.result().hold_id, owners[i % len(owners)], tag, i))
+               for i, hold in enumerate(holds)]
+    for settled in settles:
+        settled.result()
 
 
 def modify_table_nodes(plan: dict) -> list[dict]:

@@ -28,12 +28,11 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.holds import PlaceHold  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, bench_settlement, funded_accounts, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, funded_accounts, hold_then_settle, log, print_result  # noqa: E402
 
-CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
+CUSTOMERS, OWNERS = 64, 8
 STATEMENTS_SHOWN = 16
 QUERY_CHARS_SHOWN = 120
 US_PER_MS = 1000
@@ -43,15 +42,6 @@ SELECT calls, total_exec_time, left(regexp_replace(query, '\\s+', ' ', 'g'), :ch
   FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
  ORDER BY total_exec_time DESC LIMIT :shown
 """)
-
-
-def _round(ledger: Ledger, customers: list[int], owners: list[int], tag: str, size: int) -> None:
-    """One batch of holds, then their settlements, each through its group-commit writer."""
-    holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], HOLD_NANO_USD, f"h:{tag}:{i}")) for i in range(size)]
-    settles = [ledger.appender.submit(bench_settlement(hold.result().hold_id, owners[i % len(owners)], tag, i))
-               for i, hold in enumerate(holds)]
-    for settled in settles:
-        settled.result()
 
 
 def _require_statistics(engine) -> None:
@@ -74,14 +64,14 @@ def main() -> None:
         try:
             customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
             for r in range(args.warm_up_batches):
-                _round(ledger, customers, owners, f"warm{r}", args.batch_size)
+                hold_then_settle(ledger, customers, owners, f"warm{r}", args.batch_size)
             with engine.connect() as conn:
                 conn.execute(text("ANALYZE"))
                 conn.execute(text("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)"))
                 conn.commit()
             log(f"{args.batches} batches of {args.batch_size} ...")
             for r in range(args.batches):
-                _round(ledger, customers, owners, f"m{r}", args.batch_size)
+                hold_then_settle(ledger, customers, owners, f"m{r}", args.batch_size)
             settled = args.batches * args.batch_size
             with engine.connect() as conn:
                 rows = conn.execute(_TOP_STATEMENTS, {"chars": QUERY_CHARS_SHOWN, "shown": STATEMENTS_SHOWN}).all()

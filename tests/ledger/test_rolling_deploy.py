@@ -15,7 +15,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from app.migrate import alembic_config
+from app.migrate import alembic_config, migrate
 from ledger import commands as cmd
 from ledger.db import make_engine, snapshot_connection
 from ledger.errors import InvariantBroken
@@ -119,7 +119,7 @@ def test_the_previous_release_still_closes_its_holds_once(pg_ledger, pg_engine):
 
 def test_this_release_refuses_to_settle_before_migration_0035(pg_ledger, pg_engine):
     """Its postings would close no hold: the batch is refused whole, its hold
-    stays held and nothing moves."""
+    stays held and nothing moves. Migrated again, the same settlement closes it."""
     customer = customer_with(pg_ledger, USD)
     settle = _settlement(pg_ledger, customer)
     _downgrade(pg_engine, "0034")
@@ -128,6 +128,10 @@ def test_this_release_refuses_to_settle_before_migration_0035(pg_ledger, pg_engi
         append_now(pg_engine, settle)
     assert (money_snapshot(pg_engine), pg_ledger.balance(customer)) == (before, view_before)
     assert view_before.held_nano_usd == USD // 4
+    migrate(pg_engine)
+    assert append_now(pg_engine, settle).status == "created"
+    view = pg_ledger.balance(customer)
+    assert (view.held_nano_usd, view.available_nano_usd) == (0, USD - USD // 10)
 
 
 def _downgrade(engine, revision: str) -> None:
