@@ -188,7 +188,7 @@ class GroupCommitWriter(Generic[C, R]):
         conn.info.pop(APPEND_MARKS, None)
         with conn.begin():
             if self._flush_after_commit:
-                self._storage.skip_flush_wait(conn)
+                self._storage.skip_flush_wait(conn, with_next_statement=True)
             results = self._apply_batch(conn, commands)
         marks = conn.info.pop(APPEND_MARKS, None)
         if marks:

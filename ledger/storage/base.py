@@ -106,10 +106,13 @@ class Storage(ABC):
         appends go on."""
 
     @abstractmethod
-    def skip_flush_wait(self, conn: Connection) -> None:
+    def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
         """This transaction's commit need not wait for its flush: used for
         holds only, which a crash may lose without costing anyone anything;
-        and the durable writer's batches, which then `wait_for_flush`."""
+        and the durable writer's batches, which then `wait_for_flush`.
+        `with_next_statement`: a storage may send it with the transaction's
+        next statement of its own instead of at once (one round trip less);
+        if none comes, the commit waits for its flush as any other."""
 
     @abstractmethod
     def wait_for_flush(self, conn: Connection) -> None:

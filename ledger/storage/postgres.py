@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import psycopg
+from psycopg import ClientCursor
 from sqlalchemy import Connection, Engine, String, any_, bindparam, cast, create_engine
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
@@ -118,6 +119,11 @@ _ANNOUNCE_HOLDS_CLOSED = ("SELECT set_config('paralon.holds_closed_account_ids',
                           "set_config('paralon.holds_closed_nano_usd', %(amounts)s, true)")
 # The connection's record of what its transaction announced (conn.info).
 _HOLDS_CLOSED_ANNOUNCED = "paralon_holds_closed_announced"
+# The transaction whose next statement on the raw cursor skips the flush wait
+# (conn.info), and the statement that does: one with a row, as every statement
+# sent together is read back (`_statements_rows`).
+_FLUSH_WAIT_SKIP_PENDING = "paralon_flush_wait_skip_pending"
+_SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
 # The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
@@ -206,9 +212,14 @@ class PostgresStorage(Storage):
                                            "keepalives_count": DATABASE_KEEPALIVE_PROBES,
                                            "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
 
-    def skip_flush_wait(self, conn: Connection) -> None:
+    def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
         """In pipeline mode: at a transaction's start, its BEGIN and the SET
-        travel together, one round trip where there were two."""
+        travel together, one round trip where there were two; or, with the
+        next statements on the raw cursor (`_rows`, `_statements_rows`), in
+        their round trip."""
+        if with_next_statement:
+            conn.info[_FLUSH_WAIT_SKIP_PENDING] = conn.get_transaction()
+            return
         raw = conn.connection.driver_connection
         with raw.pipeline():
             raw.execute("SET LOCAL synchronous_commit = off")
@@ -255,7 +266,7 @@ class PostgresStorage(Storage):
 
     def lock_head_and_read(self, conn: Connection, keys: list[str], account_ids: list[int],
                            holds_closed: dict[int, int] | None = None) -> HeadRead:
-        """The lock and both reads in one pipelined round trip: each read runs
+        """The lock and both reads in one round trip: each read runs
         after the lock is held, so it sees what committed while it waited.
         The holds the batch expects to close are announced in the same trip,
         none too: that replaces whatever an earlier batch of the transaction,
@@ -263,7 +274,7 @@ class PostgresStorage(Storage):
         holds_closed = holds_closed or {}
         conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed)
         try:
-            head_rows, key_rows, balance_rows, _ = _pipelined_rows(conn, [
+            head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [
                 (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
                 (_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)),
             ])
@@ -448,23 +459,26 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
 
 def _rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
     """Run on the transaction's own psycopg connection and return plain tuples."""
+    if _FLUSH_WAIT_SKIP_PENDING in conn.info:
+        return _statements_rows(conn, [(sql, params)])[0]
     with conn.connection.driver_connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchall()
 
 
-def _pipelined_rows(conn: Connection, statements: list[tuple[str, dict]]) -> list[list[tuple]]:
-    """Several statements in one round trip (psycopg's pipeline mode), run in
-    order on the server, each reading after the one before it took effect."""
-    raw = conn.connection.driver_connection
-    cursors = []
-    try:
-        with raw.pipeline():
-            for sql, params in statements:
-                cursor = raw.cursor()
-                cursors.append(cursor)
-                cursor.execute(sql, params)
-        return [cursor.fetchall() for cursor in cursors]
-    finally:
-        for cursor in cursors:
-            cursor.close()
+def _statements_rows(conn: Connection, statements: list[tuple[str, dict]]) -> list[list[tuple]]:
+    """Several statements in one round trip, run in order on the server, each
+    reading after the one before it took effect; first, the transaction's skip
+    of the flush wait if it is still to send. One query of the simple
+    protocol, its parameters bound as literals by psycopg: measured, about 85
+    µs of this process's CPU for four statements where psycopg's pipeline
+    mode took 145 (a system call for each message and readiness poll). Every
+    statement returns rows."""
+    pending = conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
+    skip = [(_SKIP_FLUSH_WAIT, None)] if pending is not None and pending is conn.get_transaction() else []
+    with ClientCursor(conn.connection.driver_connection) as cursor:
+        cursor.execute(";\n".join([cursor.mogrify(sql, params or None) for sql, params in skip + statements]))
+        rows = [cursor.fetchall()]
+        while cursor.nextset():
+            rows.append(cursor.fetchall())
+    return rows[len(skip):]

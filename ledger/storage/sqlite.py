@@ -86,7 +86,7 @@ class SqliteStorage(Storage):
         _make_transactional(engine)
         return engine
 
-    def skip_flush_wait(self, conn: Connection) -> None:
+    def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
         """Every SQLite commit is flushed: holds too."""
 
     def wait_for_flush(self, conn: Connection) -> None:

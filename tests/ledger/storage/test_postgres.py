@@ -49,6 +49,30 @@ class TestPostgresStorage(StorageContract):
         with engine.begin() as conn:
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
 
+    def test_a_skip_sent_with_the_next_statement_starts_the_transaction_with_it(self, engine, storage):
+        """As the durable writer asks for it: nothing is sent until the
+        transaction's next statement on the raw cursor, which then carries
+        its BEGIN and the SET; for that transaction only."""
+        with engine.begin() as conn:
+            storage.skip_flush_wait(conn, with_next_statement=True)
+            raw = conn.connection.driver_connection
+            assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE, "nothing sent yet"
+            assert storage.read_known_keys(conn, ["none"]) == {}
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        with engine.begin() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
+            assert storage.read_known_keys(conn, ["none"]) == {}
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "not asked for in this one"
+
+    def test_a_skip_no_statement_carried_leaves_the_commit_waiting_for_its_flush(self, engine, storage):
+        with engine.begin() as conn:
+            storage.skip_flush_wait(conn, with_next_statement=True)
+            conn.exec_driver_sql("SELECT 1")  # not on the raw cursor
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+        with engine.begin() as conn:
+            storage.read_known_keys(conn, ["none"])
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "asked for by an earlier transaction only"
+
     def test_no_statement_is_prepared_on_the_server(self, engine):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
         with engine.connect() as conn:
