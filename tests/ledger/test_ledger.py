@@ -131,7 +131,7 @@ def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
 
 # Characters a database's bulk formats treat specially: tab, newline, carriage
 # return and backslash (COPY), quotes and braces (array literals), and beyond ASCII.
-AWKWARD_TEXT = 'tab\there\nnew line\r\\N \\x00 "quoted" {braced,} \u00e9\u4e2d\U0001f600'
+AWKWARD_TEXT = 'tab\there\nnew line\r\\N \\x00 "quoted" {braced,} 50% %(keys)s %s \'single\'; -- \u00e9\u4e2d\U0001f600'
 
 
 def test_awkward_text_in_keys_reasons_and_metadata_is_stored_as_given_and_verifies(ledger, engine):
