@@ -7,13 +7,16 @@ events' rows. Nested statements are counted too (the hold function's, the
 triggers'), so a statement's time includes those it runs and the figures do
 not add up to a total: read each line, and compare a line before and after a
 change, run alternately. A whole throughput run drifts by more than most
-single changes move; a statement's own time does not drift as much.
+single changes move; a statement's own time does not drift as much. Planning
+is shown apart where the server tracks it (`track_planning`): the writers
+prepare nothing, so a statement sent by the client is planned at every call.
 
 The server must load pg_stat_statements (it is in PostgreSQL's contrib), for
 example a private one on this machine:
 
     initdb -D /tmp/pgstat -A trust -U postgres
-    pg_ctl -D /tmp/pgstat -o "-p 5499 -k /tmp -c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all" start
+    pg_ctl -D /tmp/pgstat -o "-p 5499 -k /tmp -c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all \
+        -c pg_stat_statements.track_planning=on" start
     python benchmarks/statement_costs.py --database-url postgresql://postgres@127.0.0.1:5499/postgres --json
 
 The database in the URL is only used to create (and finally drop) a scratch
@@ -38,9 +41,9 @@ QUERY_CHARS_SHOWN = 120
 US_PER_MS = 1000
 
 _TOP_STATEMENTS = text("""
-SELECT calls, total_exec_time, left(regexp_replace(query, '\\s+', ' ', 'g'), :chars) AS query
+SELECT calls, total_exec_time, total_plan_time, left(regexp_replace(query, '\\s+', ' ', 'g'), :chars) AS query
   FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
- ORDER BY total_exec_time DESC LIMIT :shown
+ ORDER BY total_exec_time + total_plan_time DESC LIMIT :shown
 """)
 
 
@@ -81,7 +84,8 @@ def main() -> None:
     print_result({
         "settlements": settled,
         "batch_size": args.batch_size,
-        "statements": [{"us_per_settlement": round(row.total_exec_time * US_PER_MS / settled, 2), "calls": row.calls,
+        "statements": [{"us_per_settlement": round(row.total_exec_time * US_PER_MS / settled, 2),
+                        "plan_us_per_settlement": round(row.total_plan_time * US_PER_MS / settled, 2), "calls": row.calls,
                         "query": row.query} for row in rows],
     }, args.json)
 
