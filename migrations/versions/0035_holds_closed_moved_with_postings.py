@@ -47,67 +47,63 @@ _SETTING = "coalesce(nullif(current_setting('paralon.{name}', true), ''), '{{}}'
 _CLOSED = {"closed_ids": _SETTING.format(name="holds_closed_account_ids"),
            "closed_amounts": _SETTING.format(name="holds_closed_nano_usd")}
 
-# 0033's statement, the announced closes joined to the postings' sums (a
-# customer may close holds without a leg in the batch: rows layout, whose
-# postings move the balances in their own statement). Both lists are the
-# writer's, checked as far as a malformed one could mislead: the lengths
-# agree and every account is named once.
-APPLY_EVENT_POSTINGS = """
-CREATE OR REPLACE FUNCTION "{schema}".paralon_apply_event_postings() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
+# 0033's function, the announced closes checked first, joined to the
+# postings' sums (a customer may close holds without a leg in the batch: rows
+# layout, whose postings move the balances in their own statement), added in
+# the same update, then cleared. Both lists are the writer's, checked as far
+# as a malformed one could mislead: the lengths agree and every account is
+# named once.
+_CLOSED_DECLARED = """DECLARE
     closed_ids bigint[] := {closed_ids};
     closed_amounts bigint[] := {closed_amounts};
-    unbalanced_seq bigint;
-    unbalanced_total numeric;
-    unapplied bigint;
-BEGIN
-    IF TG_RELID <> '"{schema}".ledger_events'::regclass::oid OR TG_OP <> 'INSERT' OR TG_LEVEL <> 'STATEMENT' THEN
-        RAISE EXCEPTION 'paralon_apply_event_postings runs only after inserts into ledger_events'
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
+"""
+_CLOSED_CHECKED = """
     IF cardinality(closed_ids) <> cardinality(closed_amounts)
        OR cardinality(closed_ids) <> (SELECT count(DISTINCT c) FROM unnest(closed_ids) AS c)
        OR array_position(closed_amounts, NULL) IS NOT NULL THEN
         RAISE EXCEPTION 'ledger_events: the holds closed were announced malformed'
             USING ERRCODE = 'integrity_constraint_violation';
-    END IF;
-    WITH legs AS MATERIALIZED (
-        SELECT n.seq, unnest(n.posting_account_ids) AS account_id, unnest(n.posting_amounts_nano_usd) AS amount
-          FROM new_events n
-         WHERE n.posting_account_ids IS NOT NULL
-    ), unbalanced AS (
-        SELECT l.seq, sum(l.amount) AS total FROM legs l GROUP BY l.seq HAVING sum(l.amount) <> 0::numeric ORDER BY l.seq LIMIT 1
-    ), moved AS (
+    END IF;"""
+_MOVED = """    ), moved AS (
+        SELECT l.account_id, sum(l.amount)::bigint AS amount, max(l.seq) AS last_seq
+          FROM legs l
+         WHERE NOT EXISTS (SELECT FROM unbalanced)
+         GROUP BY l.account_id ORDER BY l.account_id
+"""
+_MOVED_AND_CLOSED = """    ), moved AS (
         SELECT coalesce(s.account_id, c.account_id) AS account_id, coalesce(s.amount, 0::bigint) AS amount, s.last_seq,
                coalesce(c.amount, 0::bigint) AS closed
           FROM (SELECT l.account_id, sum(l.amount)::bigint AS amount, max(l.seq) AS last_seq FROM legs l GROUP BY l.account_id) s
           FULL JOIN unnest({closed_ids}, {closed_amounts}) AS c(account_id, amount) ON c.account_id = s.account_id
          WHERE NOT EXISTS (SELECT FROM unbalanced)
          ORDER BY 1
-    ), applied AS (
-        UPDATE "{schema}".account_balances AS b
-           SET balance_nano_usd = b.balance_nano_usd + m.amount, last_event_seq = greatest(b.last_event_seq, m.last_seq),
-               holds_closed_nano_usd = b.holds_closed_nano_usd + m.closed
-          FROM moved m WHERE b.account_id = m.account_id AND b.account_id = ANY(ARRAY(SELECT account_id FROM moved))
-        RETURNING b.account_id
-    )
-    SELECT u.seq, u.total, (SELECT m.account_id FROM moved m WHERE m.account_id NOT IN (SELECT account_id FROM applied) LIMIT 1)
-      INTO unbalanced_seq, unbalanced_total, unapplied
-      FROM (SELECT 1) AS one LEFT JOIN unbalanced u ON true;
-    IF unbalanced_seq IS NOT NULL THEN
-        RAISE EXCEPTION 'ledger_events: event % refused: its postings sum to % nano-USD, not 0', unbalanced_seq, unbalanced_total
-            USING ERRCODE = 'integrity_constraint_violation';
-    END IF;
-    IF unapplied IS NOT NULL THEN
-        RAISE EXCEPTION 'ledger_events: account % has no balance to post to', unapplied
-            USING ERRCODE = 'integrity_constraint_violation';
-    END IF;
-    IF cardinality(closed_ids) > 0 THEN  -- taken: a later statement of the transaction cannot close them again
+"""
+_SET = "last_event_seq = greatest(b.last_event_seq, m.last_seq)\n"
+_CLOSED_TAKEN = """    IF cardinality(closed_ids) > 0 THEN  -- taken: a later statement of the transaction cannot close them again
         PERFORM set_config('paralon.holds_closed_account_ids', '', true), set_config('paralon.holds_closed_nano_usd', '', true);
     END IF;
-    RETURN NULL;
-END $$
 """
+_PARTS = {  # 0033's text: what this revision adds after it, or puts in its place
+    "DECLARE\n": _CLOSED_DECLARED,
+    "            USING ERRCODE = 'insufficient_privilege';\n    END IF;": (
+        "            USING ERRCODE = 'insufficient_privilege';\n    END IF;" + _CLOSED_CHECKED),
+    _MOVED: _MOVED_AND_CLOSED,
+    _SET: _SET.replace("\n", ",\n               holds_closed_nano_usd = b.holds_closed_nano_usd + m.closed\n"),
+    "    RETURN NULL;\n": _CLOSED_TAKEN + "    RETURN NULL;\n",
+}
+
+
+def _function_of_0033() -> str:
+    return earlier_revision("0033_event_postings_applied_in_one_pass.py").APPLY_EVENT_POSTINGS
+
+
+def closes_applied_with_postings() -> str:
+    function = _function_of_0033()
+    for part, replacement in _PARTS.items():
+        if function.count(part) != 1:
+            raise RuntimeError("0033's event postings trigger is not what this revision expects")
+        function = function.replace(part, replacement, 1)
+    return function
 
 
 def _replace(function: str) -> None:
@@ -118,9 +114,9 @@ def _replace(function: str) -> None:
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        _replace(APPLY_EVENT_POSTINGS)
+        _replace(closes_applied_with_postings())
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        _replace(earlier_revision("0033_event_postings_applied_in_one_pass.py").APPLY_EVENT_POSTINGS)
+        _replace(_function_of_0033())
