@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
-from ledger_throughput import postgres_cpu_s  # noqa: E402
-from scratch import ScratchDatabase, funded_accounts, hold_then_settle, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, hold_then_settle, log, postgres_cpu_s, print_result  # noqa: E402
 
 CUSTOMERS, OWNERS = 64, 8
 WARM_UP_ROUNDS = 4
@@ -92,6 +91,8 @@ def main() -> None:
         raise SystemExit(f"--sizes takes whole numbers separated by commas, not {args.sizes!r}") from None
     if len(sizes) < 2 or sizes[0] < 1 or any(args.settlements % size for size in sizes) or args.repetitions < 1:
         raise SystemExit("give two sizes or more, each at least 1 and dividing --settlements, and one repetition or more")
+    if postgres_cpu_s() is None:
+        raise SystemExit("PostgreSQL's CPU is read from this machine's /proc: run the benchmark beside the server")
     with ScratchDatabase(args.database_url, "paralon_batchcost") as scratch:
         engine = scratch.engine()
         with engine.begin() as conn:

@@ -44,7 +44,7 @@ from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E40
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
-from scratch import ScratchDatabase, funded_accounts, log  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
@@ -71,24 +71,6 @@ def thread_cpu_s(native_id: int) -> float:
     with open(f"/proc/self/task/{native_id}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def postgres_cpu_s() -> float | None:
-    """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
-    total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
-    try:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)
-                if fields[0].endswith("(postgres"):
-                    parts = fields[1].split()
-                    total += int(parts[11]) + int(parts[12])
-            except (OSError, IndexError, ValueError):
-                continue
-    except OSError:
-        return None
-    return total / ticks_per_s
 
 
 # Bytes on disk of each table of the schema: heap, TOAST and its indexes apart.

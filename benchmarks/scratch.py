@@ -26,6 +26,24 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def postgres_cpu_s() -> float | None:
+    """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
+    total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
+    try:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)
+                if fields[0].endswith("(postgres"):
+                    parts = fields[1].split()
+                    total += int(parts[11]) + int(parts[12])
+            except (OSError, IndexError, ValueError):
+                continue
+    except OSError:
+        return None
+    return total / ticks_per_s
+
+
 def batch_arguments(description: str, batches: int) -> argparse.Namespace:
     """The options of a benchmark that writes settlement batches to a scratch database."""
     parser = argparse.ArgumentParser(description=description)
