@@ -55,7 +55,8 @@ HOLD_NANO_USD = 5_000_000
 # Holds placed before the clock starts (--holds-placed-before), per second of
 # lead time given to place them.
 HOLDS_PLACED_AHEAD_PER_S = 20_000
-# The parts of the append lock's time, by the writer's mark that ends each.
+# The parts of the append lock's time, by the writer's mark that ends each; the
+# commit's part ends after its flush, which travels with it (one query).
 LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
 
 

@@ -90,6 +90,16 @@ class DatabaseUnavailable(LedgerError):
     code = "database_unavailable"
 
 
+class FlushNotConfirmed(DatabaseUnavailable):
+    """A batch's commit may have taken effect, but its flush could not be
+    confirmed: no caller may be told it is done, nor that it failed. Sent
+    again with the same idempotency key, it is found if it committed."""
+
+    def __init__(self, message: str = "the batch may have committed, but its flush could not be confirmed: "
+                                      "send it again with the same idempotency key") -> None:
+        super().__init__(message)
+
+
 class InvariantBroken(LedgerError):
     """Something that must never happen did; raised instead of `assert`."""
 

@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ledger.db import APPEND_MARKS, COMMITTED, is_connection_failure, storage_of
-from ledger.errors import DatabaseUnavailable, LedgerError, WriterClosed, WriterOverloaded
+from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, LedgerError, WriterClosed, WriterOverloaded
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_SIZE_MAX_DEFAULT,
     BATCH_WAIT_MS_DEFAULT,
@@ -186,31 +186,29 @@ class GroupCommitWriter(Generic[C, R]):
             conn.commit()  # ends SQLAlchemy's own bookkeeping; the database committed already
             return results
         conn.info.pop(APPEND_MARKS, None)
-        with conn.begin():
+        with conn.begin():  # its own commit finds the transaction committed already, and sends nothing
             if self._flush_after_commit:
                 self._storage.skip_flush_wait(conn, with_next_statement=True)
+                self._storage.send_head_with_commit(conn)
             results = self._apply_batch(conn, commands)
+            if self._flush_after_commit:
+                self._commit_and_wait_for_flush(conn, len(commands))
         marks = conn.info.pop(APPEND_MARKS, None)
-        if marks:
+        if marks:  # the commit's part ends with the flush where both travel together
             self._count_lock_held([*marks, (COMMITTED, time.perf_counter())])
-        if self._flush_after_commit:
-            self._wait_for_flush(conn, len(commands))
         return results
 
-    def _wait_for_flush(self, conn: Connection, commands: int) -> None:
+    def _commit_and_wait_for_flush(self, conn: Connection, commands: int) -> None:
         """Even a batch that wrote nothing may answer from another writer's
         commit not flushed yet. A lost connection runs the batch again (its
-        idempotency keys find what committed); any other failure leaves the
-        batch committed but not known durable, which no caller may be told
-        is done, nor that it failed."""
+        idempotency keys find what committed); a flush that cannot be
+        confirmed leaves the batch perhaps committed but not known durable,
+        which no caller may be told is done, nor that it failed."""
         try:
-            self._storage.wait_for_flush(conn)
-        except Exception as exc:
-            if is_connection_failure(exc):
-                raise
-            log.exception("batch of %d committed; its flush could not be waited for", commands)
-            raise DatabaseUnavailable("the batch committed but its flush could not be confirmed: "
-                                      "send it again with the same idempotency key") from exc
+            self._storage.commit_and_wait_for_flush(conn)
+        except FlushNotConfirmed as exc:  # a DatabaseUnavailable: its callers are told to send it again
+            log.error("batch of %d: %s (%s)", commands, exc, _first_line(exc.__cause__ or exc))
+            raise
 
     def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
         for (_, started), (moment, ended) in zip(marks, marks[1:]):

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import LedgerError
+from ledger.errors import FlushNotConfirmed, LedgerError
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import IN_CLAUSE_VALUES_MAX
 from ledger.schema import account_balances, holds, ledger_event_postings, ledger_events
@@ -113,6 +113,24 @@ class Storage(ABC):
         `with_next_statement`: a storage may send it with the transaction's
         next statement of its own instead of at once (one round trip less);
         if none comes, the commit waits for its flush as any other."""
+
+    def send_head_with_commit(self, conn: Connection) -> None:
+        """This transaction ends with `commit_and_wait_for_flush`: a storage
+        may keep `write_appended`'s last statement, the head's move, to send
+        with the COMMIT."""
+
+    def commit_and_wait_for_flush(self, conn: Connection) -> None:
+        """Commit the transaction, then `wait_for_flush`; a storage may send
+        them, and the head's move kept for them, as one round trip. Any error
+        but FlushNotConfirmed means nothing committed (or, for a lost
+        connection, that it is not known whether it did)."""
+        conn.connection.dbapi_connection.commit()
+        try:
+            self.wait_for_flush(conn)
+        except Exception as exc:
+            if self.is_connection_error(getattr(exc, "orig", exc)):
+                raise
+            raise FlushNotConfirmed() from exc
 
     @abstractmethod
     def wait_for_flush(self, conn: Connection) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import BadDatabaseUrl, InvariantBroken, LedgerError
+from ledger.errors import BadDatabaseUrl, FlushNotConfirmed, InvariantBroken, LedgerError
 from ledger.limits import (
     DATABASE_CONNECT_TIMEOUT_S,
     DATABASE_KEEPALIVE_IDLE_S,
@@ -97,14 +97,23 @@ _COPY_BYTEA_HEX = "\\\\x"  # bytea's hex form starts \x; its backslash escaped f
 # 0035). The head moves only if the balances are those the batch decided and
 # the closes announced were taken; on a database without those migrations
 # neither happens. Spend limits' usage is added to, not set: releases change
-# it without the append lock.
+# it without the append lock. The check fails on the server, not by a count of
+# rows the client reads: a head that may not move is set to NULL, which its
+# NOT NULL refuses, so the statement can travel with the COMMIT after it
+# (`commit_and_wait_for_flush`) and a refusal aborts the transaction before
+# that COMMIT runs. The head row exists: this transaction's lock holds it.
 _WRITE_APPENDED = """
-UPDATE ledger_head SET last_seq = %(last_seq)s, last_hash = %(last_hash)s
-WHERE id = 1 AND coalesce(current_setting('paralon.holds_closed_account_ids', true), '') = '' AND NOT EXISTS (
-    SELECT FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance)
-    LEFT JOIN account_balances b ON b.account_id = u.account_id
-    WHERE b.balance_nano_usd IS DISTINCT FROM u.balance)
+UPDATE ledger_head SET last_hash = %(last_hash)s, last_seq = CASE
+    WHEN coalesce(current_setting('paralon.holds_closed_account_ids', true), '') = '' AND NOT EXISTS (
+        SELECT FROM unnest(%(balance_account_id)s::bigint[], %(balance)s::bigint[]) AS u(account_id, balance)
+        LEFT JOIN account_balances b ON b.account_id = u.account_id
+        WHERE b.balance_nano_usd IS DISTINCT FROM u.balance)
+    THEN %(last_seq)s END
+WHERE id = 1
 """
+_HEAD_REFUSED = ("the postings did not move the balances to those the batch decided, or close the holds it settled: "
+                 "run `paralon migrate` (migrations 0030 and 0035)")
+_NOT_NULL_VIOLATION = "23502"
 # The same, when the batch settled holds that reserve against spend limits.
 _WRITE_APPENDED_WITH_LIMITS = """
 WITH limits AS (
@@ -124,6 +133,9 @@ _HOLDS_CLOSED_ANNOUNCED = "paralon_holds_closed_announced"
 # sent together is read back (`_statements_rows`).
 _FLUSH_WAIT_SKIP_PENDING = "paralon_flush_wait_skip_pending"
 _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
+# The transaction whose head statement waits to travel with its COMMIT
+# (conn.info): the transaction, then, once `write_appended` made it, the statement.
+_HEAD_WITH_COMMIT = "paralon_head_with_commit"
 
 # The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
@@ -223,6 +235,33 @@ class PostgresStorage(Storage):
         raw = conn.connection.driver_connection
         with raw.pipeline():
             raw.execute("SET LOCAL synchronous_commit = off")
+
+    def send_head_with_commit(self, conn: Connection) -> None:
+        conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), None)
+
+    def commit_and_wait_for_flush(self, conn: Connection) -> None:
+        """One query of the simple protocol, one round trip: the skip of the
+        flush wait if no statement carried it yet, the head's move, COMMIT,
+        then the flush barrier, which runs after the COMMIT as a transaction
+        of its own. The server stops at the first error: in the transaction,
+        nothing committed (the connection is left in the failed transaction,
+        for the caller's rollback); after it, the transaction committed and
+        only its flush is not known."""
+        transaction = conn.get_transaction()
+        pending = conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
+        carried, head = conn.info.pop(_HEAD_WITH_COMMIT, (None, None))
+        statements = [(_SKIP_FLUSH_WAIT, None)] if pending is not None and pending is transaction else []
+        if carried is transaction and head is not None:
+            statements.append(head)
+        raw = conn.connection.driver_connection
+        with ClientCursor(raw) as cursor:
+            query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), "COMMIT", _FLUSH_BARRIER])
+            try:
+                cursor.execute(query)
+            except psycopg.Error as exc:
+                if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
+                    _raise_head_refused_or(exc, query)
+                raise FlushNotConfirmed() from exc
 
     def wait_for_flush(self, conn: Connection) -> None:
         """One transaction of its own that writes a WAL record and waits for
@@ -328,15 +367,20 @@ class PostgresStorage(Storage):
             if batch.posting_rows and not in_event_row:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
         ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
-        head = conn.exec_driver_sql(_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
+        head = (_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
             "last_seq": batch.last_seq, "last_hash": batch.last_hash,
             "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
             "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
             "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
         })
-        if head.rowcount != 1:
-            raise InvariantBroken("the postings did not move the balances to those the batch decided, or close the holds it "
-                                  "settled: run `paralon migrate` (migrations 0030 and 0035)")
+        carried, _ = conn.info.get(_HEAD_WITH_COMMIT, (None, None))
+        if carried is not None and carried is conn.get_transaction():
+            conn.info[_HEAD_WITH_COMMIT] = (carried, head)
+            return
+        try:
+            conn.exec_driver_sql(*head)
+        except DBAPIError as exc:
+            _raise_head_refused_or(exc.orig, None, exc)
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
@@ -403,6 +447,16 @@ def _announced(conn: Connection) -> dict[int, int] | None:
     announced anything, and the settings hold whatever they hold."""
     transaction, holds_closed = conn.info.pop(_HOLDS_CLOSED_ANNOUNCED, (None, None))
     return holds_closed if transaction is not None and transaction is conn.get_transaction() else None
+
+
+def _raise_head_refused_or(exc: BaseException, statement: str | None, wrapped: DBAPIError | None = None) -> None:
+    """The head's refusal as InvariantBroken; any other error as SQLAlchemy
+    raises a statement's, so the writer tells a lost connection from a refusal."""
+    if getattr(exc, "sqlstate", None) == _NOT_NULL_VIOLATION:
+        raise InvariantBroken(_HEAD_REFUSED) from exc
+    if wrapped is not None:
+        raise wrapped
+    raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
 
 
 def _copy_text(value: str) -> str:

@@ -25,8 +25,8 @@ from ledger.money import split_charge
 from ledger.schema import holds, ledger_events
 from ledger.service import Ledger
 from ledger.store import append_one
+from ledger.storage import postgres as pg_storage
 from ledger.verify import verify
-from tests.conftest import _admin_engine
 from tests.ledger.helpers import customer_with, key, money_snapshot
 from tests.support.private_postgres import PrivatePostgres, server_binaries
 from tests.support.services import REQUIRE_SERVICES
@@ -96,31 +96,43 @@ def pg_ledger(postgres_url):
     engine.dispose()
 
 
-def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledger, monkeypatch):
-    """The batch committed; the wait for its flush finds the connection gone.
-    The writer runs it again on a new connection: its key finds the committed
-    settlement, nothing is charged twice, and the caller is answered only
-    after a wait for the flush succeeded."""
+# The flush barrier, as the server runs it after the batch's COMMIT, made to
+# fail there: the first time only, or every time, by losing its connection
+# (the backend terminates itself) or by a refusal.
+_CUT_THE_FIRST = ("SELECT pg_terminate_backend(pg_backend_pid()) FROM (SELECT nextval('flush_barriers_run')) AS n(v) WHERE v = 1;\n"
+                  + pg_storage._FLUSH_BARRIER)
+_CUT_EACH_TIME = "SELECT nextval('flush_barriers_run'), pg_terminate_backend(pg_backend_pid())"
+_REFUSED = "SELECT nextval('flush_barriers_run'), 1 / 0"
+
+
+def _barriers_run(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT last_value FROM flush_barriers_run")).scalar_one()
+
+
+@pytest.fixture
+def counted_barriers(pg_ledger):
+    with pg_ledger.engine.begin() as conn:
+        conn.execute(text("CREATE SEQUENCE flush_barriers_run"))
+
+
+def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledger, counted_barriers, monkeypatch):
+    """The batch committed; the wait for its flush, sent with the COMMIT,
+    loses its connection. The writer runs it again on a new connection: its
+    key finds the committed settlement, nothing is charged twice, and the
+    caller is answered only after a wait for the flush succeeded."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
     owner = ledger.create_account(cmd.OWNER, "owner")
     hold = ledger.place_hold(PlaceHold(customer, HOLD_NANO_USD, key("hold")))
     before = money_snapshot(ledger.engine)
-    storage = storage_of(ledger.engine)
-    wait_for_flush, waits = storage.wait_for_flush, []
-
-    def cut_the_first(conn):
-        waits.append(conn.connection.driver_connection.info.backend_pid)
-        if len(waits) == 1:
-            _terminated(conn)
-        wait_for_flush(conn)
-
-    monkeypatch.setattr(storage, "wait_for_flush", cut_the_first)
+    monkeypatch.setattr(pg_storage, "_FLUSH_BARRIER", _CUT_THE_FIRST)
     request_key = key("settle")
     result = ledger.append(cmd.SettleRequest(hold.hold_id, owner, CHARGE_NANO_USD, key("req"), request_key))
     monkeypatch.undo()
 
-    assert len(waits) == 2 and waits[0] != waits[1], "answered after a second wait, on a new connection"
+    assert result.status == EXISTS, "the second run found what the first committed"
+    assert _barriers_run(ledger.engine) == 2, "answered after a second wait, the first having lost its connection"
     after = money_snapshot(ledger.engine)
     owner_share, platform_share = split_charge(CHARGE_NANO_USD)
     moved = {a: after["balances"][a] - before["balances"].get(a, 0) for a in after["balances"]}
@@ -133,34 +145,21 @@ def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledge
         assert verify(conn).ok
 
 
-def _terminated(conn) -> None:
-    with _admin_engine().connect() as admin:
-        admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": conn.connection.driver_connection.info.backend_pid})
-
-
-def _refused(conn) -> None:
-    raise psycopg.errors.InsufficientPrivilege("permission denied for function pg_logical_emit_message")
-
-
-@pytest.mark.parametrize("failure", [_terminated, _refused], ids=["connection-lost-each-time", "refused"])
-def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_once(pg_ledger, monkeypatch, failure):
+@pytest.mark.parametrize("barrier", [_CUT_EACH_TIME, _REFUSED], ids=["connection-lost-each-time", "refused"])
+def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_once(pg_ledger, counted_barriers, monkeypatch,
+                                                                                      barrier):
     """While no wait for the flush succeeds, the caller hears `DatabaseUnavailable`,
     never a result nor a failure of its own: a grant not known to be flushed
     is not announced. Its commit stands; the retry with the same key finds it, once."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
-    storage = storage_of(ledger.engine)
     before = money_snapshot(ledger.engine)
-
-    def failing(conn):
-        failure(conn)
-        type(storage).wait_for_flush(storage, conn)
-
     grant = cmd.GrantCredits(customer, 5, "announced late", key("grant"))
-    monkeypatch.setattr(storage, "wait_for_flush", failing)
+    monkeypatch.setattr(pg_storage, "_FLUSH_BARRIER", barrier)
     with pytest.raises(DatabaseUnavailable):
         ledger.append(grant)
     monkeypatch.undo()
+    assert _barriers_run(ledger.engine) >= 1, "the barrier ran, after the commit"
     retried = ledger.append(grant)
     after = money_snapshot(ledger.engine)
     assert retried.status == EXISTS

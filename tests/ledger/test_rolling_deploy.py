@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from datetime import UTC, datetime
+from functools import partial
 
 import pytest
 from alembic import command
@@ -117,19 +118,23 @@ def test_the_previous_release_still_closes_its_holds_once(pg_ledger, pg_engine):
         assert verify(conn).ok
 
 
-def test_this_release_refuses_to_settle_before_migration_0035(pg_ledger, pg_engine):
+@pytest.mark.parametrize("through", ["caller's transaction", "durable writer"])
+def test_this_release_refuses_to_settle_before_migration_0035(pg_ledger, pg_engine, through):
     """Its postings would close no hold: the batch is refused whole, its hold
-    stays held and nothing moves. Migrated again, the same settlement closes it."""
+    stays held and nothing moves. Migrated again, the same settlement closes it.
+    Through the durable writer, the head's move travels with the COMMIT: its
+    refusal, on the server, stops the COMMIT from running."""
     customer = customer_with(pg_ledger, USD)
     settle = _settlement(pg_ledger, customer)
+    append = pg_ledger.append if through == "durable writer" else partial(append_now, pg_engine)
     _downgrade(pg_engine, "0034")
     before, view_before = money_snapshot(pg_engine), pg_ledger.balance(customer)
     with pytest.raises(InvariantBroken, match="0035"):
-        append_now(pg_engine, settle)
+        append(settle)
     assert (money_snapshot(pg_engine), pg_ledger.balance(customer)) == (before, view_before)
     assert view_before.held_nano_usd == USD // 4
     migrate(pg_engine)
-    assert append_now(pg_engine, settle).status == "created"
+    assert append(settle).status == "created"
     view = pg_ledger.balance(customer)
     assert (view.held_nano_usd, view.available_nano_usd) == (0, USD - USD // 10)
 
