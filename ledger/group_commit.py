@@ -172,7 +172,8 @@ class GroupCommitWriter(Generic[C, R]):
             if self._conn is not None:
                 self._conn.close()
             conn = self._engine.connect()
-            self._conn = conn.execution_options(isolation_level="AUTOCOMMIT") if self._autocommit else conn
+            autocommit = self._autocommit or (self._flush_after_commit and self._storage.durable_batches_in_autocommit)
+            self._conn = conn.execution_options(isolation_level="AUTOCOMMIT") if autocommit else conn
         return self._conn
 
     def _apply_once(self, commands: list) -> list:
@@ -188,8 +189,7 @@ class GroupCommitWriter(Generic[C, R]):
         conn.info.pop(APPEND_MARKS, None)
         with conn.begin():  # its own commit finds the transaction committed already, and sends nothing
             if self._flush_after_commit:
-                self._storage.skip_flush_wait(conn, with_next_statement=True)
-                self._storage.send_head_with_commit(conn)
+                self._storage.begin_durable_batch(conn)
             results = self._apply_batch(conn, commands)
             if self._flush_after_commit:
                 self._commit_and_wait_for_flush(conn, len(commands))

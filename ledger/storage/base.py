@@ -105,6 +105,10 @@ class Storage(ABC):
         reads the log, the head and the balances in many statements while
         appends go on."""
 
+    # The durable writer's connection is in autocommit, and the storage
+    # begins each of its transactions itself (`begin_durable_batch`).
+    durable_batches_in_autocommit: ClassVar[bool] = False
+
     @abstractmethod
     def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
         """This transaction's commit need not wait for its flush: used for
@@ -114,10 +118,13 @@ class Storage(ABC):
         next statement of its own instead of at once (one round trip less);
         if none comes, the commit waits for its flush as any other."""
 
-    def send_head_with_commit(self, conn: Connection) -> None:
-        """This transaction ends with `commit_and_wait_for_flush`: a storage
-        may keep `write_appended`'s last statement, the head's move, to send
-        with the COMMIT."""
+    def begin_durable_batch(self, conn: Connection) -> None:
+        """The durable writer's transaction starts: it skips the flush wait
+        and ends with `commit_and_wait_for_flush`. A storage may send its BEGIN
+        and the skip with its first statement, and keep `write_appended`'s last
+        statement, the head's move, to send with the COMMIT. The connection is
+        in autocommit (`durable_batches_in_autocommit`) where the BEGIN is its own."""
+        self.skip_flush_wait(conn, with_next_statement=True)
 
     def commit_and_wait_for_flush(self, conn: Connection) -> None:
         """Commit the transaction, then `wait_for_flush`; a storage may send

@@ -12,7 +12,7 @@ from datetime import datetime
 
 import psycopg
 from psycopg import ClientCursor
-from sqlalchemy import Connection, Engine, String, any_, bindparam, cast, create_engine
+from sqlalchemy import Connection, Engine, String, any_, bindparam, cast, create_engine, event
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
@@ -136,6 +136,9 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # The transaction whose head statement waits to travel with its COMMIT
 # (conn.info): the transaction, then, once `write_appended` made it, the statement.
 _HEAD_WITH_COMMIT = "paralon_head_with_commit"
+# The transaction whose BEGIN waits to travel with its first statement
+# (conn.info), on a connection in autocommit: psycopg would send it alone.
+_BEGIN_PENDING = "paralon_begin_pending"
 
 # The hold rules, run by the server (migrations 0003, 0010 and 0015): one round trip
 # on the path to every first token. It takes each key once.
@@ -195,6 +198,7 @@ class PostgresStorage(Storage):
     url_backends = ("postgresql", "postgres")
     holds_in_one_statement = True
     postings_in_event_row_possible = True
+    durable_batches_in_autocommit = True  # psycopg sends a BEGIN alone, a round trip: the storage sends its own
     # OperationalError: refused, dropped, terminated by an administrator, timed out;
     # InterfaceError: used after it closed.
     driver_connection_errors = (psycopg.OperationalError, psycopg.InterfaceError)
@@ -216,13 +220,15 @@ class PostgresStorage(Storage):
         # UTC (psycopg then gives datetime.UTC itself) and days are UTC days.
         # A pooled connection is pinged before it is handed out (one that died is
         # replaced); a connection attempt and a dead path are noticed in seconds.
-        return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                             connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
-                                           "options": _SESSION_IN_UTC,
-                                           "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
-                                           "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
-                                           "keepalives_count": DATABASE_KEEPALIVE_PROBES,
-                                           "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
+        engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                               connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
+                                             "options": _SESSION_IN_UTC,
+                                             "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
+                                             "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
+                                             "keepalives_count": DATABASE_KEEPALIVE_PROBES,
+                                             "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
+        event.listen(engine, "before_cursor_execute", _begin_before_statement)
+        return engine
 
     def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
         """In pipeline mode: at a transaction's start, its BEGIN and the SET
@@ -236,8 +242,16 @@ class PostgresStorage(Storage):
         with raw.pipeline():
             raw.execute("SET LOCAL synchronous_commit = off")
 
-    def send_head_with_commit(self, conn: Connection) -> None:
-        conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), None)
+    def begin_durable_batch(self, conn: Connection) -> None:
+        """Nothing is sent: the BEGIN and the skip of the flush wait go with
+        the transaction's first statement, on the raw cursor (`_rows`,
+        `_statements_rows`) or, through SQLAlchemy, just before it
+        (`_begin_before_statement`); the head's move goes with the COMMIT."""
+        transaction = conn.get_transaction()
+        if conn.connection.driver_connection.autocommit:
+            conn.info[_BEGIN_PENDING] = transaction
+        self.skip_flush_wait(conn, with_next_statement=True)
+        conn.info[_HEAD_WITH_COMMIT] = (transaction, None)
 
     def commit_and_wait_for_flush(self, conn: Connection) -> None:
         """One query of the simple protocol, one round trip: the skip of the
@@ -248,14 +262,18 @@ class PostgresStorage(Storage):
         for the caller's rollback); after it, the transaction committed and
         only its flush is not known."""
         transaction = conn.get_transaction()
-        pending = conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
         carried, head = conn.info.pop(_HEAD_WITH_COMMIT, (None, None))
-        statements = [(_SKIP_FLUSH_WAIT, None)] if pending is not None and pending is transaction else []
+        if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
+            conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
+            statements, ending = [], []
+        else:
+            statements = _opening(conn)
+            ending = ["COMMIT"]
         if carried is transaction and head is not None:
             statements.append(head)
         raw = conn.connection.driver_connection
         with ClientCursor(raw) as cursor:
-            query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), "COMMIT", _FLUSH_BARRIER])
+            query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), *ending, _FLUSH_BARRIER])
             try:
                 cursor.execute(query)
             except psycopg.Error as exc:
@@ -354,7 +372,7 @@ class PostgresStorage(Storage):
         else:
             raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
         at = batch.recorded_at.isoformat()
-        with conn.connection.driver_connection.cursor() as cursor:
+        with _raw_cursor(conn) as cursor:
             if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or no lock announced
                 cursor.execute(_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed))
             if in_event_row:
@@ -513,26 +531,53 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
 
 def _rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
     """Run on the transaction's own psycopg connection and return plain tuples."""
-    if _FLUSH_WAIT_SKIP_PENDING in conn.info:
+    if _FLUSH_WAIT_SKIP_PENDING in conn.info or _BEGIN_PENDING in conn.info:
         return _statements_rows(conn, [(sql, params)])[0]
     with conn.connection.driver_connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchall()
 
 
+def _pending(conn: Connection, name: str) -> bool:
+    """Whether this transaction still has `name` to send (and it is taken); a mark an earlier one left is dropped."""
+    marked = conn.info.pop(name, None)
+    return marked is not None and marked is conn.get_transaction()
+
+
+def _opening(conn: Connection) -> list[tuple[str, None]]:
+    """What this transaction still has to send before its next statement: its BEGIN, its skip of the flush wait."""
+    return [(sql, None) for name, sql in ((_BEGIN_PENDING, "BEGIN"), (_FLUSH_WAIT_SKIP_PENDING, _SKIP_FLUSH_WAIT))
+            if _pending(conn, name)]
+
+
+def _raw_cursor(conn: Connection):
+    """A cursor on the transaction's own psycopg connection, its opening sent first (a round trip) if still due."""
+    _begin_before_statement(conn)
+    return conn.connection.driver_connection.cursor()
+
+
+def _begin_before_statement(conn: Connection, *_) -> None:
+    """A transaction begun lazily still to begin: its BEGIN (and its skip of
+    the flush wait, if due), sent alone before a statement that cannot carry
+    them (SQLAlchemy's, a COPY). An engine listener, so that no statement of
+    such a transaction runs outside it."""
+    if _BEGIN_PENDING in conn.info and _pending(conn, _BEGIN_PENDING):
+        with ClientCursor(conn.connection.driver_connection) as cursor:
+            cursor.execute(";\n".join(["BEGIN", *(sql for sql, _ in _opening(conn))]))
+
+
 def _statements_rows(conn: Connection, statements: list[tuple[str, dict]]) -> list[list[tuple]]:
     """Several statements in one round trip, run in order on the server, each
-    reading after the one before it took effect; first, the transaction's skip
-    of the flush wait if it is still to send. One query of the simple
-    protocol, its parameters bound as literals by psycopg: measured, about 85
-    µs of this process's CPU for four statements where psycopg's pipeline
-    mode took 145 (a system call for each message and readiness poll). Every
-    statement returns rows."""
-    pending = conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
-    skip = [(_SKIP_FLUSH_WAIT, None)] if pending is not None and pending is conn.get_transaction() else []
+    reading after the one before it took effect; first, the transaction's
+    BEGIN and skip of the flush wait if they are still to send. One query of
+    the simple protocol, its parameters bound as literals by psycopg:
+    measured, about 85 µs of this process's CPU for four statements where
+    psycopg's pipeline mode took 145 (a system call for each message and
+    readiness poll). Every statement returns rows."""
+    opening = _opening(conn)
     with ClientCursor(conn.connection.driver_connection) as cursor:
-        cursor.execute(";\n".join([cursor.mogrify(sql, params or None) for sql, params in skip + statements]))
-        rows = [cursor.fetchall()]
+        cursor.execute(";\n".join([cursor.mogrify(sql, params or None) for sql, params in opening + statements]))
+        rows = [cursor.fetchall() if cursor.description is not None else []]
         while cursor.nextset():
-            rows.append(cursor.fetchall())
-    return rows[len(skip):]
+            rows.append(cursor.fetchall() if cursor.description is not None else [])
+    return rows[len(opening):]

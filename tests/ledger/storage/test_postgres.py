@@ -73,6 +73,37 @@ class TestPostgresStorage(StorageContract):
             storage.read_known_keys(conn, ["none"])
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "asked for by an earlier transaction only"
 
+    @pytest.mark.parametrize("first", ["raw cursor", "SQLAlchemy"])
+    def test_a_durable_batch_begins_with_its_first_statement_whichever_sends_it(self, engine, storage, first):
+        """The durable writer's connection is in autocommit: nothing is sent
+        at the batch's start, and its first statement, on the raw cursor or
+        through SQLAlchemy, runs inside the transaction, which skips the flush
+        wait. What it wrote is undone by a rollback."""
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            raw = conn.connection.driver_connection
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE, "nothing sent yet"
+                if first == "raw cursor":
+                    assert storage.read_known_keys(conn, ["none"]) == {}
+                else:
+                    conn.exec_driver_sql("CREATE TABLE written_then_undone (x int)")
+                assert raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+                assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+                conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS written_then_undone (x int)")
+                conn.rollback()
+            assert conn.exec_driver_sql("SELECT to_regclass('written_then_undone')").scalar() is None, "one transaction, undone"
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
+
+    def test_a_durable_batch_that_sent_nothing_commits_nothing_and_waits_for_earlier_flushes(self, engine, storage):
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                storage.commit_and_wait_for_flush(conn)
+            raw = conn.connection.driver_connection
+            assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+
     def test_no_statement_is_prepared_on_the_server(self, engine):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
         with engine.connect() as conn:
