@@ -330,13 +330,18 @@ class PostgresStorage(Storage):
         which then wrote nothing, or a default of the settings left there."""
         holds_closed = holds_closed or {}
         conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed)
+        # A second append in a durable batch: the first one's head, kept for
+        # the COMMIT, moves first, before this one announces its closes.
+        earlier = _take_earlier_head(conn)
         try:
-            head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [
+            *_, head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [*earlier,
                 (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
                 (_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)),
             ])
         except psycopg.errors.UndefinedColumn:  # deployed before its migration: nothing is written
             raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
+        except psycopg.errors.NotNullViolation as exc:
+            raise InvariantBroken(_HEAD_REFUSED) from exc
         last_seq, last_hash, in_event_row = head_rows[0]
         return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows), in_event_row)
 
@@ -391,14 +396,10 @@ class PostgresStorage(Storage):
             "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
             "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
         })
-        carried, _ = conn.info.get(_HEAD_WITH_COMMIT, (None, None))
-        if carried is not None and carried is conn.get_transaction():
-            conn.info[_HEAD_WITH_COMMIT] = (carried, head)
-            return
-        try:
-            conn.exec_driver_sql(*head)
-        except DBAPIError as exc:
-            _raise_head_refused_or(exc.orig, None, exc)
+        if _head_carried(conn):
+            conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), head)
+        else:
+            _move_head(conn, head)
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
@@ -465,6 +466,28 @@ def _announced(conn: Connection) -> dict[int, int] | None:
     announced anything, and the settings hold whatever they hold."""
     transaction, holds_closed = conn.info.pop(_HOLDS_CLOSED_ANNOUNCED, (None, None))
     return holds_closed if transaction is not None and transaction is conn.get_transaction() else None
+
+
+def _head_carried(conn: Connection) -> bool:
+    """Whether this transaction's head moves with its COMMIT (`begin_durable_batch`)."""
+    carried, _ = conn.info.get(_HEAD_WITH_COMMIT, (None, None))
+    return carried is not None and carried is conn.get_transaction()
+
+
+def _take_earlier_head(conn: Connection) -> list[tuple[str, dict]]:
+    """The head's move this transaction kept for its COMMIT, if any, taken to be sent now."""
+    if not _head_carried(conn):
+        return []
+    transaction, head = conn.info[_HEAD_WITH_COMMIT]
+    conn.info[_HEAD_WITH_COMMIT] = (transaction, None)
+    return [head] if head is not None else []
+
+
+def _move_head(conn: Connection, head: tuple[str, dict]) -> None:
+    try:
+        conn.exec_driver_sql(*head)
+    except DBAPIError as exc:
+        _raise_head_refused_or(exc.orig, None, exc)
 
 
 def _raise_head_refused_or(exc: BaseException, statement: str | None, wrapped: DBAPIError | None = None) -> None:

@@ -8,13 +8,20 @@ import pytest
 
 from ledger import commands as cmd
 from ledger import holds as hl
+from ledger import spend_limits
 from ledger.hold_commands import PlaceHold
-from ledger.service import append_now
+from ledger.service import Ledger, append_now
 from ledger.storage.postgres import PostgresStorage
 from ledger.store import append_batch
+from ledger.verify import verify
 from tests.conftest import migrated_database_url
+from tests.ledger.helpers import customer_with
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
 from tests.support.harness import wait_for
+
+
+USD = 1_000_000_000
+LIMIT_ID = 77
 
 
 class TestPostgresStorage(StorageContract):
@@ -103,6 +110,30 @@ class TestPostgresStorage(StorageContract):
             raw = conn.connection.driver_connection
             assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+
+    def test_two_appends_in_one_durable_batch_each_move_the_head_and_spend_their_limit(self, engine, storage):
+        """The first append's head move, kept for the COMMIT, runs before the
+        second append's rows: neither its check nor its spend limit's usage is lost."""
+        ledger = Ledger(engine)
+        try:
+            customer = customer_with(ledger, 10 * USD)
+            owner = ledger.create_account(cmd.OWNER, "owner")
+            with engine.begin() as conn:
+                spend_limits.create_limit(conn, LIMIT_ID, 5 * USD)
+            placed = [ledger.place_hold(PlaceHold(customer, USD, f"hold-{i}", spend_limit_id=LIMIT_ID)) for i in range(2)]
+        finally:
+            ledger.close()
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                for i, hold in enumerate(placed):
+                    [result] = append_batch(conn, [cmd.SettleRequest(hold.hold_id, owner, (i + 1) * USD // 4, f"r{i}", f"s{i}")])
+                    assert result.status == "created"
+                storage.commit_and_wait_for_flush(conn)
+        with engine.connect() as conn:
+            limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
+            assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (3 * USD // 4, 0), "both settlements spent the limit"
+            assert verify(conn).ok
 
     def test_no_statement_is_prepared_on_the_server(self, engine):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
