@@ -46,10 +46,6 @@ REPLICA_ID_CHARS_MAX = 200  # who placed a hold (PARALON_REPLICA_ID)
 
 # Group commit
 BATCH_SIZE_MAX_DEFAULT = 1024  # commands in one transaction
-# A durable batch of at most this many events sends them with its commit's
-# query, as INSERTs, rather than by COPY (two round trips each): the proxy's
-# batches are of one or two; COPY writes a page of rows per WAL record.
-EVENTS_SENT_WITH_COMMIT_MAX = 16
 BATCH_WAIT_MS_DEFAULT = 1.0  # how long a batch waits for more once its first command arrived
 HOLD_BATCH_WAIT_MS_DEFAULT = 0.0  # holds are on the path to the first token: never wait for company
 QUEUE_DEPTH_MAX_DEFAULT = 50_000  # commands waiting before callers are refused

@@ -38,9 +38,6 @@ HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
 # In a connection's `info`: where its last append wrote postings, so the next
 # drafts them that way before the lock tells.
 POSTINGS_IN_EVENT_ROW_SEEN = "paralon_postings_in_event_row"
-# In a connection's `info`: the database refused a batch's rows (a key used
-# before), so the writer's next batch looks every key up (`append_batch`).
-LOOK_UP_EVERY_KEY = "paralon_look_up_every_key"
 
 KnownKeys = dict[str, tuple[bytes, int, str]]  # idempotency key -> (content digest, seq, event type)
 HoldRules = Callable[[Connection, list[PlaceHold]], list[HoldResult | LedgerError]]

@@ -24,13 +24,11 @@ from ledger.limits import (
     DATABASE_KEEPALIVE_INTERVAL_S,
     DATABASE_KEEPALIVE_PROBES,
     DATABASE_TCP_USER_TIMEOUT_MS,
-    EVENTS_SENT_WITH_COMMIT_MAX,
 )
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
 from ledger.storage.base import (
     HOLD_ROW,
-    LOOK_UP_EVERY_KEY,
     NEW_HOLD_COLUMNS,
     POSTINGS_IN_EVENT_ROW_SEEN,
     STORED_EVENT_COLUMNS,
@@ -138,11 +136,6 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # The transaction whose head statement waits to travel with its COMMIT
 # (conn.info): the transaction, then, once `write_appended` made it, the statement.
 _HEAD_WITH_COMMIT = "paralon_head_with_commit"
-_INSERT_EVENTS = ("INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, prev_hash, "
-                  "hash, recorded_at) VALUES ")
-_INSERT_EVENTS_WITH_POSTINGS = _INSERT_EVENTS.replace("recorded_at)", "recorded_at, posting_account_ids, posting_amounts_nano_usd)")
-_INSERT_POSTINGS = "INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES "
-_UNIQUE_VIOLATION = "23505"
 # The transaction whose BEGIN waits to travel with its first statement
 # (conn.info), on a connection in autocommit: psycopg would send it alone.
 _BEGIN_PENDING = "paralon_begin_pending"
@@ -277,7 +270,7 @@ class PostgresStorage(Storage):
             statements = _opening(conn)
             ending = ["COMMIT"]
         if carried is transaction and head is not None:
-            statements += head
+            statements.append(head)
         raw = conn.connection.driver_connection
         with ClientCursor(raw) as cursor:
             query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), *ending, _FLUSH_BARRIER])
@@ -285,8 +278,6 @@ class PostgresStorage(Storage):
                 cursor.execute(query)
             except psycopg.Error as exc:
                 if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
-                    if exc.sqlstate == _UNIQUE_VIOLATION:  # a key used before, in the rows sent here
-                        conn.info[LOOK_UP_EVERY_KEY] = True
                     _raise_head_refused_or(exc, query)
                 raise FlushNotConfirmed() from exc
 
@@ -375,9 +366,6 @@ class PostgresStorage(Storage):
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         rows, in_event_row = batch.event_rows, batch.postings_in_event_row
         conn.info[POSTINGS_IN_EVENT_ROW_SEEN] = in_event_row
-        if _head_carried(conn) and len(rows) <= EVENTS_SENT_WITH_COMMIT_MAX:
-            self._send_with_commit(conn, batch)
-            return
         drafted = batch.drafted
         if drafted is None or (drafted and isinstance(drafted[0][1], str) != in_event_row):  # drafted the other way
             drafted = self._draft_rows(rows, batch.posting_rows, in_event_row)
@@ -401,30 +389,17 @@ class PostgresStorage(Storage):
                                                      for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
             if batch.posting_rows and not in_event_row:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
+        ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
+        head = (_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
+            "last_seq": batch.last_seq, "last_hash": batch.last_hash,
+            "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
+            "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
+            "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
+        })
         if _head_carried(conn):
-            conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), [_head_statement(batch)])
+            conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), head)
         else:
-            _move_head(conn, _head_statement(batch))
-
-    def _send_with_commit(self, conn: Connection, batch: AppendedBatch) -> None:
-        """A small batch's writes, kept for its commit's query: the
-        announcement if it changed, the events (and their postings as rows),
-        then the head's move. The lock's round trip took the one before."""
-        statements = []
-        if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or no lock announced
-            statements.append((_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed)))
-        legs: dict[int, list[tuple[int, int]]] = {row[0]: [] for row in batch.event_rows}
-        for seq, _, account_id, amount in batch.posting_rows:
-            legs[seq].append((account_id, amount))
-        if batch.postings_in_event_row:
-            statements.append(_values(_INSERT_EVENTS_WITH_POSTINGS, [
-                (*row, batch.recorded_at, [p[0] for p in legs[row[0]]] or None, [p[1] for p in legs[row[0]]] or None)
-                for row in batch.event_rows]))
-        else:
-            statements.append(_values(_INSERT_EVENTS, [(*row, batch.recorded_at) for row in batch.event_rows]))
-            if batch.posting_rows:
-                statements.append(_values(_INSERT_POSTINGS, batch.posting_rows))
-        conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), [*statements, _head_statement(batch)])
+            _move_head(conn, head)
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
@@ -493,35 +468,19 @@ def _announced(conn: Connection) -> dict[int, int] | None:
     return holds_closed if transaction is not None and transaction is conn.get_transaction() else None
 
 
-def _head_statement(batch: AppendedBatch) -> tuple[str, dict]:
-    ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
-    return (_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
-        "last_seq": batch.last_seq, "last_hash": batch.last_hash,
-        "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
-        "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
-        "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
-    })
-
-
-def _values(insert: str, rows: list[tuple]) -> tuple[str, list]:
-    """An INSERT of `rows`, each value a parameter (bound as a literal where it is sent)."""
-    row = "(" + ", ".join(["%s"] * len(rows[0])) + ")"
-    return insert + ", ".join([row] * len(rows)), [value for r in rows for value in r]
-
-
 def _head_carried(conn: Connection) -> bool:
     """Whether this transaction's head moves with its COMMIT (`begin_durable_batch`)."""
     carried, _ = conn.info.get(_HEAD_WITH_COMMIT, (None, None))
     return carried is not None and carried is conn.get_transaction()
 
 
-def _take_earlier_head(conn: Connection) -> list[tuple[str, object]]:
-    """What this transaction kept for its COMMIT (an earlier append's rows and head), taken to be sent now."""
+def _take_earlier_head(conn: Connection) -> list[tuple[str, dict]]:
+    """The head's move this transaction kept for its COMMIT, if any, taken to be sent now."""
     if not _head_carried(conn):
         return []
-    transaction, kept = conn.info[_HEAD_WITH_COMMIT]
+    transaction, head = conn.info[_HEAD_WITH_COMMIT]
     conn.info[_HEAD_WITH_COMMIT] = (transaction, None)
-    return kept or []
+    return [head] if head is not None else []
 
 
 def _move_head(conn: Connection, head: tuple[str, dict]) -> None:

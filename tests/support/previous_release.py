@@ -57,5 +57,4 @@ def closing_holds_as_before_0035():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PostgresStorage, "write_appended", write_as_before)
         patch.setattr(postgres, "_ANNOUNCE_HOLDS_CLOSED", "SELECT %(ids)s, %(amounts)s")  # sets nothing
-        patch.setattr(postgres, "EVENTS_SENT_WITH_COMMIT_MAX", 0)  # its rows went in at once, by COPY
         yield
