@@ -78,6 +78,30 @@ def test_a_settlement_refused_under_the_lock_closes_nothing_and_the_rest_close_t
     assert _held_and_available(pg_ledger, customer) == (HOLD, USD + 1 - CHARGE - HOLD), "the refused one's hold is still held"
 
 
+@pytest.mark.parametrize("settlements", [1, 20], ids=["alone", "in-a-batch"])
+def test_through_the_writer_a_settlement_whose_key_was_taken_is_a_conflict_and_keeps_its_hold(pg_ledger, pg_engine,
+                                                                                                 settlements):
+    """The writer does not look up under the lock the key of a settlement that
+    just closed its hold: the log's unique index refuses it, and the batch
+    runs again looking every key up. The mistake is answered
+    IdempotencyConflict, its hold is still held, and the others settle once."""
+    customer = customer_with(pg_ledger, USD * 10)
+    owner = pg_ledger.create_account(cmd.OWNER, "owner")
+    settles = _settlements(pg_ledger, [customer], owner, holds_each=settlements)
+    refused = settles[-1]
+    pg_ledger.append(cmd.GrantCredits(customer, 1, "takes the key", refused.idempotency_key))
+    before = money_snapshot(pg_engine)
+    futures = [pg_ledger.appender.submit(settle) for settle in settles]
+    with pytest.raises(Exception) as raised:
+        futures[-1].result(timeout=30)
+    assert type(raised.value).__name__ == "IdempotencyConflict"
+    assert all(f.result(timeout=30).status == "created" for f in futures[:-1])
+    after = money_snapshot(pg_engine)
+    assert after["events"] == before["events"] + settlements - 1
+    assert after["balances"][customer] == before["balances"][customer] - (settlements - 1) * CHARGE
+    assert _held_and_available(pg_ledger, customer)[0] == HOLD, "the refused one's hold is still held"
+
+
 @pytest.mark.parametrize("ids, amounts", [("{1,2}", "{5}"), ("{1,1}", "{5,5}"), ("{1}", "{NULL}")],
                          ids=["lengths differ", "an account twice", "no amount"])
 def test_closes_announced_malformed_are_refused_and_nothing_moves(pg_ledger, pg_engine, ids, amounts):
