@@ -261,16 +261,15 @@ class PostgresStorage(Storage):
         nothing committed (the connection is left in the failed transaction,
         for the caller's rollback); after it, the transaction committed and
         only its flush is not known."""
-        transaction = conn.get_transaction()
-        carried, head = conn.info.pop(_HEAD_WITH_COMMIT, (None, None))
+        head = _take_earlier_head(conn)
+        conn.info.pop(_HEAD_WITH_COMMIT, None)
         if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
             conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
             statements, ending = [], []
         else:
             statements = _opening(conn)
             ending = ["COMMIT"]
-        if carried is transaction and head is not None:
-            statements.append(head)
+        statements += head
         raw = conn.connection.driver_connection
         with ClientCursor(raw) as cursor:
             query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), *ending, _FLUSH_BARRIER])
@@ -475,7 +474,8 @@ def _head_carried(conn: Connection) -> bool:
 
 
 def _take_earlier_head(conn: Connection) -> list[tuple[str, dict]]:
-    """The head's move this transaction kept for its COMMIT, if any, taken to be sent now."""
+    """The head's move this transaction kept for its COMMIT, if any, taken to be sent now
+    (by a later append's lock, or by the commit)."""
     if not _head_carried(conn):
         return []
     transaction, head = conn.info[_HEAD_WITH_COMMIT]
