@@ -145,7 +145,8 @@ def database_error_response(request: Request, exc: Exception) -> Response:
     """The database away (a refused or dropped connection, wherever it surfaced:
     a key lookup, a read, a hold) is a 503 with Retry-After, never a 500."""
     if isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc):
-        log.warning("%s %s: the database is unavailable (%s)", request.method, request.url.path, type(exc).__name__)
+        log.warning("%s %s: the database is unavailable (%s: %s)", request.method, request.url.path, type(exc).__name__,
+                    str(exc).partition("\n")[0])
         return proxy_error_response(request, DatabaseAway("the database is unavailable just now: try again shortly"))
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return proxy_error_response(request, ProxyError("internal error"))

@@ -285,8 +285,22 @@ def serving(database_url: str, **env: str):
     proc = ServeProcess(database_url, **env).start()
     try:
         yield proc
+    except BaseException:
+        print_log_tail(proc)
+        raise
     finally:
         proc.stop()
+
+
+SERVE_LOG_TAIL_LINES = 40
+
+
+def print_log_tail(proc: ServeProcess) -> None:
+    """The end of a replica's log on stderr, which pytest shows with a failure:
+    what the replica said about it (a 503's cause, a batch that failed)."""
+    if proc.process is not None and proc.process.stdout is not None:
+        lines = proc.process.stdout.read().splitlines()[-SERVE_LOG_TAIL_LINES:]
+        print(f"--- the last lines of paralon serve on port {proc.port} ---", *lines, sep="\n", file=sys.stderr)
 
 
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
