@@ -65,9 +65,11 @@ ACCOUNT_KINDS_CACHED_MAX = 100_000  # account kinds remembered per engine
 VERIFY_PROBLEMS_LISTED_MAX = 100  # the rest are counted
 
 # Databases
-# A connection attempt gives up after this long (libpq counts whole seconds, at least 2):
-# a caller learns the database is away in seconds, not in the kernel's minutes.
-DATABASE_CONNECT_TIMEOUT_S = 2
+# A connection attempt gives up after this long: a caller learns the database is
+# away in seconds, not in the kernel's minutes (a refused connection fails at
+# once). Not shorter: a server that is up but busy (a burst of new backends on
+# a loaded machine, a checkpoint's writes) must not be taken for one away.
+DATABASE_CONNECT_TIMEOUT_S = 5
 # TCP keepalives on every connection: a path that died silently is noticed within
 # idle + interval * probes seconds instead of the kernel's two hours.
 DATABASE_KEEPALIVE_IDLE_S = 10
