@@ -19,9 +19,11 @@ import re
 from collections import Counter
 
 # Innermost frames that are waiting, not working: the event loop's select, a
-# lock, and psycopg's wait for the server's answer (its C poll shows as this frame).
+# lock, psycopg's wait for the server's answer (its C poll shows as this frame),
+# and a thread pool's worker waiting for work (its queue's C get shows as it).
 _IDLE_FRAME = re.compile(r"^\s*(select|poll|epoll_wait|wait|acquire|sleep|recv_into|run_forever)\b|"
-                         r"\((selectors|threading|queue)\.py|^Connection\.wait \(psycopg/")
+                         r"\((selectors|threading|queue)\.py|^Connection\.wait \(psycopg/|"
+                         r"^_worker \(concurrent/futures/thread\.py")
 _PROCESS_FRAME = re.compile(r'^process \d+:|^ ')  # py-spy's per-process root (its command line can hold ";")
 
 
