@@ -104,3 +104,8 @@ class InvariantBroken(LedgerError):
     """Something that must never happen did; raised instead of `assert`."""
 
     code = "invariant_broken"
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line, for a log line that names its cause (a database's errors run to several)."""
+    return str(exc).partition("\n")[0]

@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ledger.db import APPEND_MARKS, COMMITTED, is_connection_failure, storage_of
-from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, LedgerError, WriterClosed, WriterOverloaded
+from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, LedgerError, WriterClosed, WriterOverloaded, first_line
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_SIZE_MAX_DEFAULT,
     BATCH_WAIT_MS_DEFAULT,
@@ -207,7 +207,7 @@ class GroupCommitWriter(Generic[C, R]):
         try:
             self._storage.commit_and_wait_for_flush(conn)
         except FlushNotConfirmed as exc:  # a DatabaseUnavailable: its callers are told to send it again
-            log.error("batch of %d: %s (%s)", commands, exc, _first_line(exc.__cause__ or exc))
+            log.error("batch of %d: %s (%s)", commands, exc, first_line(exc.__cause__ or exc))
             raise
 
     def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
@@ -241,8 +241,8 @@ class GroupCommitWriter(Generic[C, R]):
                         time.sleep(wait_s)
                         continue
                     self._database_away = True
-                    log.warning("batch of %d: the database is unavailable (%s)", len(commands), _first_line(exc))
-                    return [DatabaseUnavailable(f"the database is unavailable: {_first_line(exc)}") for _ in commands]
+                    log.warning("batch of %d: the database is unavailable (%s)", len(commands), first_line(exc))
+                    return [DatabaseUnavailable(f"the database is unavailable: {first_line(exc)}") for _ in commands]
                 if isinstance(exc, DBAPIError) and attempt < TRANSIENT_ATTEMPTS_MAX and self._storage.is_transient(exc):
                     attempt += 1
                     continue  # idempotency keys make the retry safe
@@ -253,10 +253,6 @@ class GroupCommitWriter(Generic[C, R]):
             self.batches_committed += 1
             self.commands_committed += len(commands)
             return results
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).partition("\n")[0]
 
 
 def _deliver(batch: list, results: list) -> None:

@@ -22,7 +22,7 @@ from app.payments import payouts
 from invoices.files import DocumentUnavailable
 from invoices.statements import NoStatement, StatementNotReady
 from ledger.db import DATABASE_ERRORS, is_connection_failure
-from ledger.errors import DatabaseUnavailable, InvariantBroken, LedgerError
+from ledger.errors import DatabaseUnavailable, InvariantBroken, LedgerError, first_line
 from proxy import workers as registry
 from proxy.errors import CallerMistake, DatabaseAway, InvalidRequest, NotReady, ProxyError
 
@@ -146,7 +146,7 @@ def database_error_response(request: Request, exc: Exception) -> Response:
     a key lookup, a read, a hold) is a 503 with Retry-After, never a 500."""
     if isinstance(exc, DatabaseUnavailable) or is_connection_failure(exc):
         log.warning("%s %s: the database is unavailable (%s: %s)", request.method, request.url.path, type(exc).__name__,
-                    str(exc).partition("\n")[0])
+                    first_line(exc))
         return proxy_error_response(request, DatabaseAway("the database is unavailable just now: try again shortly"))
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return proxy_error_response(request, ProxyError("internal error"))

@@ -128,7 +128,7 @@ def test_two_replicas_measure_a_saturated_worker_alike_and_write_once_per_period
     worker_id = fleet.worker_ids[0]
     stop, watcher_stop = threading.Event(), threading.Event()
     writes: list = []
-    refused: list[str] = []  # answers other than 200: the test fails with them at once
+    refused: list[str] = []  # answers other than 200: they stop the load, and the test fails with them
 
     def watch_writes() -> None:
         while not watcher_stop.is_set():
@@ -146,7 +146,6 @@ def test_two_replicas_measure_a_saturated_worker_alike_and_write_once_per_period
             load.start()
             try:
                 wait_for(lambda: refused or fleet.worker(worker_id).capacity_saturated, timeout_s=60)
-                assert not refused, refused
                 time.sleep(2 * PERIOD_MS / 1000)  # a few saturated periods, each written by one replica
             finally:
                 stop.set()
