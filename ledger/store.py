@@ -31,7 +31,7 @@ from ledger.errors import (
 from ledger.limits import ACCOUNT_KINDS_CACHED_MAX
 from ledger.schema import accounts, holds, ledger_event_postings, ledger_events, ledger_head, utc_now
 from ledger.settlement_texts import SettleTexts, settle_texts, settled_texts
-from ledger.storage.base import HOLD_ROW_SPEND_LIMIT, POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, KnownKeys, in_chunks
+from ledger.storage.base import POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, ClosedHold, KnownKeys, in_chunks
 
 
 class AppendResult(NamedTuple):
@@ -48,7 +48,7 @@ class _BatchBook:
         self.balances: dict[int, int] = {}
         self.held_by_account: dict[int, int] = {}
         self.holds: dict[int, cmd.HoldView] = {}
-        self.closing: dict[int, tuple] = {}  # holds this batch closed (their rows), until their settlement is written
+        self.closing: dict[int, ClosedHold] = {}  # holds this batch closed, until their settlement is written
         self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
         self.reversals: dict[int, int] = {}
         self.system: dict[str, int] = {}
@@ -160,7 +160,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
             book.reversals[event.reversed_seq] = seq
         elif isinstance(event, ev.RequestSettled):
             held = _add_hold_closed(holds_closed, book, event)
-            limit_id = book.closing.pop(event.hold_id)[HOLD_ROW_SPEND_LIMIT]
+            limit_id = book.closing.pop(event.hold_id).spend_limit_id
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
@@ -361,11 +361,10 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
     another process used meanwhile) is put back before the batch commits."""
     closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
     storage = storage_of(conn)
-    for row in storage.close_holds(conn, closable):
-        hold_id, account_id, amount = row[:3]
-        book.holds[hold_id] = cmd.HoldView(hold_id, account_id, amount, True)
-        book.kinds[account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
-        book.closing[hold_id] = row
+    for closed in storage.close_holds(conn, closable):
+        book.holds[closed.hold_id] = cmd.HoldView(closed.hold_id, closed.account_id, closed.amount_nano_usd, True)
+        book.kinds[closed.account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
+        book.closing[closed.hold_id] = closed
     unclosed = sorted({c.hold_id for c in settles} - set(book.closing))
     for chunk in in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
         for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(storage.one_of(holds.c.id, chunk))):

@@ -30,10 +30,21 @@ STORED_EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "reco
 EVENT_COLUMNS = ("seq", "event_type", "payload", "idempotency_key", "content_digest", "reverses_seq", "prev_hash", "hash")
 POSTING_COLUMNS = ("event_seq", "leg", "account_id", "amount_nano_usd")
 NEW_HOLD_COLUMNS = ("account_id", "amount_nano_usd", "idempotency_key", "ttl_s", "spend_limit_id", "replica_id")
-# A whole hold row, as closing it returns it and reopening it takes it back.
+# A whole hold row, as the table has it.
 HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_at", "expires_at", "spend_limit_id",
             "capture_nano_usd", "capture_owner_account_id", "capture_request_id", "capture_meta", "replica_id")
-HOLD_ROW_SPEND_LIMIT = HOLD_ROW.index("spend_limit_id")
+
+
+class ClosedHold(NamedTuple):
+    """A hold a settlement closed: what its rules read, and its whole row in
+    whatever form the storage takes it back in (`reopen_holds`), which the
+    settlement never reads."""
+
+    hold_id: int
+    account_id: int
+    amount_nano_usd: int
+    spend_limit_id: int | None
+    row: object
 
 # In a connection's `info`: where its last append wrote postings, so the next
 # drafts them that way before the lock tells.
@@ -246,13 +257,14 @@ class Storage(ABC):
         Returns the ids of the holds that still existed."""
 
     @abstractmethod
-    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[tuple]:
-        """Delete these holds; returns each one that existed as a HOLD_ROW tuple."""
+    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[ClosedHold]:
+        """Delete these holds; returns each one that existed."""
 
-    def reopen_holds(self, conn: Connection, rows: list[tuple]) -> None:
-        """Put back holds closed for settlements that then failed under the append lock (rare)."""
-        if rows:
-            conn.execute(holds.insert(), [dict(zip(HOLD_ROW, row)) for row in rows])
+    def reopen_holds(self, conn: Connection, closed: list[ClosedHold]) -> None:
+        """Put back holds closed for settlements that then failed under the append lock (rare).
+        Here `row` is a HOLD_ROW tuple."""
+        if closed:
+            conn.execute(holds.insert(), [dict(zip(HOLD_ROW, c.row)) for c in closed])
 
     # Reservation counters: customer -> amount, spend limit -> amount
     @abstractmethod

@@ -28,11 +28,11 @@ from ledger.limits import (
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
 from ledger.storage.base import (
-    HOLD_ROW,
     NEW_HOLD_COLUMNS,
     POSTINGS_IN_EVENT_ROW_SEEN,
     STORED_EVENT_COLUMNS,
     AppendedBatch,
+    ClosedHold,
     HeadRead,
     HoldRules,
     KnownKeys,
@@ -167,10 +167,14 @@ FROM unnest(%(id)s::bigint[], %(ttl_s)s::int[], %(capture)s::bigint[], %(owner)s
 WHERE h.id = u.id
 RETURNING h.id
 """
-_CLOSE_HOLDS = f"""
+# What a settlement reads of the holds it closes, and each whole row as the
+# record's text, which only a settlement that then fails sends back: parsing
+# every column (two timestamps) cost the writer half as much again per hold.
+_CLOSE_HOLDS = """
 DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
-RETURNING {", ".join(HOLD_ROW)}
+RETURNING id, account_id, amount_nano_usd, spend_limit_id, holds::text
 """
+_REOPEN_HOLDS = "INSERT INTO holds SELECT * FROM unnest(%(row)s::text[]::holds[])"
 _ADD_PLACED = """
 UPDATE customer_holds AS c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.amount
 FROM unnest(%(id)s::bigint[], %(amount)s::bigint[]) AS u(id, amount)
@@ -429,8 +433,14 @@ class PostgresStorage(Storage):
             "meta": nullable_texts(metas),
         })}
 
-    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[tuple]:
-        return _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)}) if hold_ids else []
+    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[ClosedHold]:
+        return [ClosedHold(*row) for row in _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)})] if hold_ids else []
+
+    def reopen_holds(self, conn: Connection, closed: list[ClosedHold]) -> None:
+        """Here `row` is the record's text, as `close_holds` returned it."""
+        if closed:
+            with _raw_cursor(conn) as cursor:
+                cursor.execute(_REOPEN_HOLDS, {"row": texts([c.row for c in closed])})
 
     def add_holds_placed(self, conn: Connection, placed: dict[int, int]) -> None:
         _add(conn, _ADD_PLACED, placed)

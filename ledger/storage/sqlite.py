@@ -30,6 +30,7 @@ from ledger.storage.base import (
     HOLD_ROW,
     POSTING_COLUMNS,
     AppendedBatch,
+    ClosedHold,
     HeadRead,
     HoldRules,
     Storage,
@@ -147,10 +148,11 @@ class SqliteStorage(Storage):
             renewed.add(renewal.hold_id)
         return renewed
 
-    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[tuple]:
+    def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[ClosedHold]:
         closed = []
         for hold_id in hold_ids:  # executemany cannot return rows
-            closed.extend(tuple(r) for r in conn.execute(_CLOSE_HOLD, {"b_id": hold_id}))
+            closed.extend(ClosedHold(r.id, r.account_id, r.amount_nano_usd, r.spend_limit_id, tuple(r))
+                          for r in conn.execute(_CLOSE_HOLD, {"b_id": hold_id}))
         return closed
 
     def add_holds_placed(self, conn: Connection, placed: dict[int, int]) -> None:

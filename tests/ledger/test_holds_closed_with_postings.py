@@ -76,6 +76,9 @@ def test_a_settlement_refused_under_the_lock_closes_nothing_and_the_rest_close_t
     assert results[0].status == "created" and type(results[1]).__name__ == "IdempotencyConflict", results
     assert used.status == "created"
     assert _held_and_available(pg_ledger, customer) == (HOLD, USD + 1 - CHARGE - HOLD), "the refused one's hold is still held"
+    retried = pg_ledger.append(cmd.SettleRequest(refused.hold_id, owner, CHARGE, refused.request_id, key("settle again")))
+    assert retried.status == "created", "its hold's row was put back whole: a settlement with a key of its own closes it"
+    assert _held_and_available(pg_ledger, customer) == (0, USD + 1 - 2 * CHARGE)
 
 
 @pytest.mark.parametrize("settlements", [1, 20], ids=["alone", "in-a-batch"])

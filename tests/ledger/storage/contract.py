@@ -185,7 +185,7 @@ class StorageContract:
             storage.renew_holds(conn, [HoldRenewal(ids[awkward], 60, 4, 8, 'r "1", (2)', {})], ['{"q":"a\\"b,(c)"}'], now)
             before = {tuple(r) for r in conn.execute(select(*(holds.c[name] for name in HOLD_ROW)))}
             closed = storage.close_holds(conn, sorted(ids.values()) + [max(ids.values()) + 99])
-            assert {tuple(r) for r in closed} == before
+            assert {c[:4] for c in closed} == {(r[0], r[1], r[2], r[HOLD_ROW.index("spend_limit_id")]) for r in before}
             assert conn.execute(select(func.count()).select_from(holds)).scalar() == 0
             storage.reopen_holds(conn, closed)
             assert {tuple(r) for r in conn.execute(select(*(holds.c[name] for name in HOLD_ROW)))} == before
