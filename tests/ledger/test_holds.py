@@ -223,3 +223,17 @@ def test_renewals_rewrite_holds_in_place_and_the_sweeper_still_finds_the_expired
     assert released == 0 and sorted(c.hold_id for c in captures) == sorted(h.hold_id for h in placed), "each delivered something"
     assert money_snapshot(pg_engine) == before
     ledger.close()
+
+
+def test_a_placed_hold_is_told_the_expiry_its_row_keeps(ledger, engine):
+    """Created or found again, the answer's expiry is the stored one, to the microsecond."""
+    customer = customer_with(ledger, USD)
+    request = PlaceHold(customer, USD // 10, key("hold"), ttl_s=37)
+    before = utc_now()
+    created = ledger.place_hold(request)
+    again = ledger.place_hold(request)
+    with engine.connect() as conn:
+        stored = conn.execute(select(holds.c.expires_at).where(holds.c.id == created.hold_id)).scalar_one()
+    assert (created.status, again.status) == ("created", "exists")
+    assert created.expires_at == again.expires_at == stored
+    assert before + timedelta(seconds=37) <= stored <= utc_now() + timedelta(seconds=37)
