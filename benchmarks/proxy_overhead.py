@@ -5,16 +5,20 @@ settlement all on, against a bare relay on the same worker in the same run.
 Steady closed-loop callers each stream one request after another, to a
 simulated worker paced like a real GPU (one token per chunk, h200 profile):
 directly, through the bare relay (benchmarks/bare_relay.py: uvicorn and httpx
-forwarding raw bytes, nothing else) and through `paralon serve`; the phases
-alternate so that drift on this shared machine hits all three alike.
+forwarding raw bytes, nothing else), through a TCP forwarder (the floor:
+benchmarks/tcp_forwarder.py pipes bytes and parses no HTTP) and through
+`paralon serve`; the phases alternate so that drift on this shared machine
+hits them all alike.
 
     python benchmarks/proxy_overhead.py --json
 
 Prints one JSON line. At 16 callers: TTFT added over the direct path, p50 and
-p99, by the proxy and by the bare relay, and their ratios. At 64 callers:
-tokens the callers received per CPU-second of the relaying process, for each,
-and the proxy's ratio to the bare relay's; and the load generator's own CPU
-per phase, so that a starved client cannot hide a slow proxy.
+p99, by the proxy, the bare relay and the forwarder, and the proxy's ratios to
+the bare relay's. At 64 callers: tokens the callers received per CPU-second
+of the relaying process, for each, and the proxy's ratio to the bare
+relay's; and the load generator's own CPU per phase, so that a starved
+client cannot hide a slow proxy. What the forwarder adds is the most any
+relay could save here: one more hop through a process costs that much.
 """
 from __future__ import annotations
 
@@ -52,9 +56,9 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def start_bare_relay(port: int, worker_port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "bare_relay.py"), "--port", str(port),
-                                "--upstream", f"http://127.0.0.1:{worker_port}"])
+def start_helper(port: int, script: str, *args: str) -> subprocess.Popen:
+    """A relay of this folder's, listening on `port` once this returns."""
+    process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / script), "--port", str(port), *args])
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -62,7 +66,8 @@ def start_bare_relay(port: int, worker_port: int) -> subprocess.Popen:
             return process
         except httpx.HTTPError:
             time.sleep(0.1)
-    raise SystemExit("the bare relay did not start")
+    process.kill()
+    raise SystemExit(f"{script} did not start")
 
 
 def relayed_per_cpu_s(url: str, headers: dict, pid: int, seconds: float) -> tuple[int, float, float]:
@@ -117,12 +122,15 @@ def percentile(values: list[float], share: float) -> float:
 def figures(ttfts: dict[str, list[float]], relay_tokens: int, relay_cpu_s: float, proxy_tokens: int, proxy_cpu_s: float) -> dict:
     """Absolute figures, and the proxy's as ratios to the bare relay's."""
     direct_p50, direct_p99 = statistics.median(ttfts["direct"]), percentile(ttfts["direct"], 0.99)
-    added = {name: (statistics.median(ttfts[name]) - direct_p50, percentile(ttfts[name], 0.99) - direct_p99) for name in ("relay", "proxy")}
+    added = {name: (statistics.median(ttfts[name]) - direct_p50, percentile(ttfts[name], 0.99) - direct_p99)
+             for name in ("relay", "forwarder", "proxy")}
     relay_rate = relay_tokens / relay_cpu_s if relay_cpu_s else None
     proxy_rate = proxy_tokens / proxy_cpu_s if proxy_cpu_s else None
     return {
         "ttft_added_ms_p50": round(added["proxy"][0], 2), "ttft_added_ms_p99": round(added["proxy"][1], 2),
         "bare_relay_ttft_added_ms_p50": round(added["relay"][0], 2), "bare_relay_ttft_added_ms_p99": round(added["relay"][1], 2),
+        "tcp_forwarder_ttft_added_ms_p50": round(added["forwarder"][0], 2),
+        "tcp_forwarder_ttft_added_ms_p99": round(added["forwarder"][1], 2),
         "ttft_direct_ms_p50": round(direct_p50, 2), "ttft_direct_ms_p99": round(direct_p99, 2),
         "relayed_tokens_per_cpu_s": round(proxy_rate) if proxy_rate else None,
         "bare_relay_tokens_per_cpu_s": round(relay_rate) if relay_rate else None,
@@ -143,9 +151,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    worker_port, relay_port = free_port(), free_port()
+    worker_port, relay_port, forwarder_port = free_port(), free_port(), free_port()
     worker = SimWorkerProcess(args.profile, port=worker_port).start()
-    relay = start_bare_relay(relay_port, worker_port)
+    relay = start_helper(relay_port, "bare_relay.py", "--upstream", f"http://127.0.0.1:{worker_port}")
+    forwarder = start_helper(forwarder_port, "tcp_forwarder.py", "--upstream-port", str(worker_port))
     try:
         with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
             url = scratch.url.render_as_string(hide_password=False)
@@ -155,16 +164,19 @@ def main() -> None:
             try:
                 path = "/v1/chat/completions"
                 direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", f"http://127.0.0.1:{relay_port}{path}", proxy.url + path
+                forwarder_url = f"http://127.0.0.1:{forwarder_port}{path}"
                 headers = {"authorization": f"Bearer {fleet.key}"}
                 asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches
                 asyncio.run(run_phase(relay_url, {}, 16, 2.0))
-                ttfts = {"direct": [], "relay": [], "proxy": []}
+                ttfts = {"direct": [], "relay": [], "forwarder": [], "proxy": []}
                 for round_ in range(args.rounds):
-                    log(f"round {round_ + 1}: 16 callers direct, through the bare relay, then through the proxy ...")
+                    log(f"round {round_ + 1}: 16 callers direct, through the bare relay, the forwarder, then the proxy ...")
                     ttfts["direct"] += asyncio.run(run_phase(direct_url, {}, 16, args.seconds))[0]
                     ttfts["relay"] += asyncio.run(run_phase(relay_url, {}, 16, args.seconds))[0]
+                    ttfts["forwarder"] += asyncio.run(run_phase(forwarder_url, {}, 16, args.seconds))[0]
                     ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
-                log("64 callers through the bare relay, then through the proxy ...")
+                log("64 callers through the forwarder, the bare relay, then the proxy ...")
+                forwarder_tokens, forwarder_cpu_s, _ = relayed_per_cpu_s(forwarder_url, {}, forwarder.pid, args.seconds)
                 relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds)
                 proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
             finally:
@@ -173,10 +185,13 @@ def main() -> None:
             fleet.engine.dispose()
     finally:
         worker.stop()
-        relay.terminate()
-        relay.wait(10)
+        for helper in (relay, forwarder):
+            helper.terminate()
+            helper.wait(10)
         drop_app_role()  # the role `serve` ran as (tests.support.db_roles), once its database is gone
     result = figures(ttfts, relay_tokens, relay_cpu_s, proxy_tokens, proxy_cpu_s)
+    result.update({"tcp_forwarder_tokens_per_cpu_s": round(forwarder_tokens / forwarder_cpu_s) if forwarder_cpu_s else None,
+                   "tcp_forwarder_cpu_s": round(forwarder_cpu_s, 2)})
     result.update({"load_generator_cpu_s": {"relay_phase": round(relay_client_cpu_s, 2), "proxy_phase": round(proxy_client_cpu_s, 2)},
                    "load_generator_cpu_share": round(proxy_client_cpu_s / args.seconds, 2),
                    "requests_settled": settled, "profile": args.profile, "seconds_per_phase": args.seconds,
