@@ -43,8 +43,7 @@ from proxy.upstream import UpstreamPool  # noqa: E402
 from tests.support.db_roles import drop_app_role  # noqa: E402
 from tests.support.harness import MODEL, ServeProcess, SimWorkerProcess, free_port, make_fleet  # noqa: E402
 
-MAX_TOKENS = 64  # per request, give or take MAX_TOKENS_SPREAD
-MAX_TOKENS_SPREAD = 16
+MAX_TOKENS = 64  # per request (--max-tokens), give or take a quarter
 START_SPREAD_S = 0.5
 CONTENT_MARK, EMPTY_CONTENT_MARK = b'"content":"', b'"content":""'
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -70,15 +69,15 @@ def start_helper(port: int, script: str, *args: str) -> subprocess.Popen:
     raise SystemExit(f"{script} did not start")
 
 
-def relayed_per_cpu_s(url: str, headers: dict, pid: int, seconds: float) -> tuple[int, float, float]:
+def relayed_per_cpu_s(url: str, headers: dict, pid: int, seconds: float, max_tokens: int) -> tuple[int, float, float]:
     """(tokens received, CPU-seconds of the relaying process, CPU-seconds of this load generator) at 64 callers."""
     relay_before, own_before = process_cpu_s(pid), process_cpu_s(os.getpid())
-    _, tokens = asyncio.run(run_phase(url, headers, 64, seconds))
+    _, tokens = asyncio.run(run_phase(url, headers, 64, seconds, max_tokens))
     return tokens, process_cpu_s(pid) - relay_before, process_cpu_s(os.getpid()) - own_before
 
 
 async def caller(pool: UpstreamPool, url: str, headers: dict, deadline: float, ttfts_ms: list[float], index: int,
-                 callers: int) -> int:
+                 callers: int, asked_tokens: int) -> int:
     """One closed-loop caller. The client is the proxy's own lean HTTP client,
     so that the caller's CPU, which shares these two cores, stays small."""
     tokens, turn = 0, 0
@@ -86,7 +85,8 @@ async def caller(pool: UpstreamPool, url: str, headers: dict, deadline: float, t
     # different lengths, so that they do not move in lockstep: a steady load,
     # not 16 requests arriving in the same millisecond every round.
     await asyncio.sleep(index * START_SPREAD_S / max(callers, 1))
-    max_tokens = MAX_TOKENS - MAX_TOKENS_SPREAD + (index * 7) % (2 * MAX_TOKENS_SPREAD + 1)
+    spread = asked_tokens // 4
+    max_tokens = asked_tokens - spread + (index * 7) % (2 * spread + 1)
     while time.monotonic() < deadline:
         body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"caller {index} turn {turn}"}],
                              "max_tokens": max_tokens, "stream": True})
@@ -105,11 +105,11 @@ async def caller(pool: UpstreamPool, url: str, headers: dict, deadline: float, t
     return tokens
 
 
-async def run_phase(url: str, headers: dict, callers: int, seconds: float) -> tuple[list[float], int]:
+async def run_phase(url: str, headers: dict, callers: int, seconds: float, max_tokens: int = MAX_TOKENS) -> tuple[list[float], int]:
     ttfts_ms: list[float] = []
     pool = UpstreamPool()
     deadline = time.monotonic() + seconds
-    tokens = await asyncio.gather(*(caller(pool, url, headers, deadline, ttfts_ms, i, callers) for i in range(callers)))
+    tokens = await asyncio.gather(*(caller(pool, url, headers, deadline, ttfts_ms, i, callers, max_tokens) for i in range(callers)))
     pool.close()
     return ttfts_ms, sum(tokens)
 
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="per phase")
     parser.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations at 16 callers")
     parser.add_argument("--profile", default="h200")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help="tokens per request at 64 callers, give or take a quarter: a request's own cost weighs less in longer ones")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -176,9 +178,9 @@ def main() -> None:
                     ttfts["forwarder"] += asyncio.run(run_phase(forwarder_url, {}, 16, args.seconds))[0]
                     ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
                 log("64 callers through the forwarder, the bare relay, then the proxy ...")
-                forwarder_tokens, forwarder_cpu_s, _ = relayed_per_cpu_s(forwarder_url, {}, forwarder.pid, args.seconds)
-                relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds)
-                proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds)
+                forwarder_tokens, forwarder_cpu_s, _ = relayed_per_cpu_s(forwarder_url, {}, forwarder.pid, args.seconds, args.max_tokens)
+                relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds, args.max_tokens)
+                proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds, args.max_tokens)
             finally:
                 proxy.stop()
             settled = len(fleet.settlements())
@@ -194,7 +196,7 @@ def main() -> None:
                    "tcp_forwarder_cpu_s": round(forwarder_cpu_s, 2)})
     result.update({"load_generator_cpu_s": {"relay_phase": round(relay_client_cpu_s, 2), "proxy_phase": round(proxy_client_cpu_s, 2)},
                    "load_generator_cpu_share": round(proxy_client_cpu_s / args.seconds, 2),
-                   "requests_settled": settled, "profile": args.profile, "seconds_per_phase": args.seconds,
+                   "requests_settled": settled, "profile": args.profile, "max_tokens": args.max_tokens, "seconds_per_phase": args.seconds,
                    "requests_measured": {name: len(values) for name, values in ttfts.items()}})
     print(json.dumps(result, sort_keys=True) if args.json else "\n".join(f"{k}: {v}" for k, v in sorted(result.items())))
 
