@@ -81,6 +81,7 @@ bench: dev-venv
 	$(BIN)/python benchmarks/holds_writes.py --json
 	$(BIN)/python benchmarks/batch_overhead.py --json
 	$(BIN)/python benchmarks/proxy_overhead.py --json
+	$(BIN)/python benchmarks/ttft_path.py --json
 	$(BIN)/python benchmarks/invoices.py --json
 	$(BIN)/python benchmarks/verify_replay.py --json
 
