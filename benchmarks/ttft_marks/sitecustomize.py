@@ -5,20 +5,42 @@ PARALON_TTFT_MARKS set (a file prefix): `paralon serve` and the simulated
 worker the benchmark starts. Each mark is a line "<pid> <name>
 <perf_counter>" in <prefix>.<pid>; perf_counter is the system's monotonic
 clock, the same in every process, so marks of the proxy and of the worker
-line up.
+line up. A mark is kept in memory and written with others four times a
+second by a thread of its own: a write per mark, a system call, cost more
+than some of the steps it marks. What is still in memory when the process
+is killed is lost, the benchmark's last requests, which it leaves out.
 """
 import functools
 import os
+import threading
 import time
+from collections import deque
 
 _PREFIX = os.environ.get("PARALON_TTFT_MARKS")
+FLUSH_INTERVAL_S = 0.25
 
 
 def _install(prefix: str) -> None:
-    out = open(f"{prefix}.{os.getpid()}", "a", buffering=1)
+    pending: deque = deque()  # appended and taken from two threads: a deque's ends are safe for that
+
+    def flush_forever() -> None:
+        path = f"{prefix}.{os.getpid()}"
+        while True:
+            time.sleep(FLUSH_INTERVAL_S)
+            taken = [pending.popleft() for _ in range(len(pending))]
+            if taken:
+                with open(path, "a") as out:
+                    out.write("".join(f"{os.getpid()} {name} {at:.6f}\n" for name, at in taken))
+
+    def start_flushing() -> None:
+        pending.clear()  # a forked child starts with its parent's marks, which are the parent's to write
+        threading.Thread(target=flush_forever, name="ttft-marks", daemon=True).start()
+
+    start_flushing()
+    os.register_at_fork(after_in_child=start_flushing)  # `serve` is forked, and a fork keeps no thread
 
     def mark(name: str) -> None:
-        out.write(f"{os.getpid()} {name} {time.perf_counter():.6f}\n")
+        pending.append((name, time.perf_counter()))
 
     def on_call(cls, method: str, name: str) -> None:
         original = getattr(cls, method)
