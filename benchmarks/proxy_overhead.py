@@ -41,10 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
 from tests.support.db_roles import drop_app_role  # noqa: E402
-from tests.support.harness import MODEL, ServeProcess, SimWorkerProcess, free_port, make_fleet  # noqa: E402
+from tests.support.harness import MODEL, PORT_ATTEMPTS, ServeProcess, SimWorkerProcess, free_port, listens_on, make_fleet  # noqa: E402
 
 MAX_TOKENS = 64  # per request (--max-tokens), give or take a quarter
 START_SPREAD_S = 0.5
+HELPER_START_TIMEOUT_S = 20
 CONTENT_MARK, EMPTY_CONTENT_MARK = b'"content":"', b'"content":""'
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -55,17 +56,25 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def start_helper(port: int, script: str, *args: str) -> subprocess.Popen:
-    """A relay of this folder's, listening on `port` once this returns."""
-    process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / script), "--port", str(port), *args])
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-            return process
-        except httpx.HTTPError:
+def start_helper(script: str, *args: str) -> tuple[subprocess.Popen, int]:
+    """A relay of this folder's and the port it listens on, once its own socket
+    answers there (a port chosen free may be taken by another process first)."""
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / script), "--port", str(port), *args])
+        deadline = time.monotonic() + HELPER_START_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)  # any answer: the worker's, relayed
+                if listens_on(process.pid, port):
+                    return process, port
+            except httpx.HTTPError:
+                pass
             time.sleep(0.1)
-    process.kill()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            break
     raise SystemExit(f"{script} did not start")
 
 
@@ -152,12 +161,17 @@ def main() -> None:
                         help="tokens per request at 64 callers, give or take a quarter: a request's own cost weighs less in longer ones")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.max_tokens < 1:
+        parser.error("--max-tokens is at least 1")
 
-    worker_port, relay_port, forwarder_port = free_port(), free_port(), free_port()
-    worker = SimWorkerProcess(args.profile, port=worker_port).start()
-    relay = start_helper(relay_port, "bare_relay.py", "--upstream", f"http://127.0.0.1:{worker_port}")
-    forwarder = start_helper(forwarder_port, "tcp_forwarder.py", "--upstream-port", str(worker_port))
+    worker = SimWorkerProcess(args.profile).start()
+    worker_port = worker.port
+    helpers: list[subprocess.Popen] = []
     try:
+        relay, relay_port = start_helper("bare_relay.py", "--upstream", f"http://127.0.0.1:{worker_port}")
+        helpers.append(relay)
+        forwarder, forwarder_port = start_helper("tcp_forwarder.py", "--upstream-port", str(worker_port))
+        helpers.append(forwarder)
         with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
             url = scratch.url.render_as_string(hide_password=False)
             fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
@@ -187,7 +201,7 @@ def main() -> None:
             fleet.engine.dispose()
     finally:
         worker.stop()
-        for helper in (relay, forwarder):
+        for helper in helpers:
             helper.terminate()
             helper.wait(10)
         drop_app_role()  # the role `serve` ran as (tests.support.db_roles), once its database is gone

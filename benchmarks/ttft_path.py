@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 from proxy_overhead import run_phase  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
 from tests.support.db_roles import drop_app_role  # noqa: E402
-from tests.support.harness import ServeProcess, SimWorkerProcess, free_port, make_fleet  # noqa: E402
+from tests.support.harness import ServeProcess, SimWorkerProcess, make_fleet  # noqa: E402
 
 TOKENS_PER_REQUEST = 16
 FLUSH_WAIT_S = 1.0  # four times the marks' flush interval (ttft_marks/sitecustomize.py)
@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    worker_port = free_port()
-    worker = SimWorkerProcess("h200", port=worker_port).start()
+    worker = SimWorkerProcess("h200").start()
+    worker_port = worker.port
     try:
         with ScratchDatabase(args.database_url, "paralon_ttftpath") as scratch:
             url = scratch.url.render_as_string(hide_password=False)

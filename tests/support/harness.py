@@ -65,7 +65,7 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def _listens_on(pid: int, port: int) -> bool:
+def listens_on(pid: int, port: int) -> bool:
     """Whether process `pid` holds the socket listening on `port`: a /health that
     answers may be another test's server that took the port first."""
     inodes = _listening_inodes(port)
@@ -191,7 +191,7 @@ def _await_health(server: SimWorkerProcess | ServeProcess, what: str) -> None:
             said = server.process.stdout.read() if server.process.stdout else ""
             raise RuntimeError(f"{what} exited: {said}")
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and _listens_on(server.process.pid, server.port):
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and listens_on(server.process.pid, server.port):
                 return
         except httpx.HTTPError:
             pass
