@@ -23,6 +23,7 @@ import asyncio
 import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MARKS = tempfile.mkdtemp(prefix="paralon_ttft_marks_") + "/marks"
+MARKS_DIR = tempfile.mkdtemp(prefix="paralon_ttft_marks_")
+MARKS = MARKS_DIR + "/marks"
 # Set before the harness starts its processes, which inherit it.
 os.environ["PARALON_TTFT_MARKS"] = MARKS
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE / "ttft_marks"), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
@@ -105,6 +107,7 @@ def main() -> None:
     finally:
         worker.stop()
         drop_app_role()
+        shutil.rmtree(MARKS_DIR, ignore_errors=True)
     if not requests:
         raise SystemExit("no request carried every mark: were the marks loaded (PYTHONPATH)?")
     result = {
