@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import ScratchDatabase, log  # noqa: E402
 from proxy.upstream import UpstreamPool  # noqa: E402
 from tests.support.db_roles import drop_app_role  # noqa: E402
-from tests.support.harness import MODEL, PORT_ATTEMPTS, ServeProcess, SimWorkerProcess, free_port, listens_on, make_fleet  # noqa: E402
+from tests.support.harness import (  # noqa: E402
+    MODEL, ServeProcess, SimWorkerProcess, free_port, make_fleet, start_on_a_free_port, stop_process,
+)
 
 MAX_TOKENS = 64  # per request (--max-tokens), give or take a quarter
 START_SPREAD_S = 0.5
-HELPER_START_TIMEOUT_S = 20
 CONTENT_MARK, EMPTY_CONTENT_MARK = b'"content":"', b'"content":""'
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -56,26 +57,25 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def start_helper(script: str, *args: str) -> tuple[subprocess.Popen, int]:
-    """A relay of this folder's and the port it listens on, once its own socket
-    answers there (a port chosen free may be taken by another process first)."""
-    for _ in range(PORT_ATTEMPTS):
-        port = free_port()
-        process = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / script), "--port", str(port), *args])
-        deadline = time.monotonic() + HELPER_START_TIMEOUT_S
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)  # any answer: the worker's, relayed
-                if listens_on(process.pid, port):
-                    return process, port
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-            break
-    raise SystemExit(f"{script} did not start")
+class Relay:
+    """A relay of this folder's in a process of its own, started as the tests
+    start their servers: on a free port, taken as started once its own socket
+    answers (tests.support.harness)."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.script, self.args = script, args
+        self.port, self.port_given, self.process = free_port(), False, None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Relay":
+        command = [sys.executable, str(Path(__file__).resolve().parent / self.script), *self.args]
+        return start_on_a_free_port(self, lambda: subprocess.Popen([*command, "--port", str(self.port)]), self.script)
+
+    def stop(self) -> None:
+        stop_process(self.process)
 
 
 def relayed_per_cpu_s(url: str, headers: dict, pid: int, seconds: float, max_tokens: int) -> tuple[int, float, float]:
@@ -166,12 +166,11 @@ def main() -> None:
 
     worker = SimWorkerProcess(args.profile).start()
     worker_port = worker.port
-    helpers: list[subprocess.Popen] = []
+    relay = Relay("bare_relay.py", "--upstream", worker.url)
+    forwarder = Relay("tcp_forwarder.py", "--upstream-port", str(worker_port))
     try:
-        relay, relay_port = start_helper("bare_relay.py", "--upstream", f"http://127.0.0.1:{worker_port}")
-        helpers.append(relay)
-        forwarder, forwarder_port = start_helper("tcp_forwarder.py", "--upstream-port", str(worker_port))
-        helpers.append(forwarder)
+        relay.start()
+        forwarder.start()
         with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
             url = scratch.url.render_as_string(hide_password=False)
             fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
@@ -179,8 +178,8 @@ def main() -> None:
                                  PARALON_GROUP_COMMIT_WAIT_MS="1").start()
             try:
                 path = "/v1/chat/completions"
-                direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", f"http://127.0.0.1:{relay_port}{path}", proxy.url + path
-                forwarder_url = f"http://127.0.0.1:{forwarder_port}{path}"
+                direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", relay.url + path, proxy.url + path
+                forwarder_url = forwarder.url + path
                 headers = {"authorization": f"Bearer {fleet.key}"}
                 asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches
                 asyncio.run(run_phase(relay_url, {}, 16, 2.0))
@@ -192,8 +191,8 @@ def main() -> None:
                     ttfts["forwarder"] += asyncio.run(run_phase(forwarder_url, {}, 16, args.seconds))[0]
                     ttfts["proxy"] += asyncio.run(run_phase(proxy_url, headers, 16, args.seconds))[0]
                 log("64 callers through the forwarder, the bare relay, then the proxy ...")
-                forwarder_tokens, forwarder_cpu_s, _ = relayed_per_cpu_s(forwarder_url, {}, forwarder.pid, args.seconds, args.max_tokens)
-                relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.pid, args.seconds, args.max_tokens)
+                forwarder_tokens, forwarder_cpu_s, _ = relayed_per_cpu_s(forwarder_url, {}, forwarder.process.pid, args.seconds, args.max_tokens)
+                relay_tokens, relay_cpu_s, relay_client_cpu_s = relayed_per_cpu_s(relay_url, {}, relay.process.pid, args.seconds, args.max_tokens)
                 proxy_tokens, proxy_cpu_s, proxy_client_cpu_s = relayed_per_cpu_s(proxy_url, headers, proxy.process.pid, args.seconds, args.max_tokens)
             finally:
                 proxy.stop()
@@ -201,9 +200,8 @@ def main() -> None:
             fleet.engine.dispose()
     finally:
         worker.stop()
-        for helper in helpers:
-            helper.terminate()
-            helper.wait(10)
+        relay.stop()
+        forwarder.stop()
         drop_app_role()  # the role `serve` ran as (tests.support.db_roles), once its database is gone
     result = figures(ttfts, relay_tokens, relay_cpu_s, proxy_tokens, proxy_cpu_s)
     result.update({"tcp_forwarder_tokens_per_cpu_s": round(forwarder_tokens / forwarder_cpu_s) if forwarder_cpu_s else None,

@@ -65,7 +65,7 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def listens_on(pid: int, port: int) -> bool:
+def _listens_on(pid: int, port: int) -> bool:
     """Whether process `pid` holds the socket listening on `port`: a /health that
     answers may be another test's server that took the port first."""
     inodes = _listening_inodes(port)
@@ -130,7 +130,7 @@ class SimWorkerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "SimWorkerProcess":
-        return _start_on_a_free_port(self, lambda: subprocess.Popen(self._argv(), start_new_session=True, stdout=subprocess.DEVNULL),
+        return start_on_a_free_port(self, lambda: subprocess.Popen(self._argv(), start_new_session=True, stdout=subprocess.DEVNULL),
                                      "the simulated worker")
 
     def _argv(self) -> list[str]:
@@ -138,7 +138,7 @@ class SimWorkerProcess:
                 "--profile", self.profile, "--model", self.model]
 
     def stop(self) -> None:
-        _stop(self.process)
+        stop_process(self.process)
 
 
 class ServeProcess:
@@ -159,13 +159,13 @@ class ServeProcess:
     def start(self) -> "ServeProcess":
         # Forked with the libraries imported (tests/support/serve_forks.py), in a process
         # group of its own, so that a test can kill it whole (tests/support/faults.py).
-        return _start_on_a_free_port(self, lambda: fork_serve(["serve", "--port", str(self.port)], self.env), "paralon serve")
+        return start_on_a_free_port(self, lambda: fork_serve(["serve", "--port", str(self.port)], self.env), "paralon serve")
 
     def stop(self) -> None:
-        _stop(self.process)
+        stop_process(self.process)
 
 
-def _start_on_a_free_port(server, launch, what: str):
+def start_on_a_free_port(server, launch, what: str):
     """Launch and wait for health; on a port chosen free that another process
     bound first, again on another (a port given by the test is kept)."""
     for _ in range(PORT_ATTEMPTS):
@@ -191,7 +191,7 @@ def _await_health(server: SimWorkerProcess | ServeProcess, what: str) -> None:
             said = server.process.stdout.read() if server.process.stdout else ""
             raise RuntimeError(f"{what} exited: {said}")
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and listens_on(server.process.pid, server.port):
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and _listens_on(server.process.pid, server.port):
                 return
         except httpx.HTTPError:
             pass
@@ -201,7 +201,7 @@ def _await_health(server: SimWorkerProcess | ServeProcess, what: str) -> None:
         time.sleep(0.05)
 
 
-def _stop(process: subprocess.Popen | ForkedProcess | None) -> None:
+def stop_process(process: subprocess.Popen | ForkedProcess | None) -> None:
     """SIGTERM, and SIGKILL if it has not exited within STOP_WAIT_S; reaped either way."""
     if process and process.poll() is None:
         process.terminate()

@@ -19,7 +19,7 @@ def test_a_process_whose_free_port_was_taken_starts_on_another(monkeypatch):
         assert worker.port == taken
         worker.start()
         assert worker.port != taken
-        assert harness.listens_on(worker.process.pid, worker.port)
+        assert harness._listens_on(worker.process.pid, worker.port)
         assert httpx.get(worker.url + "/health", timeout=5).status_code == 200
     finally:
         worker.stop()
