@@ -165,20 +165,19 @@ def main() -> None:
         parser.error("--max-tokens is at least 1")
 
     worker = SimWorkerProcess(args.profile).start()
-    worker_port = worker.port
     relay = Relay("bare_relay.py", "--upstream", worker.url)
-    forwarder = Relay("tcp_forwarder.py", "--upstream-port", str(worker_port))
+    forwarder = Relay("tcp_forwarder.py", "--upstream-port", str(worker.port))
     try:
         relay.start()
         forwarder.start()
         with ScratchDatabase(args.database_url, "paralon_proxybench") as scratch:
             url = scratch.url.render_as_string(hide_password=False)
-            fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
+            fleet = make_fleet(url, [worker.url], credits_usd="100000")
             proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
                                  PARALON_GROUP_COMMIT_WAIT_MS="1").start()
             try:
                 path = "/v1/chat/completions"
-                direct_url, relay_url, proxy_url = f"http://127.0.0.1:{worker_port}{path}", relay.url + path, proxy.url + path
+                direct_url, relay_url, proxy_url = worker.url + path, relay.url + path, proxy.url + path
                 forwarder_url = forwarder.url + path
                 headers = {"authorization": f"Bearer {fleet.key}"}
                 asyncio.run(run_phase(proxy_url, headers, 16, 2.0))  # warm-up: connections, caches

@@ -40,7 +40,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE / "ttft_marks"), str(HERE.p
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from proxy_overhead import run_phase  # noqa: E402
+from proxy_overhead import percentile, run_phase  # noqa: E402
 from scratch import ScratchDatabase, log  # noqa: E402
 from tests.support.db_roles import drop_app_role  # noqa: E402
 from tests.support.harness import ServeProcess, SimWorkerProcess, make_fleet  # noqa: E402
@@ -75,8 +75,8 @@ def read_marks(serve_pid: int) -> list[dict]:
 
 
 def step_ms(requests: list[dict], start, end) -> dict:
-    spans = sorted((r[end] - r[start]) * 1000 for r in requests)
-    return {"p50": round(statistics.median(spans), 3), "p90": round(spans[int(len(spans) * 0.9)], 3)}
+    spans = [(r[end] - r[start]) * 1000 for r in requests]
+    return {"p50": round(statistics.median(spans), 3), "p90": round(percentile(spans, 0.9), 3)}
 
 
 def main() -> None:
@@ -86,18 +86,17 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     worker = SimWorkerProcess("h200").start()
-    worker_port = worker.port
     try:
         with ScratchDatabase(args.database_url, "paralon_ttftpath") as scratch:
             url = scratch.url.render_as_string(hide_password=False)
-            fleet = make_fleet(url, [f"http://127.0.0.1:{worker_port}"], credits_usd="100000")
+            fleet = make_fleet(url, [worker.url], credits_usd="100000")
             proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000").start()
             try:
                 path = "/v1/chat/completions"
                 log("one caller through the proxy, then straight to the worker ...")
                 proxy_ttfts = asyncio.run(run_phase(proxy.url + path, {"authorization": f"Bearer {fleet.key}"}, 1, args.seconds,
                                                     TOKENS_PER_REQUEST))[0]
-                direct_ttfts = asyncio.run(run_phase(f"http://127.0.0.1:{worker_port}{path}", {}, 1, args.seconds,
+                direct_ttfts = asyncio.run(run_phase(worker.url + path, {}, 1, args.seconds,
                                                      TOKENS_PER_REQUEST))[0]
                 time.sleep(FLUSH_WAIT_S)  # the marks still in memory are written
                 requests = read_marks(proxy.process.pid)

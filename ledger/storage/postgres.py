@@ -549,6 +549,7 @@ def _add(conn: Connection, sql: str, amounts: dict[int, int]) -> None:
 
 
 def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldResult | LedgerError]:
+    now = utc_now()
     params = {
         "account": ints([r.account_id for r in requests]),
         "amount": ints([r.amount_nano_usd for r in requests]),
@@ -557,7 +558,7 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
         "ttl_s": ints([r.ttl_s for r in requests]),
         "spend_limit": nullable_ints([r.spend_limit_id for r in requests]),
         "replica": nullable_texts([r.replica_id for r in requests]),
-        "now": (now := utc_now()),
+        "now": now,
     }
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)
     for idx, status, hold_id, amount, expires_at, error_code in _rows(conn, _PLACE_HOLDS, params):

@@ -167,7 +167,8 @@ class ServeProcess:
 
 def start_on_a_free_port(server, launch, what: str):
     """Launch and wait for health; on a port chosen free that another process
-    bound first, again on another (a port given by the test is kept)."""
+    bound first, again on another (a port given by the test is kept). A
+    server has port, port_given, process, url and stop(), and answers /health."""
     for _ in range(PORT_ATTEMPTS):
         server.process = launch()
         try:
