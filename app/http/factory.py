@@ -20,6 +20,7 @@ from app.http.activity import ActivityController
 from app.http.console.account_pages import AccountPages
 from app.http.console.sign_in_pages import SignInController, checkout_return
 from app.http.console.web import STATIC_DIR
+from app.http.completions_entry import CompletionsEntry
 from app.http.documents import DocumentController
 from app.http.embeddings import EmbeddingsController
 from app.http.errors import EXCEPTION_HANDLERS
@@ -118,6 +119,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         openapi_config=openapi_config(),
         cors_config=browser_cors(Settings.from_env()),
     )
+    CompletionsEntry.install(app)
     settings = None if stripe_settings and crypto_settings and invoice_settings and console_settings else Settings.from_env()
     app.state.ledger = ledger
     app.state.stripe = stripe_settings or wiring.stripe_settings(settings)

@@ -16,23 +16,28 @@ from sqlalchemy import Engine
 from app.http.errors import AuthenticationFailed, PermissionDenied
 from app.tokens import ACCOUNTANT, ADMIN, CUSTOMER, OWNER, ROLES, VIEWER, Principal, find_token
 from ledger.errors import a_or_an
+from proxy.directory import Directory
 from proxy.keys import KeyGrant
 
 
-def bearer_token(connection: ASGIConnection, missing: str) -> str:
-    scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+def bearer_token(authorization: str, missing: str) -> str:
+    """The token of an `Authorization: Bearer …` header's value."""
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthenticationFailed(missing)
     return token.strip()
 
 
-async def requires_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """A live API key (`sk-par-…`); management tokens are refused."""
-    key = bearer_token(connection, "missing API key: send Authorization: Bearer sk-…")
-    grant = await connection.app.state.directory.authenticate(key)
+async def api_key_grant(directory: Directory, authorization: str) -> KeyGrant:
+    """What the live API key (`sk-par-…`) of an Authorization header may spend; management tokens are refused."""
+    grant = await directory.authenticate(bearer_token(authorization, "missing API key: send Authorization: Bearer sk-…"))
     if grant is None:
         raise AuthenticationFailed("invalid or revoked API key")
-    connection.state.grant = grant
+    return grant
+
+
+async def requires_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    connection.state.grant = await api_key_grant(connection.app.state.directory, connection.headers.get("authorization", ""))
 
 
 def requires_role(*roles: str) -> Guard:
@@ -51,7 +56,8 @@ def requires_role(*roles: str) -> Guard:
 
 
 async def _management_principal(connection: ASGIConnection) -> Principal:
-    token = bearer_token(connection, "missing management token: send Authorization: Bearer pt-par-…")
+    token = bearer_token(connection.headers.get("authorization", ""),
+                         "missing management token: send Authorization: Bearer pt-par-…")
     found = await asyncio.to_thread(_find_token, connection.app.state.ledger.engine, token)
     if found is None:
         raise AuthenticationFailed("invalid or revoked management token (API keys are for inference only)")

@@ -38,11 +38,11 @@ class InferenceController(Controller):
 
     @post("/chat/completions", summary="Create a chat completion (OpenAI API)", status_code=200)
     async def chat_completions(self, request: Request, grant: KeyHolder) -> ASGIApp:
-        return await _complete(request, grant, CHAT)
+        return await complete(request.app.state.proxy, CHAT, await json_body(request), grant)
 
     @post("/completions", summary="Create a completion (OpenAI API)", status_code=200)
     async def completions(self, request: Request, grant: KeyHolder) -> ASGIApp:
-        return await _complete(request, grant, COMPLETIONS)
+        return await complete(request.app.state.proxy, COMPLETIONS, await json_body(request), grant)
 
     @get("/models", summary="Models that can answer now, with their prices and context length (OpenAI API)")
     async def list_models(self, request: Request) -> Response:
@@ -66,9 +66,9 @@ class InferenceController(Controller):
         return json_response(found)
 
 
-async def _complete(request: Request, grant: KeyGrant, kind: str) -> ASGIApp:
-    body = await json_body(request)
-    proxy: InferenceProxy = request.app.state.proxy
+async def complete(proxy: InferenceProxy, kind: str, body: object, grant: KeyGrant) -> ASGIApp:
+    """The answer to a completion request (`kind`), as an ASGI app: a stream
+    relayed as it comes, or the whole answer with its cost."""
     generation = await proxy.open(kind, body, grant)
     if body.get("stream"):
         return RelayResponse(generation)

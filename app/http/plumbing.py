@@ -41,8 +41,12 @@ def json_response(data: object, status: int = 200, headers: dict | None = None) 
 
 async def json_body(request: Request) -> object:
     """The body as JSON, whatever its shape."""
+    return parse_json_body(await request.body())
+
+
+def parse_json_body(raw: bytes) -> object:
     try:
-        return orjson.loads(await request.body())
+        return orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise InvalidRequest("the request body is not valid JSON") from None
 
