@@ -86,11 +86,11 @@ def _listens_on(pid: int, port: int) -> bool:
 class ThreadedServer:
     """An ASGI app on uvicorn in a background thread."""
 
-    def __init__(self, app, port: int | None = None) -> None:
+    def __init__(self, app, port: int | None = None, http: str | type = "auto") -> None:
         self.app = app
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
+                                                    access_log=False, lifespan="off", http=http))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
