@@ -128,11 +128,15 @@ class GroupCommitWriter(Generic[C, R]):
         """Submit and wait; raises the command's own typed error."""
         return self.submit(command).result()
 
-    async def execute_async(self, command: C) -> R:
+    def submit_async(self, command: C) -> asyncio.Future:
+        """Queue a command from the running event loop; the future resolves on it after its batch commits."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._put(command, (loop, future))
-        return await future
+        return future
+
+    async def execute_async(self, command: C) -> R:
+        return await self.submit_async(command)
 
     def close(self, timeout_s: float = WRITER_CLOSE_WAIT_S) -> None:
         """Finish what is queued, then stop."""

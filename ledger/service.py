@@ -1,6 +1,7 @@
 """The ledger's application functions: what the CLI, the API and integrations call."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import datetime
 from functools import partial
@@ -73,6 +74,10 @@ class Ledger:
 
     async def place_hold_async(self, request: hl.PlaceHold) -> hl.HoldResult:
         return await self.holder.execute_async(request)
+
+    def hold_placed(self, request: hl.PlaceHold) -> asyncio.Future:
+        """Queue a hold from the event loop; the future resolves with its HoldResult (or typed error) on this loop."""
+        return self.holder.submit_async(request)
 
     def release_hold(self, hold_id: int) -> bool:
         with self.engine.begin() as conn:

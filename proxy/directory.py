@@ -202,6 +202,8 @@ class Directory:
         now = utc_now()
         if needed_tokens >= LONG_PROMPT_TOKENS_MIN and not routing.holds_everywhere(self.fleet.get(model, []), needed_tokens):
             self._keep_room(model, candidates, now)
+        if len(candidates) == 1:  # nothing to order, and one worker never spills: its loads and weights need not be read
+            return list(candidates)
         here, until = self._reserved.get(model, (frozenset(), now))
         reserved = frozenset(w.id for w in candidates if (w.long_prompts_until or now) > now or (w.id in here and until > now))
         placement = routing.order(key, candidates, {w.id: self.load(w.id).view() for w in candidates},

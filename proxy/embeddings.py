@@ -294,13 +294,13 @@ class Embeddings:
         """The whole bound or nothing (no clamping: an input is embedded whole). None for a free model."""
         if amount_nano_usd == 0:
             return None
-        hold_task = asyncio.ensure_future(self.ledger.place_hold_async(PlaceHold(
+        placing = self.ledger.hold_placed(PlaceHold(
             grant.account_id, amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
-            spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)))
+            spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id))
         try:
-            hold = await asyncio.shield(hold_task)
+            hold = await asyncio.shield(placing)
         except asyncio.CancelledError:  # the caller left: release the hold whenever it lands
-            hold_task.add_done_callback(self.settler.release_when_placed)
+            placing.add_done_callback(self.settler.release_when_placed)
             raise
         except InsufficientFunds:
             raise NotEnoughCredits("not enough credits for this request: add credits or send less input") from None

@@ -84,14 +84,14 @@ class InferenceProxy:
             prepared = self._prepare(kind, body, grant, await self._count(kind, body), counted_asked=True)
         generation, candidates, hold_request = prepared
         generation.started_s = opened_s  # its time to first token counts the counting too
-        hold_task = asyncio.ensure_future(self.ledger.place_hold_async(hold_request))
+        placing = self.ledger.hold_placed(hold_request)  # queued now, not a loop turn later
         upstream_task = None
         if self._solvent_until.get(grant.account_id, 0.0) > time.monotonic():
             upstream_task = asyncio.ensure_future(self._start_upstream(generation, body, candidates))
         try:
-            hold = await asyncio.shield(hold_task)
+            hold = await asyncio.shield(placing)
         except asyncio.CancelledError:  # the caller left: release the hold whenever it lands
-            hold_task.add_done_callback(self.settler.release_when_placed)
+            placing.add_done_callback(self.settler.release_when_placed)
             self.settler.unbilled.note(generation, unbilled.CANCELLED, unbilled.CALLER_LEFT)
             await self._abandon_attempt(generation, upstream_task)
             raise
@@ -199,7 +199,8 @@ class InferenceProxy:
         too_long: _TooLong | None = None  # the last worker's own "too long": only larger ones are tried after it
         forwarded = self._forwarded_fields(body)  # once per request, whichever worker answers
         attempts = 0
-        key = self._affinity_key(generation.model, body)
+        # Only a choice between workers reads the key: a single one takes every request.
+        key = self._affinity_key(generation.model, body) if len(candidates) > 1 else b""
         for worker in self.directory.place(generation.model, key, candidates, generation.context_bound or generation.prompt_bound):
             if attempts == UPSTREAM_ATTEMPTS_MAX:
                 break

@@ -109,10 +109,10 @@ class Settler:
         # Shielded: a caller leaving must not stop the release once it is due.
         await asyncio.shield(asyncio.to_thread(self.ledger.release_hold, generation.hold_id))
 
-    def release_when_placed(self, hold_task: asyncio.Future) -> None:
+    def release_when_placed(self, placing: asyncio.Future) -> None:
         """A done-callback for a hold whose caller left before it was placed."""
-        if not hold_task.cancelled() and hold_task.exception() is None:
-            self.in_background(asyncio.to_thread(self.ledger.release_hold, hold_task.result().hold_id))
+        if not placing.cancelled() and placing.exception() is None:
+            self.in_background(asyncio.to_thread(self.ledger.release_hold, placing.result().hold_id))
 
     async def _settle_later(self, generation: Generation, billed: metering.BilledUsage, *, database_away: bool) -> None:
         """The settlement could not be written (the database or the writer is

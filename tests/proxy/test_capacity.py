@@ -202,6 +202,19 @@ def test_a_spill_is_counted_by_reason_and_shown_on_metrics():
     assert f'{CAPACITY_METRIC}{{saturated="1",worker_id="{first.id}"}} 1000.0' in text
 
 
+def test_a_single_candidate_is_placed_as_the_full_ordering_places_it_whatever_its_load():
+    """The directory skips loads and weights for one candidate: the ordering it skips agrees, spill and all."""
+    worker = _worker(1, throughput_tokens_per_s=1000, saturated=True, capacity_requests=2)
+    directory = Directory(engine=None)
+    directory.fleet = {"m": [worker]}
+    key = routing.affinity_key("m", {"messages": [{"role": "user", "content": "hello"}]})
+    for metrics in (WorkerMetrics(), WorkerMetrics(running=2, waiting=5)):  # idle, then full with a queue
+        directory.load(worker.id).scraped(metrics, at_s=0.0)
+        full = routing.order(key, [worker], {worker.id: directory.load(worker.id).view()})
+        assert directory.place("m", key, [worker], 0) == full.workers == [worker] and full.spill is None
+    assert not directory.spills
+
+
 def test_the_load_a_replica_sees_is_the_workers_report_moved_by_its_own_requests_since():
     load = WorkerLoad()
     load.in_flight = 2
