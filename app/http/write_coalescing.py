@@ -1,29 +1,37 @@
-"""Writes to a caller made in one turn of the event loop leave in one system
-call. uvicorn writes a response's status line and headers as soon as the app
-starts it, and each body chunk as it is sent: a stream's headers and its
-first token, or its last token, usage and [DONE], would each wake the
-caller's process and cross the network on their own. Gathered, they cost one
-write and one wake-up, and the first token arrives with the headers
-(benchmarks/ttft_path.py). Nothing waits longer than the end of the turn
-that wrote it."""
+"""A response's head leaves with its first chunk, in one system call.
+uvicorn writes a response's status line and headers as soon as the app
+starts it, and each body chunk as it is sent: a stream's headers would wake
+the caller's process and cross the network on their own, ahead of its first
+token (about 0.24 ms of the first token in benchmarks/ttft_path.py). Held
+until the next write, or at most to the end of the loop's turn, they leave
+together. Every other write goes straight through: a token costs nothing
+more."""
 from __future__ import annotations
 
 import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# How every response head uvicorn writes begins (its status lines, 100 Continue's too).
+STATUS_LINE_START = b"HTTP/1.1 "
+
 
 class CoalescingTransport:
-    """The connection's transport, its writes held until the end of the loop's turn; all else is the transport's own."""
+    """The connection's transport, a response's head held for what follows it; all else is the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport, self._loop = transport, loop
         self._held: list[bytes] = []
 
     def write(self, data: bytes) -> None:
-        if not self._held:
-            self._loop.call_soon(self.flush)
-        self._held.append(data)
+        if self._held:  # the head's first companion: both leave now
+            self._held.append(data)
+            self.flush()
+        elif data.startswith(STATUS_LINE_START):
+            self._held.append(data)
+            self._loop.call_soon(self.flush)  # a head alone (no body yet) leaves at the turn's end
+        else:
+            self._transport.write(data)
 
     def flush(self) -> None:
         if self._held:

@@ -1,7 +1,7 @@
-"""Writes to a caller made in one turn of the event loop leave in one system
-call (app/http/write_coalescing.py): a stream's headers with its first chunk.
-What is held is written before a close, dropped on an abort, and never
-written to a connection already closing."""
+"""A response's head leaves with its first chunk in one system call
+(app/http/write_coalescing.py), or alone at the end of the loop's turn; every
+other write goes straight through. What is held is written before a close,
+dropped on an abort, and never written to a connection already closing."""
 from __future__ import annotations
 
 import asyncio
@@ -97,20 +97,26 @@ async def _read_to_end(sock: socket.socket) -> bytes:
     return received
 
 
-def test_writes_of_one_turn_are_one_write_and_a_close_sends_what_is_held_first():
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+
+
+def test_a_head_leaves_with_its_first_chunk_and_every_other_write_at_once():
     async def scenario():
         coalescing, recorded, theirs = await _coalescing_pair()
-        coalescing.write(b"a")
-        coalescing.write(b"b")
-        assert recorded.writes == [], "held until the turn ends"
+        coalescing.write(HEAD)
+        assert recorded.writes == [], "the head waits for what follows it"
+        coalescing.write(b"first")
+        assert recorded.writes == [HEAD + b"first"], "head and first chunk in one write, at once"
+        coalescing.write(b"second")
+        assert recorded.writes[-1] == b"second", "a chunk after the head is not held"
+        await asyncio.sleep(0)  # the flush scheduled for the head finds nothing left
+        coalescing.write(HEAD)
         await asyncio.sleep(0)
-        assert recorded.writes == [b"ab"]
-        coalescing.write(b"c")
+        assert recorded.writes == [HEAD + b"first", b"second", HEAD], "a head alone leaves at the turn's end"
+        coalescing.write(HEAD)
         coalescing.close()
-        assert recorded.writes == [b"ab", b"c"], "a close writes what is held first"
-        await asyncio.sleep(0)  # the flush scheduled for "c" finds nothing left
-        assert recorded.writes == [b"ab", b"c"]
-        assert await _read_to_end(theirs) == b"abc"
+        assert recorded.writes[-1] == HEAD, "a close writes what is held first"
+        assert await _read_to_end(theirs) == HEAD + b"first" + b"second" + HEAD + HEAD
         theirs.close()
 
     asyncio.run(scenario())
@@ -119,14 +125,14 @@ def test_writes_of_one_turn_are_one_write_and_a_close_sends_what_is_held_first()
 def test_an_abort_drops_what_is_held_and_nothing_is_written_to_a_closing_connection():
     async def scenario():
         coalescing, recorded, theirs = await _coalescing_pair()
-        coalescing.write(b"dropped")
+        coalescing.write(HEAD)
         coalescing.abort()
         await asyncio.sleep(0)
         assert recorded.writes == []
         assert await _read_to_end(theirs) == b""
         theirs.close()
         coalescing, recorded, theirs = await _coalescing_pair()
-        coalescing.write(b"late")
+        coalescing.write(HEAD)
         recorded.transport.close()  # closed under it, as when the caller leaves
         await asyncio.sleep(0)
         assert recorded.writes == []
