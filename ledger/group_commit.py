@@ -129,10 +129,14 @@ class GroupCommitWriter(Generic[C, R]):
         return self.submit(command).result()
 
     def submit_async(self, command: C) -> asyncio.Future:
-        """Queue a command from the running event loop; the future resolves on it after its batch commits."""
+        """Queue a command from the running event loop; the future resolves on it after its batch commits.
+        A command refused at once (invalid, the queue full, the writer closed) fails its future, as any other."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._put(command, (loop, future))
+        try:
+            self._put(command, (loop, future))
+        except Exception as exc:
+            future.set_exception(exc)
         return future
 
     async def execute_async(self, command: C) -> R:

@@ -40,7 +40,7 @@ import orjson
 
 from ledger import commands as cmd
 from ledger.db import is_connection_failure
-from ledger.errors import DatabaseUnavailable, InsufficientFunds, SpendLimitReached
+from ledger.errors import DatabaseUnavailable, InsufficientFunds, SpendLimitReached, WriterOverloaded
 from ledger.holds import PlaceHold, settlement_key
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import utc_now
@@ -48,6 +48,7 @@ from proxy import routing, unbilled
 from proxy import workers as registry
 from proxy.errors import (
     ContextTooLong,
+    HoldsBusy,
     InvalidRequest,
     LimitReached,
     NoWorkerAvailable,
@@ -306,6 +307,8 @@ class Embeddings:
             raise NotEnoughCredits("not enough credits for this request: add credits or send less input") from None
         except SpendLimitReached:
             raise LimitReached("this API key has reached its spend limit") from None
+        except WriterOverloaded:
+            raise HoldsBusy() from None
         held = HeldRequest(hold.hold_id, request_id)
         self.settler.track(held)  # renewed while the workers answer
         return held

@@ -8,7 +8,7 @@ Each also says whether asking again can help, as the OpenAI SDKs read it:
 on a bad body, a missing key or an exhausted spend limit."""
 from __future__ import annotations
 
-from proxy.limits import DATABASE_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
+from proxy.limits import DATABASE_RETRY_AFTER_S, HOLDS_BUSY_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
 
 
 class ProxyError(Exception):
@@ -76,3 +76,13 @@ class DatabaseAway(ProxyError):
 
     status, error_type, code = 503, "service_unavailable", "database_unavailable"
     retry_after_s = DATABASE_RETRY_AFTER_S
+
+
+class HoldsBusy(ProxyError):
+    """More holds are waiting to be written than the queue takes: ask again shortly (Retry-After)."""
+
+    status, error_type, code = 503, "service_unavailable", "overloaded"
+    retry_after_s = HOLDS_BUSY_RETRY_AFTER_S
+
+    def __init__(self) -> None:
+        super().__init__("too many requests are waiting for their holds just now: try again shortly")

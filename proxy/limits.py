@@ -42,6 +42,7 @@ CHOICES_PER_REQUEST_MAX = 128
 UPSTREAM_REFUSAL_DETAIL_BYTES_MAX = 2000  # of a worker's 400 body, shown to the caller
 NOT_READY_RETRY_AFTER_S = 5  # a read model is catching up: ask again after this long
 DATABASE_RETRY_AFTER_S = 1  # the database is away: every answer is a 503 that says to ask again after this long
+HOLDS_BUSY_RETRY_AFTER_S = 1  # the holds' queue is full: it drains in a few batches
 NO_WORKER_RETRY_AFTER_S = 2  # no worker could take the request: health probes may bring one back by then
 # llama.cpp streams no usage: the one-token request asking for the prompt's count.
 USAGE_PROBE_TIMEOUT_S = 30.0

@@ -17,7 +17,7 @@ import uuid
 
 import orjson
 
-from ledger.errors import InsufficientFunds, SpendLimitReached
+from ledger.errors import InsufficientFunds, SpendLimitReached, WriterOverloaded
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
@@ -26,6 +26,7 @@ from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
     ContextTooLong,
+    HoldsBusy,
     InvalidRequest,
     LimitReached,
     NoWorkerAvailable,
@@ -102,6 +103,8 @@ class InferenceProxy:
                 raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
             if isinstance(exc, SpendLimitReached):
                 raise LimitReached("this API key has reached its spend limit") from None
+            if isinstance(exc, WriterOverloaded):
+                raise HoldsBusy() from None
             raise
         asked_max_tokens = generation.max_tokens
         generation.accept_hold(hold.hold_id, hold.amount_nano_usd)

@@ -1,6 +1,7 @@
 """The group-commit writer: batching, per-command results, retries and limits."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -85,6 +86,10 @@ def test_a_full_queue_refuses_at_once_and_a_closed_writer_refuses(engine):
     queued = [writer.submit("a"), writer.submit("b")]
     with pytest.raises(WriterOverloaded):
         writer.submit("c")
+
+    async def refused_from_the_loop() -> BaseException | None:
+        return writer.submit_async("c").exception()  # a failed future, as any other result, not a raise
+    assert isinstance(asyncio.run(refused_from_the_loop()), WriterOverloaded)
     gate.open.set()
     assert taken.result() == "taken by the writer" and [f.result() for f in queued] == ["a", "b"]
     writer.close()

@@ -3,20 +3,27 @@
 asked once (the key's spend limit, no credits, a bad body, a bad key, an
 unknown model), what a retry can fix says `retry-after` and is asked again.
 Requests are counted by a relay in front of `paralon serve`, so what is
-counted is what reached the server; no money moves in any of them."""
+counted is what reached the server; no money moves in any of them. A full
+queue of holds is a 503 with `retry-after` too."""
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import httpx
 import openai
 import pytest
+from litestar.testing import TestClient
 
+from app.http.factory import create_app
 from ledger import accounts as acc
 from ledger import commands as cmd
+from ledger.db import make_engine
+from ledger.group_commit import GroupCommitWriter
+from ledger.service import Ledger
 from proxy import keys, prices
 from proxy import workers as registry
-from proxy.limits import NO_WORKER_RETRY_AFTER_S
+from proxy.limits import HOLDS_BUSY_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S
 from tests.ledger.helpers import money_snapshot
 from tests.support import harness
 from tests.support.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
@@ -27,6 +34,7 @@ DEAD_MODEL = "no-live-worker"
 UNREACHABLE_WORKER_URL = "http://127.0.0.1:1"
 HOP_HEADERS = {"content-length", "transfer-encoding", "content-encoding", "connection"}
 
+READ_TIMEOUT_S = 10
 # `paralon serve` took 35 s to listen on a machine loaded twentyfold: more than the harness waits.
 SERVE_START_TIMEOUT_S = 120
 
@@ -136,3 +144,42 @@ def test_litestars_own_4xx_say_no_retry_too(site):
     bad_method = site.call("PATCH", "/v1/chat/completions", site.key)
     assert bad_method.status_code == 405 and bad_method.headers["x-should-retry"] == "false" and "allow" in bad_method.headers
     assert site.money() == before
+
+
+def test_a_full_holds_queue_is_a_503_that_says_when_to_ask_again_and_holds_nothing(tmp_path):
+    """The holds' writer stopped inside one batch with its queue full (one
+    slot): the next request's hold is refused at once, and it is told to ask
+    again, not an internal error. The stopped writer works on a database of
+    its own, so that its open batch locks nothing of the fleet's."""
+    worker = sim_worker()
+    fleet = make_fleet(f"sqlite:///{tmp_path}/paralon.db", [worker.url])
+    ledger, aside = Ledger(fleet.engine), make_engine(f"sqlite:///{tmp_path}/aside.db")
+    entered, opened = threading.Event(), threading.Event()
+
+    def stopped_inside_a_batch(conn, commands):
+        entered.set()
+        opened.wait()
+        return list(commands)
+
+    full = GroupCommitWriter(aside, stopped_inside_a_batch, name="full-holds", batch_size_max=1, queue_depth_max=1, batch_wait_ms=0)
+    usual, ledger.holder = ledger.holder, full
+    waiting = [full.submit("in the batch")]
+    try:
+        assert entered.wait(READ_TIMEOUT_S)
+        waiting.append(full.submit("in the queue"))
+        before = money_snapshot(fleet.engine)
+        with TestClient(create_app(ledger, health_interval_s=60)) as client:
+            refused = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {fleet.key}"},
+                                  json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == str(HOLDS_BUSY_RETRY_AFTER_S)
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert money_snapshot(fleet.engine) == before and worker.app.engine.state.requests_started == 0, \
+            "nothing held, nothing charged, no worker asked"
+    finally:
+        opened.set()
+        for queued in waiting:
+            queued.result(READ_TIMEOUT_S)
+        ledger.holder = usual
+        for closing in (full.close, ledger.close, aside.dispose, fleet.engine.dispose, worker.stop):
+            closing()
