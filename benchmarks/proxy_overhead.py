@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

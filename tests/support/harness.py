@@ -131,7 +131,7 @@ class SimWorkerProcess:
 
     def start(self) -> "SimWorkerProcess":
         return start_on_a_free_port(self, lambda: subprocess.Popen(self._argv(), start_new_session=True, stdout=subprocess.DEVNULL),
-                                     "the simulated worker")
+                                    "the simulated worker")
 
     def _argv(self) -> list[str]:
         return [sys.executable, "-c", "from app.cli import main; main()", "sim-worker", "--port", str(self.port),
