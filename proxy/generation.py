@@ -2,15 +2,21 @@
 counts settlement needs.
 
 The proxy (proxy/service.py) plans a `Generation`, places its hold, and opens
-an upstream attempt on it; `events()` relays the rest and, once the stream
-ends, hands the generation to the settle callback it was built with
-(proxy/settlement.py). It knows nothing of either module."""
+an upstream attempt on it; `relay_to(writer)` relays the rest and, once the
+stream ends, hands the generation to the settle callback it was built with
+(proxy/settlement.py). It knows nothing of either module.
+
+The worker's stream is read in its socket's read callback (`take_piece`,
+through `UpstreamResponse.pour`): each piece is parsed, counted and written
+to the caller there, with no task woken per token; the relay's task wakes
+only when reading is over or the caller is behind."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from datetime import datetime
 
 import orjson
@@ -36,6 +42,36 @@ COMPLETED, CANCELLED, FAILED_MID_STREAM = "completed", "cancelled", "failed_mid_
 # cancel: `charge=True` bills what was delivered; `charge=False` (nothing was
 # delivered) releases its hold.
 Settle = Callable[["Generation", bool], asyncio.Future]
+
+
+class EventWriter(Protocol):
+    """Where a generation writes the caller's chunks (app/http/chunk_writers.py)."""
+
+    def write(self, chunks: list[bytes]) -> None:
+        """Send these chunks, in order; called from the worker's read callback, so it must not block or raise."""
+
+    @property
+    def backed_up(self) -> bool:
+        """The caller is behind: read no more until `drain`."""
+
+    async def drain(self) -> None:
+        """Wait until the caller can take more (and send what is waiting)."""
+
+
+class Collector:
+    """An answer assembled in the proxy, not streamed: each chunk to `add`."""
+
+    backed_up = False
+
+    def __init__(self, add: Callable[[bytes], None]) -> None:
+        self.add = add
+
+    def write(self, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            self.add(chunk)
+
+    async def drain(self) -> None:
+        return None
 
 
 @dataclass(eq=False)
@@ -67,8 +103,11 @@ class Generation:
     upstream_body: dict | None = field(default=None, init=False)
     tool_names: frozenset[str] = field(default=frozenset(), init=False)  # the functions the request offered
     response: UpstreamResponse | None = field(default=None, init=False)
-    upstream: object = field(default=None, init=False)  # the upstream event iterator
+    reader: sse.DataReader = field(default_factory=sse.DataReader, init=False)  # the upstream stream's events
     pending: list[bytes] = field(default_factory=list, init=False)  # chunks read before the first token
+    writer: EventWriter | None = field(default=None, init=False)  # where chunks go once the caller's stream started
+    reading_over: bool = field(default=False, init=False)  # [DONE], an overrun or a lost hold: read no more
+    relay_error: Exception | None = field(default=None, init=False)  # the worker's stream broke: a bad event
     first_token_at: float = field(default=0.0, init=False)
     upstream_done: bool = field(default=False, init=False)  # [DONE] came before any token: an empty completion
     # What the caller received, and what the worker reported
@@ -120,25 +159,19 @@ class Generation:
 
     async def read_to_first_token(self) -> bool:
         """Read the attached response up to its first token (kept for the
-        caller) or an early [DONE]; False when the stream ended before either."""
-        self.upstream = sse.data_events(self.response.pieces())
-        async for data in self.upstream:
-            if data == sse.DONE:
-                self.upstream_done = True
-                return True
-            out = self.transform(data)
-            if out is not None:
-                self.pending.append(out)
-            if self.counted_tokens:
-                return True
-        return False
+        caller, with the rest of the piece it came in) or an early [DONE];
+        False when the stream ended before either."""
+        await self.response.pour(self.take_piece)
+        if self.relay_error is not None:
+            raise self.relay_error
+        return bool(self.counted_tokens) or self.reading_over
 
     def forget_attempt(self) -> registry.WorkerView | None:
         """A failed attempt before the first token: the next worker starts from
         nothing. Returns the worker it had, whose load the proxy counted."""
         worker = self.worker
-        self.worker, self.response, self.upstream = None, None, None
-        self.pending = []
+        self.worker, self.response, self.reader = None, None, sse.DataReader()
+        self.pending, self.reading_over, self.relay_error = [], False, None
         self.output = metering.ChoiceOutputs.of(self.choices, self.output.choices[0].stop_bytes)
         self.reported_prompt = self.reported_completion = None
         self._reported_by_choice, self._reported_by_prompt, self._reported_total = {}, {}, False
@@ -146,9 +179,44 @@ class Generation:
         return worker
 
     # The relay
+    def take_piece(self, piece: bytes) -> bool:
+        """One piece of the worker's stream, in its socket's read callback: its
+        chunks go to the caller's writer (before the first token, to pending).
+        False once the relay must look up: reading is over, the writer is
+        backed up, or (before the writer) the first token is here."""
+        chunks = self.pending if self.writer is None else []
+        try:
+            for data in self.reader.feed(piece):
+                if data == sse.DONE:
+                    self.end_of_stream()
+                    break
+                out = self.transform(data)
+                if out is not None:
+                    chunks.append(out)
+                if self.upstream_done or self.overran or self.hold_lost:
+                    self.reading_over = True  # stop the worker; what it produced is billed
+                    break
+        except (UpstreamFailed, ValueError) as exc:
+            self.relay_error, self.reading_over = exc, True
+        if self.writer is None:
+            return not (self.reading_over or self.counted_tokens)
+        if chunks:
+            self.writer.write(chunks)
+        return not (self.reading_over or self.writer.backed_up)
+
+    def end_of_stream(self) -> None:
+        """The worker's [DONE]: the answer ended (with or without a finish_reason)."""
+        self.reading_over = True
+        if self.counted_tokens:
+            self.output.finish_all()
+        else:
+            self.upstream_done = True
+
     def transform(self, data: bytes) -> bytes | None:
         """One upstream event to what the caller sees; None to hide it."""
         chunk = orjson.loads(data)
+        if type(chunk) is not dict:
+            raise UpstreamFailed("the worker sent an event that is not a JSON object")
         if "error" in chunk and "choices" not in chunk:
             raise UpstreamFailed(f"the worker failed: {chunk['error']}")
         usage = chunk.pop("usage", None)
@@ -291,38 +359,47 @@ class Generation:
         return billed._replace(completion_tokens=min(billed.completion_tokens, self.max_tokens * self.choices))
 
     # The caller's stream
-    async def events(self):
-        """The caller's stream: what was read before the first token, the rest
-        as it comes, then (after the settlement is durable) usage and [DONE]."""
+    async def relay_to(self, writer: EventWriter) -> None:
+        """The caller's stream, written to `writer`: what was read before the
+        first token, the rest as it comes (straight from the worker's socket),
+        then (after the settlement is durable) the closing chunks."""
         try:
-            for chunk in self.pending:
-                yield chunk
-            self.pending = []
-            if not self.upstream_done:
-                async for data in self.upstream:
-                    if data == sse.DONE:  # the worker ended its answer (with or without a finish_reason)
-                        self.output.finish_all()
-                        break
-                    out = self.transform(data)
-                    if out is not None:
-                        yield out
-                    if self.overran or self.hold_lost:
-                        break  # stop the worker; what it produced is billed below
-                else:
-                    raise UpstreamFailed("the worker's stream ended without [DONE]")
+            self.writer = writer
+            if self.pending:
+                writer.write(self.pending)
+                self.pending = []
+            while not self.reading_over:
+                if writer.backed_up:
+                    await writer.drain()
+                ended = await self.response.pour(self.take_piece)
+                if ended and not self.reading_over:
+                    raise UpstreamFailed(self.ENDED_EARLY)
+            if self.relay_error is not None:
+                raise self.relay_error
             # Its own task: a caller leaving now cannot interrupt the settlement.
             await asyncio.shield(self.settle_once(outcome=self.ended()))
-            if self.wants_usage:
-                yield sse.encode(self.usage_chunk())
-            yield sse.DONE_EVENT
+            writer.write(await self.closing_chunks())
         except (UpstreamError, UpstreamFailed, ValueError) as exc:
             # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
             await asyncio.shield(self.settle_once(charge=self.streaming, outcome=FAILED_MID_STREAM))
             error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
-            yield sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
+            writer.write([self.error_chunk(error)])
         finally:
             self.settle_once()  # the caller went away: bill what was produced (a no-op once settling)
             await self.close_upstream()
+        if writer.backed_up:
+            await writer.drain()
+
+    ENDED_EARLY = "the worker's stream ended without [DONE]"
+
+    async def closing_chunks(self) -> list[bytes]:
+        """After the settlement: the usage chunk when asked for, and [DONE]."""
+        if self.wants_usage:
+            return [sse.encode(self.usage_chunk()), sse.DONE_EVENT]
+        return [sse.DONE_EVENT]
+
+    def error_chunk(self, error: ProxyError) -> bytes:
+        return sse.encode({"error": {"message": str(error), "type": error.error_type, "code": error.code, "param": None}})
 
     def settle_once(self, *, charge: bool = True, outcome: str = CANCELLED) -> asyncio.Future:
         """The settlement, started on the first call; later calls get the same
@@ -354,8 +431,7 @@ class Generation:
     async def collect(self) -> dict:
         """A non-streaming answer, assembled from the same stream."""
         parts = answer.AnswerParts(chat=self.kind == CHAT, choices=self.choices)
-        async for event in self.events():
-            parts.add(event)
+        await self.relay_to(Collector(parts.add))
         if self.settle_failed:
             raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
         if parts.error is not None:

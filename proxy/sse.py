@@ -126,19 +126,33 @@ async def events(raw: AsyncIterator[bytes]) -> AsyncIterator[Event]:
             yield event
 
 
+class DataReader:
+    """Each event's data, as bytes, in order (`[DONE]` included), from pieces
+    fed as they arrive: synchronous, so that the relay can read a worker's
+    stream in the socket's own read callback."""
+
+    __slots__ = ("_at_boundary", "_parser")
+
+    def __init__(self) -> None:
+        self._parser = EventStreamParser()
+        self._at_boundary = False
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        # One whole `data: ` event, LF-terminated, arriving when nothing is under way: as it is.
+        if (self._at_boundary and piece[:_DATA_PREFIX_BYTES] == DATA_PREFIX
+                and piece.find(b"\n") == len(piece) - _EVENT_END_BYTES and piece[-1:] == b"\n" and b"\r" not in piece):
+            return [piece[_DATA_PREFIX_BYTES:-_EVENT_END_BYTES]]
+        data = [event.data for event in self._parser.feed(piece)]
+        self._at_boundary = self._parser.at_event_boundary
+        return data
+
+
 async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Each event's data, as bytes, in order (`[DONE]` included)."""
-    parser = EventStreamParser()
-    at_boundary = False
+    reader = DataReader()
     async for piece in raw:
-        # One whole `data: ` event, LF-terminated, arriving when nothing is under way: as it is.
-        if (at_boundary and piece[:_DATA_PREFIX_BYTES] == DATA_PREFIX and piece.find(b"\n") == len(piece) - _EVENT_END_BYTES
-                and piece[-1:] == b"\n" and b"\r" not in piece):
-            yield piece[_DATA_PREFIX_BYTES:-_EVENT_END_BYTES]
-            continue
-        for event in parser.feed(piece):
-            yield event.data
-        at_boundary = parser.at_event_boundary
+        for data in reader.feed(piece):
+            yield data
 
 
 def encode(payload: dict) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -57,6 +58,8 @@ class _Connection(asyncio.Protocol):
         self.pieces: deque[bytes] = deque()
         self.buffered_bytes = 0
         self.waiter: asyncio.Future | None = None
+        # Set while a reader pours the body (UpstreamResponse.pour): pieces go to it as they arrive.
+        self.sink: Callable[[bytes], bool] | None = None
         self.complete = self.lost = self.paused = self.keep_alive = False
         self.reused = self.answered = False  # kept alive from an earlier response; a byte of this one arrived
         self.last_activity_s = loop.time()
@@ -90,6 +93,11 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_result(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            if not self.sink(body):  # the reader has what it waited for: wake it
+                self.sink = None
+                self._wake()
+            return
         self.pieces.append(body)
         self.buffered_bytes += len(body)
         if self.buffered_bytes > UPSTREAM_READ_PAUSE_BYTES and not self.paused:
@@ -156,6 +164,31 @@ class UpstreamResponse:
                     await conn.waiter
                 finally:
                     conn.waiter = None
+
+    async def pour(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hand each body piece to `sink` as it arrives, in the socket's read
+        callback itself: no task wakes for a piece the sink takes. The sink
+        returns False to have this return (then False); True when the response
+        ended (its connection goes back to the pool). A lost connection raises
+        UpstreamError. The sink must not raise."""
+        conn = self._conn
+        while conn.pieces:  # read before the sink was there
+            if not sink(conn.take()):
+                return False
+        conn.sink = sink
+        try:
+            while conn.sink is not None and not conn.complete and not conn.lost:
+                conn.waiter = conn.loop.create_future()
+                await conn.waiter
+        finally:
+            stopped, conn.sink, conn.waiter = conn.sink is None, None, None
+        if stopped:  # what arrived after it stopped waits for the next pour
+            return False
+        if conn.complete:
+            self._finish()
+            return True
+        self._end()
+        raise UpstreamError("the worker closed the connection mid-response")
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.pieces()])

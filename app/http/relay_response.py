@@ -1,10 +1,12 @@
-"""The streaming answer as a bare ASGI response: each chunk goes straight to
-the server's `send`, and a disconnect cancels the relay at once (which aborts
-the upstream request and bills what was produced)."""
+"""The streaming answer as a bare ASGI response: its chunks go to the
+server's direct writer when it has one (app/http/chunk_writers.py), else
+through `send`; a disconnect cancels the relay at once (which aborts the
+upstream request and bills what was produced)."""
 from __future__ import annotations
 
 import asyncio
 
+from app.http.chunk_writers import writer_for
 from proxy.generation import Generation
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -29,8 +31,7 @@ class RelayResponse:
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async for chunk in self.generation.events():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.generation.relay_to(writer_for(scope, send))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not left:

@@ -13,7 +13,7 @@ from litestar import Litestar
 
 from app import wiring
 from app.http.factory import create_app
-from app.http.write_coalescing import CoalescingHttpToolsProtocol
+from app.http.chunk_writers import ChunkWriterProtocol
 from app.jobs.read_model_follower import FollowerState, ReadModelFollower
 from app.limits import HTTP_IDLE_CONNECTION_KEPT_S
 from app.runtime import event_loop_name, tune_garbage_collector
@@ -68,7 +68,7 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
     tune_garbage_collector()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    config = uvicorn.Config(app, host=host, port=port, http=CoalescingHttpToolsProtocol, loop=event_loop_name(), log_level="warning",
+    config = uvicorn.Config(app, host=host, port=port, http=ChunkWriterProtocol, loop=event_loop_name(), log_level="warning",
                             access_log=False, timeout_keep_alive=HTTP_IDLE_CONNECTION_KEPT_S)
     follower.start()
     try:

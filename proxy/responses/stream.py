@@ -28,11 +28,10 @@ import orjson
 from ledger.money import nano_usd_to_usd_text
 from proxy import metering, sse
 from proxy.errors import NotReady, ProxyError, UpstreamFailed
-from proxy.generation import FAILED_MID_STREAM, Generation
+from proxy.generation import Collector, Generation
 from proxy.limits import RESPONSE_OUTPUT_ITEMS_MAX, TOOL_CALLS_PER_ANSWER_MAX
 from proxy.metering import utf8_bytes
 from proxy.responses.request import ResponsesRequest
-from proxy.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +87,9 @@ class ResponsesGeneration(Generation):
         self.upstream_status = self.incomplete_details = None
         return worker
 
-    async def read_to_first_token(self) -> bool:
-        """Up to the first output relayed, or the end of an empty answer."""
-        self.upstream = sse.data_events(self.response.pieces())
-        async for data in self.upstream:
-            if data == sse.DONE:
-                self._end(None)
-                return True
-            out = self.transform(data)
-            if out is not None:
-                self.pending.append(out)
-            if self.counted_tokens or self.upstream_done:
-                return True
-        return False
+    def end_of_stream(self) -> None:
+        self.reading_over = True
+        self._end(None)
 
     @property
     def _single(self) -> metering.OutputCount:
@@ -309,41 +298,20 @@ class ResponsesGeneration(Generation):
                 "instructions": fields.get("instructions"), "tool_choice": "auto",
                 "parallel_tool_calls": True, "metadata": {}, "text": {"format": {"type": "text"}}, **self._echo()}
 
-    # The caller's stream
-    async def events(self):
-        """What was read before the first output, the rest as it comes, then
-        (after the settlement is durable) the final response with its usage."""
-        try:
-            for chunk in self.pending:
-                yield chunk
-            self.pending = []
-            if not self.upstream_done:
-                async for data in self.upstream:
-                    if data == sse.DONE:
-                        self._end(None)
-                        break
-                    out = self.transform(data)
-                    if out is not None:
-                        yield out
-                    if self.upstream_done or self.overran or self.hold_lost:
-                        break  # stop the worker; what it produced is billed below
-                else:
-                    raise UpstreamFailed("the worker's stream ended before its response did")
-            await asyncio.shield(self.settle_once(outcome=self.ended()))
-            if self.settle_failed:
-                return
-            final = self._final_event()
-            await self._keep()  # before the caller has the id it may continue from
-            yield final
-        except (UpstreamError, UpstreamFailed, ValueError) as exc:
-            # The worker failed mid-stream: a streaming caller keeps what it received and pays for it.
-            await asyncio.shield(self.settle_once(charge=self.streaming, outcome=FAILED_MID_STREAM))
-            error = exc if isinstance(exc, ProxyError) else UpstreamFailed(f"the worker failed mid-stream: {type(exc).__name__}")
-            self.error = {"type": "error", "code": error.code, "message": str(error), "param": None}
-            yield self._emit(dict(self.error))
-        finally:
-            self.settle_once()  # the caller went away: bill what was produced (a no-op once settling)
-            await self.close_upstream()
+    # The caller's stream: Generation.relay_to, ending with the final response
+    ENDED_EARLY = "the worker's stream ended before its response did"
+
+    async def closing_chunks(self) -> list[bytes]:
+        """After the settlement: the final response with its usage, once its items are kept."""
+        if self.settle_failed:
+            return []
+        final = self._final_event()
+        await self._keep()  # before the caller has the id it may continue from
+        return [final]
+
+    def error_chunk(self, error: ProxyError) -> bytes:
+        self.error = {"type": "error", "code": error.code, "message": str(error), "param": None}
+        return self._emit(dict(self.error))
 
     def _final_event(self) -> bytes:
         complete = (self.output.finished and not (self.overran or self.hold_lost)
@@ -377,8 +345,7 @@ class ResponsesGeneration(Generation):
 
     async def collect(self) -> dict:
         """A non-streaming answer: the final response of the same stream."""
-        async for _ in self.events():
-            pass
+        await self.relay_to(Collector(lambda chunk: None))  # what counts is kept on the generation
         if self.settle_failed:
             raise NotReady("the answer could not be billed just now, so it is withheld; nothing was charged: try again")
         if self.error is not None or self.answer is None:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from ledger import commands as cmd
 from ledger.schema import accounts
 from proxy import limits, metering
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, UpstreamFailed
 from proxy.forwarded_fields import FORWARDED_FIELDS, upstream_fields
 from proxy.generation import CHAT, COMPLETIONS, Generation
 from proxy.prices import Price
@@ -38,6 +38,32 @@ def _generation(kind: str = CHAT, max_tokens: int = 1000, prompt_bound: int = 50
                             wants_continuous_usage=False, started_at=None, streaming=True, settle=None)
     generation.use_worker(None, body)
     return generation
+
+
+class _Written:
+    """A caller's writer that never backs up, keeping what it is given."""
+
+    backed_up = False
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, chunks: list[bytes]) -> None:
+        self.chunks += chunks
+
+
+@pytest.mark.parametrize("event", [b"[1, 2]", b'"text"', b"3", b"null", b"{not json"])
+def test_an_event_that_is_not_a_json_object_ends_the_relay_as_the_workers_failure_after_what_was_relayed(event):
+    """Read in the socket's callback, it must not raise there: the relay stops
+    reading, keeps the failure for the relay's task, and what came before it in
+    the same piece stays relayed (and counted)."""
+    generation = _generation()
+    generation.writer = written = _Written()
+    good = b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": " hi"}, "finish_reason": None}]}) + b"\n\n"
+    assert generation.take_piece(good) is True
+    assert generation.take_piece(good + b"data: " + event + b"\n\n" + good) is False
+    assert generation.reading_over and isinstance(generation.relay_error, (UpstreamFailed, ValueError))
+    assert len(written.chunks) == 2 and generation.counted_tokens == 2, "the event after the bad one is not relayed"
 
 
 def _tools(*names: str) -> list[dict]:

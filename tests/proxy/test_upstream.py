@@ -112,6 +112,65 @@ def test_chunked_pieces_arrive_in_order_and_the_connection_is_reused():
     assert len(connections) == 1, "keep-alive: one connection for three requests"
 
 
+def test_pour_hands_each_piece_to_the_sink_in_the_read_callback_and_keeps_what_came_after_it_stopped():
+    """Given a chunked stream, when it is poured into a sink, then each piece
+    reaches the sink from the socket's read callback (no task runs it); a sink
+    that stops makes pour return False, and the pieces that arrived with or
+    after the one it stopped at wait, in order, for the next pour; the end of
+    the response returns True and the connection is kept for the next request;
+    a connection lost mid-response raises."""
+    connections = []
+
+    async def main():
+        proceed = asyncio.Queue()
+
+        async def handler(reader, writer):
+            connections.append(writer)
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            await proceed.get()
+            writer.write(b"1\r\na\r\n")
+            await proceed.get()
+            writer.write(b"1\r\nb\r\n1\r\nc\r\n")  # one read: the sink stops at b, c waits
+            await proceed.get()
+            writer.write(b"1\r\nd\r\n0\r\n\r\n")
+            await _read_request(reader)  # the next request, on the same connection
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\ne\r\n")
+            await writer.drain()
+            writer.close()  # before the last chunk
+
+        server, url = await _server(handler)
+        pool = UpstreamPool()
+        taken, tasks = [], []
+
+        def sink(piece: bytes) -> bool:
+            taken.append(piece)
+            tasks.append(asyncio.current_task())
+            if piece == b"a":
+                proceed.put_nowait(None)
+            return piece != b"b"
+
+        response = await pool.post(url, b"{}")
+        proceed.put_nowait(None)
+        assert await response.pour(sink) is False
+        assert taken == [b"a", b"b"]
+        proceed.put_nowait(None)
+        assert await response.pour(sink) is True
+        assert taken == [b"a", b"b", b"c", b"d"]
+        assert tasks[:2] == [None, None] and tasks[3] is None, "pieces arriving while it pours are taken in the read callback"
+        assert tasks[2] is asyncio.current_task(), "c, which waited, is taken by the second pour itself"
+
+        second = await pool.post(url, b"{}")
+        with pytest.raises(UpstreamError):
+            await second.pour(sink)
+        assert taken[-1] == b"e"
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+    assert len(connections) == 1, "the first response ended cleanly: its connection was kept"
+
+
 def test_abort_closes_the_connection_so_the_worker_stops():
 
     async def main():
