@@ -75,6 +75,8 @@ def _install(prefix: str) -> None:
             mark("body_sent")
         return await send(self, message)
     httptools_impl.RequestResponseCycle.send = marked_send
+    from app.http.chunk_writers import ChunkWriter
+    on_call(ChunkWriter, "write", "body_sent")  # the relay's chunks bypass `send` under `paralon serve`
     from proxy.directory import Directory
     from proxy.generation import Generation
     from proxy.service import InferenceProxy
