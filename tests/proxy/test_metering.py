@@ -3,8 +3,6 @@ on their own, then through a real `paralon serve` on PostgreSQL in front of
 hand-written workers that split, pad and duplicate what they send."""
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import orjson
 import pytest
@@ -18,6 +16,7 @@ from proxy.forwarded_fields import FORWARDED_FIELDS, upstream_fields
 from proxy.generation import CHAT, COMPLETIONS, Generation
 from proxy.prices import Price
 from proxy.sim.requests import chat_prompt, count_prompt_tokens
+from tests.support.hand_written_worker import HandWrittenWorker
 from tests.support.harness import MODEL, ThreadedServer, make_fleet, serving, sim_worker
 
 PRICE = Price(150, 600)  # what make_fleet sets: $0.15 and $0.60 per million tokens
@@ -393,34 +392,6 @@ def test_only_documented_fields_are_forwarded():
 
 
 # --- through `paralon serve` ---------------------------------------------------
-
-
-class HandWrittenWorker:
-    """A worker of our own: records every body it gets and streams `chunks(body)`."""
-
-    def __init__(self, chunks) -> None:
-        self.chunks = chunks
-        self.bodies: list[dict] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] != "/v1/chat/completions":
-            known = {"/health": b"", "/v1/models": orjson.dumps({"data": [{"id": MODEL, "max_model_len": 32768}]})}
-            await send({"type": "http.response.start", "status": 200 if scope["path"] in known else 404, "headers": []})
-            await send({"type": "http.response.body", "body": known.get(scope["path"], b"")})
-            return
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw, more = raw + message.get("body", b""), message.get("more_body", False)
-        body = orjson.loads(raw)
-        self.bodies.append(body)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for chunk in self.chunks(body):
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
-            await asyncio.sleep(0)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 def _stream(deltas: list[dict], prompt_tokens: int, completion_tokens: int):

@@ -11,6 +11,7 @@ import time
 
 import orjson
 
+from tests.support.hand_written_worker import HandWrittenWorker
 from tests.support.harness import MODEL, ThreadedServer, make_fleet, serving
 
 CHUNKS = 1600
@@ -21,35 +22,23 @@ STALL_WAIT_MAX_S = 60.0
 READ_TIMEOUT_S = 60
 
 
-class LongStreamWorker:
+class LongStreamWorker(HandWrittenWorker):
     """Streams CHUNKS chunks as fast as TCP lets it, counting those sent."""
 
     def __init__(self) -> None:
+        super().__init__(self._long_answer)
         self.sent = 0
-        self.finished = threading.Event()
+        self.finished = threading.Event()  # every chunk sent, [DONE] on its way
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] != "/v1/chat/completions":
-            known = {"/health": b"", "/v1/models": orjson.dumps({"data": [{"id": MODEL, "max_model_len": 32768}]})}
-            await send({"type": "http.response.start", "status": 200 if scope["path"] in known else 404, "headers": []})
-            await send({"type": "http.response.body", "body": known.get(scope["path"], b"")})
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    def _long_answer(self, body: dict):
         for _ in range(CHUNKS):
-            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                     "choices": [{"index": 0, "delta": {"content": CONTENT}, "finish_reason": None}]}
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
-            self.sent += 1
-        tail = [{"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                 "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-                {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [],
-                 "usage": {"prompt_tokens": 9, "completion_tokens": CHUNKS}}]
-        body = b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in tail) + b"data: [DONE]\n\n"
-        await send({"type": "http.response.body", "body": body})
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                   "choices": [{"index": 0, "delta": {"content": CONTENT}, "finish_reason": None}]}
+            self.sent += 1  # the send before it returned: the chunk left
+        yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [],
+               "usage": {"prompt_tokens": 9, "completion_tokens": CHUNKS}}
         self.finished.set()
 
 
