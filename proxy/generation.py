@@ -54,6 +54,10 @@ class EventWriter(Protocol):
     def backed_up(self) -> bool:
         """The caller is behind: read no more until `drain`."""
 
+    @property
+    def gone(self) -> bool:
+        """The caller left: nothing written reaches it any more."""
+
     async def drain(self) -> None:
         """Wait until the caller can take more (and send what is waiting)."""
 
@@ -61,7 +65,7 @@ class EventWriter(Protocol):
 class Collector:
     """An answer assembled in the proxy, not streamed: each chunk to `add`."""
 
-    backed_up = False
+    backed_up = gone = False
 
     def __init__(self, add: Callable[[bytes], None]) -> None:
         self.add = add
@@ -184,6 +188,8 @@ class Generation:
         chunks go to the caller's writer (before the first token, to pending).
         False once the relay must look up: reading is over, the writer is
         backed up, or (before the writer) the first token is here."""
+        if self.writer is not None and self.writer.gone:  # its relay is being cancelled: what comes is neither
+            return False  # delivered nor counted
         chunks = self.pending if self.writer is None else []
         try:
             for data in self.reader.feed(piece):

@@ -39,6 +39,10 @@ class ChunkWriter:
     def backed_up(self) -> bool:
         return self._cycle.flow.write_paused and not self._cycle.disconnected
 
+    @property
+    def gone(self) -> bool:
+        return self._cycle.disconnected
+
     async def drain(self) -> None:
         await self._cycle.flow.drain()  # set again when the caller catches up or leaves
 
@@ -48,6 +52,7 @@ class SendWriter:
     calls after each piece it read, since a write may not wait."""
 
     __slots__ = ("_send", "_waiting")
+    gone = False  # `send` does not say; the relay is cancelled when the caller leaves
 
     def __init__(self, send) -> None:
         self._send, self._waiting = send, []

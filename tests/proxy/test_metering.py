@@ -42,7 +42,7 @@ def _generation(kind: str = CHAT, max_tokens: int = 1000, prompt_bound: int = 50
 class _Written:
     """A caller's writer that never backs up, keeping what it is given."""
 
-    backed_up = False
+    backed_up = gone = False
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
@@ -63,6 +63,19 @@ def test_an_event_that_is_not_a_json_object_ends_the_relay_as_the_workers_failur
     assert generation.take_piece(good + b"data: " + event + b"\n\n" + good) is False
     assert generation.reading_over and isinstance(generation.relay_error, (UpstreamFailed, ValueError))
     assert len(written.chunks) == 2 and generation.counted_tokens == 2, "the event after the bad one is not relayed"
+
+
+def test_what_arrives_after_the_caller_left_is_neither_written_nor_counted():
+    """Between the caller's connection lost and its relay cancelled, the
+    worker's tokens still arrive: the caller did not receive them, so they
+    are not billed."""
+    generation = _generation()
+    generation.writer = written = _Written()
+    piece = b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": " hi"}, "finish_reason": None}]}) + b"\n\n"
+    assert generation.take_piece(piece) is True
+    written.gone = True
+    assert generation.take_piece(piece) is False
+    assert len(written.chunks) == 1 and generation.counted_tokens == 1
 
 
 def _tools(*names: str) -> list[dict]:

@@ -136,12 +136,12 @@ def test_a_caller_that_stops_reading_backs_the_writer_up_and_drain_waits_until_i
     assert body.count(b"10000\r\n" + BIG_CHUNK + b"\r\n") == app.backed_up_after, "every chunk arrived, whole"
 
 
-def test_writes_after_the_caller_left_are_dropped(app, serve_protocol):
+def test_writes_after_the_caller_left_are_dropped_and_the_writer_says_it_is_gone(app, serve_protocol):
     with socket.create_connection(("127.0.0.1", serve_protocol.port), timeout=READ_TIMEOUT_S) as sock:
         sock.sendall(b"GET /caller-leaves HTTP/1.1\r\nHost: test\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
     assert app.left.wait(READ_TIMEOUT_S), "the write after the caller left raised, or never came"
-    assert not app.writers[0].backed_up
+    assert not app.writers[0].backed_up and app.writers[0].gone
 
 
 def test_the_writer_is_in_the_scope_of_every_request_on_a_connection():
