@@ -147,13 +147,5 @@ class DataReader:
         return data
 
 
-async def data_events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Each event's data, as bytes, in order (`[DONE]` included)."""
-    reader = DataReader()
-    async for piece in raw:
-        for data in reader.feed(piece):
-            yield data
-
-
 def encode(payload: dict) -> bytes:
     return DATA_PREFIX + orjson.dumps(payload) + EVENT_END

@@ -1,6 +1,6 @@
 """The SSE reader against the event-stream format of the WHATWG HTML standard
 (9.2.6): line ends, multi-line data, comments, fields, dispatch, and pieces
-split anywhere. No servers: the reader takes any async iterator of bytes."""
+split anywhere. No servers: the relay's reader is fed pieces, `events` takes any async iterator of bytes."""
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +20,8 @@ async def _pieces(pieces: list[bytes]):
 
 def data_of(*pieces: bytes) -> list[bytes]:
     """What the relay reads of a stream arriving in these pieces."""
-
-    async def read() -> list[bytes]:
-        return [data async for data in sse.data_events(_pieces(list(pieces)))]
-
-    return asyncio.run(read())
+    reader = sse.DataReader()
+    return [data for piece in pieces for data in reader.feed(piece)]
 
 
 def events_of(*pieces: bytes) -> list[sse.Event]:
