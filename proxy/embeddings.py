@@ -40,7 +40,7 @@ import orjson
 
 from ledger import commands as cmd
 from ledger.db import is_connection_failure
-from ledger.errors import DatabaseUnavailable, InsufficientFunds, SpendLimitReached, WriterOverloaded
+from ledger.errors import DatabaseUnavailable
 from ledger.holds import PlaceHold, settlement_key
 from ledger.money import nano_usd_to_usd_text
 from ledger.schema import utc_now
@@ -48,14 +48,12 @@ from proxy import routing, unbilled
 from proxy import workers as registry
 from proxy.errors import (
     ContextTooLong,
-    HoldsBusy,
     InvalidRequest,
-    LimitReached,
     NoWorkerAvailable,
-    NotEnoughCredits,
     NotReady,
     UnknownModel,
     UpstreamFailed,
+    hold_refusal,
 )
 from proxy.keys import KeyGrant
 from proxy.limits import (
@@ -303,12 +301,11 @@ class Embeddings:
         except asyncio.CancelledError:  # the caller left: release the hold whenever it lands
             placing.add_done_callback(self.settler.release_when_placed)
             raise
-        except InsufficientFunds:
-            raise NotEnoughCredits("not enough credits for this request: add credits or send less input") from None
-        except SpendLimitReached:
-            raise LimitReached("this API key has reached its spend limit") from None
-        except WriterOverloaded:
-            raise HoldsBusy() from None
+        except Exception as exc:
+            refusal = hold_refusal(exc, "send less input")
+            if refusal is None:
+                raise
+            raise refusal from None
         held = HeldRequest(hold.hold_id, request_id)
         self.settler.track(held)  # renewed while the workers answer
         return held

@@ -8,6 +8,7 @@ Each also says whether asking again can help, as the OpenAI SDKs read it:
 on a bad body, a missing key or an exhausted spend limit."""
 from __future__ import annotations
 
+from ledger.errors import InsufficientFunds, SpendLimitReached, WriterOverloaded
 from proxy.limits import DATABASE_RETRY_AFTER_S, HOLDS_BUSY_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, NOT_READY_RETRY_AFTER_S
 
 
@@ -86,3 +87,15 @@ class HoldsBusy(ProxyError):
 
     def __init__(self) -> None:
         super().__init__("too many requests are waiting for their holds just now: try again shortly")
+
+
+def hold_refusal(exc: BaseException, to_need_less: str) -> ProxyError | None:
+    """The caller's error for a hold the ledger refused (`to_need_less`: how
+    this request could ask for less); None for any other failure."""
+    if isinstance(exc, InsufficientFunds):
+        return NotEnoughCredits(f"not enough credits for this request: add credits or {to_need_less}")
+    if isinstance(exc, SpendLimitReached):
+        return LimitReached("this API key has reached its spend limit")
+    if isinstance(exc, WriterOverloaded):
+        return HoldsBusy()
+    return None

@@ -17,7 +17,6 @@ import uuid
 
 import orjson
 
-from ledger.errors import InsufficientFunds, SpendLimitReached, WriterOverloaded
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
@@ -26,14 +25,12 @@ from proxy import workers as registry
 from proxy.directory import Directory
 from proxy.errors import (
     ContextTooLong,
-    HoldsBusy,
     InvalidRequest,
-    LimitReached,
     NoWorkerAvailable,
-    NotEnoughCredits,
     ProxyError,
     UnknownModel,
     UpstreamFailed,
+    hold_refusal,
 )
 from proxy.generation import CHAT, Generation
 from proxy.keys import KeyGrant
@@ -99,12 +96,9 @@ class InferenceProxy:
         except BaseException as exc:
             self._solvent_until.pop(grant.account_id, None)
             await self._abandon_attempt(generation, upstream_task)
-            if isinstance(exc, InsufficientFunds):
-                raise NotEnoughCredits("not enough credits for this request: add credits or shorten the prompt") from None
-            if isinstance(exc, SpendLimitReached):
-                raise LimitReached("this API key has reached its spend limit") from None
-            if isinstance(exc, WriterOverloaded):
-                raise HoldsBusy() from None
+            refusal = hold_refusal(exc, "shorten the prompt")
+            if refusal is not None:
+                raise refusal from None
             raise
         asked_max_tokens = generation.max_tokens
         generation.accept_hold(hold.hold_id, hold.amount_nano_usd)
