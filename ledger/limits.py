@@ -51,6 +51,7 @@ HOLD_BATCH_WAIT_MS_DEFAULT = 0.0  # holds are on the path to the first token: ne
 QUEUE_DEPTH_MAX_DEFAULT = 50_000  # commands waiting before callers are refused
 TRANSIENT_ATTEMPTS_MAX = 3  # tries of one batch that fails for a transient reason
 WRITER_CLOSE_WAIT_S = 30.0  # how long closing waits for the queued commands to commit
+EVENTS_INSERTED_WITH_COMMIT_MAX = 16  # a durable batch's events sent with its COMMIT; more go by COPY first
 
 # Reading
 LOG_PAGE_EVENTS_DEFAULT = 2000

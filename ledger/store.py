@@ -31,7 +31,7 @@ from ledger.errors import (
 from ledger.limits import ACCOUNT_KINDS_CACHED_MAX
 from ledger.schema import accounts, holds, ledger_event_postings, ledger_events, ledger_head, utc_now
 from ledger.settlement_texts import SettleTexts, settle_texts, settled_texts
-from ledger.storage.base import POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, ClosedHold, KnownKeys, in_chunks
+from ledger.storage.base import LOOK_UP_EVERY_KEY, POSTINGS_IN_EVENT_ROW_SEEN, AppendedBatch, ClosedHold, KnownKeys, in_chunks
 
 
 class AppendResult(NamedTuple):
@@ -124,7 +124,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, texts, pending, book, results)
 
-    every_key = not closing_keys_to_the_index or conn.info.pop(_LOOK_UP_EVERY_KEY, False)
+    every_key = not closing_keys_to_the_index or conn.info.pop(LOOK_UP_EVERY_KEY, False)
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
     storage = storage_of(conn)
     drafts = list(prepared.values())
@@ -177,7 +177,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
                                                        in_event_row))
         except IntegrityError:
             if closing_keys_to_the_index:
-                conn.info[_LOOK_UP_EVERY_KEY] = True
+                conn.info[LOOK_UP_EVERY_KEY] = True
             raise
         mark_append(conn, WRITTEN)
     for i, first in same_batch.items():
@@ -187,8 +187,6 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     return results  # type: ignore[return-value]
 
 
-# Set on a connection whose batch the database refused (see `append_batch`).
-_LOOK_UP_EVERY_KEY = "paralon_look_up_every_key"
 
 
 def append_one(conn: Connection, command: cmd.Command) -> AppendResult:

@@ -49,6 +49,9 @@ class ClosedHold(NamedTuple):
 # In a connection's `info`: where its last append wrote postings, so the next
 # drafts them that way before the lock tells.
 POSTINGS_IN_EVENT_ROW_SEEN = "paralon_postings_in_event_row"
+# In a connection's `info`: its last batch was refused by the log's unique
+# index on idempotency keys, so the next one looks every key up (ledger.store).
+LOOK_UP_EVERY_KEY = "paralon_look_up_every_key"
 
 KnownKeys = dict[str, tuple[bytes, int, str]]  # idempotency key -> (content digest, seq, event type)
 HoldRules = Callable[[Connection, list[PlaceHold]], list[HoldResult | LedgerError]]

@@ -24,10 +24,12 @@ from ledger.limits import (
     DATABASE_KEEPALIVE_INTERVAL_S,
     DATABASE_KEEPALIVE_PROBES,
     DATABASE_TCP_USER_TIMEOUT_MS,
+    EVENTS_INSERTED_WITH_COMMIT_MAX,
 )
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
 from ledger.schema import utc_now
 from ledger.storage.base import (
+    LOOK_UP_EVERY_KEY,
     NEW_HOLD_COLUMNS,
     POSTINGS_IN_EVENT_ROW_SEEN,
     STORED_EVENT_COLUMNS,
@@ -114,6 +116,7 @@ WHERE id = 1
 _HEAD_REFUSED = ("the postings did not move the balances to those the batch decided, or close the holds it settled: "
                  "run `paralon migrate` (migrations 0030 and 0035)")
 _NOT_NULL_VIOLATION = "23502"
+_UNIQUE_VIOLATION = "23505"
 # The same, when the batch settled holds that reserve against spend limits.
 _WRITE_APPENDED_WITH_LIMITS = """
 WITH limits AS (
@@ -133,9 +136,19 @@ _HOLDS_CLOSED_ANNOUNCED = "paralon_holds_closed_announced"
 # sent together is read back (`_statements_rows`).
 _FLUSH_WAIT_SKIP_PENDING = "paralon_flush_wait_skip_pending"
 _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
-# The transaction whose head statement waits to travel with its COMMIT
-# (conn.info): the transaction, then, once `write_appended` made it, the statement.
+# The transaction whose writes wait to travel with its COMMIT (conn.info):
+# the transaction, then the statements `write_appended` left for it (the
+# head's move; a small batch's events too).
 _HEAD_WITH_COMMIT = "paralon_head_with_commit"
+# Up to EVENTS_INSERTED_WITH_COMMIT_MAX events, a batch whose head travels
+# with its COMMIT inserts them in that same query, not by COPY: the COPY's two round trips (its start,
+# then its data and end) cost a batch of one or two (the proxy's, at a few
+# settlements a millisecond) more than all the rest of its client's work.
+# Larger batches keep COPY, which writes a page of rows per WAL record.
+_INSERT_EVENTS = ("INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, "
+                  "prev_hash, hash, recorded_at) VALUES ")
+_INSERT_EVENTS_WITH_POSTINGS = _INSERT_EVENTS.replace("recorded_at)", "recorded_at, posting_account_ids, posting_amounts_nano_usd)")
+_INSERT_POSTINGS = "INSERT INTO ledger_postings (event_seq, leg, account_id, amount_nano_usd) VALUES "
 # The transaction whose BEGIN waits to travel with its first statement
 # (conn.info), on a connection in autocommit: psycopg would send it alone.
 _BEGIN_PENDING = "paralon_begin_pending"
@@ -258,17 +271,18 @@ class PostgresStorage(Storage):
         if conn.connection.driver_connection.autocommit:
             conn.info[_BEGIN_PENDING] = transaction
         self.skip_flush_wait(conn, with_next_statement=True)
-        conn.info[_HEAD_WITH_COMMIT] = (transaction, None)
+        conn.info[_HEAD_WITH_COMMIT] = (transaction, [])
 
     def commit_and_wait_for_flush(self, conn: Connection) -> None:
         """One query of the simple protocol, one round trip: the skip of the
-        flush wait if no statement carried it yet, the head's move, COMMIT,
+        flush wait if no statement carried it yet, what the appends kept for
+        it (a small batch's events, the head's move), COMMIT,
         then the flush barrier, which runs after the COMMIT as a transaction
         of its own. The server stops at the first error: in the transaction,
         nothing committed (the connection is left in the failed transaction,
         for the caller's rollback); after it, the transaction committed and
         only its flush is not known."""
-        head = _take_earlier_head(conn)
+        carried = _take_carried(conn)
         conn.info.pop(_HEAD_WITH_COMMIT, None)
         if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
             conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
@@ -276,7 +290,7 @@ class PostgresStorage(Storage):
         else:
             statements = _opening(conn)
             ending = ["COMMIT"]
-        statements += head
+        statements += carried
         raw = conn.connection.driver_connection
         with ClientCursor(raw) as cursor:
             query = ";\n".join([*(cursor.mogrify(sql, params) for sql, params in statements), *ending, _FLUSH_BARRIER])
@@ -284,6 +298,7 @@ class PostgresStorage(Storage):
                 cursor.execute(query)
             except psycopg.Error as exc:
                 if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
+                    _note_keys_refused(conn, exc)
                     _raise_head_refused_or(exc, query)
                 raise FlushNotConfirmed() from exc
 
@@ -338,7 +353,7 @@ class PostgresStorage(Storage):
         conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed)
         # A second append in a durable batch: the first one's head, kept for
         # the COMMIT, moves first, before this one announces its closes.
-        earlier = _take_earlier_head(conn)
+        earlier = _take_carried(conn)
         try:
             *_, head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [*earlier,
                 (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
@@ -348,6 +363,9 @@ class PostgresStorage(Storage):
             raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
         except psycopg.errors.NotNullViolation as exc:
             raise InvariantBroken(_HEAD_REFUSED) from exc
+        except psycopg.errors.UniqueViolation as exc:  # an earlier append's events, carried here
+            _note_keys_refused(conn, exc)
+            raise DBAPIError.instance(_INSERT_EVENTS, None, exc, psycopg.Error) from exc
         last_seq, last_hash, in_event_row = head_rows[0]
         return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows), in_event_row)
 
@@ -370,8 +388,23 @@ class PostgresStorage(Storage):
         return drafted
 
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
+        conn.info[POSTINGS_IN_EVENT_ROW_SEEN] = batch.postings_in_event_row
+        head = _head_statement(batch)
+        if not _head_carried(conn):
+            self._copy_rows(conn, batch)
+            _move_head(conn, head)
+            return
+        if len(batch.event_rows) > EVENTS_INSERTED_WITH_COMMIT_MAX:
+            self._copy_rows(conn, batch)
+            _carry(conn, [head])
+            return
+        announced = _announced(conn) == batch.holds_closed
+        _carry(conn, [*([] if announced else [(_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed))]),
+                      *_inserts(batch), head])
+
+    def _copy_rows(self, conn: Connection, batch: AppendedBatch) -> None:
+        """The batch's events (and postings) by COPY, now: two round trips each."""
         rows, in_event_row = batch.event_rows, batch.postings_in_event_row
-        conn.info[POSTINGS_IN_EVENT_ROW_SEEN] = in_event_row
         drafted = batch.drafted
         if drafted is None or (drafted and isinstance(drafted[0][1], str) != in_event_row):  # drafted the other way
             drafted = self._draft_rows(rows, batch.posting_rows, in_event_row)
@@ -395,17 +428,6 @@ class PostgresStorage(Storage):
                                                      for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
             if batch.posting_rows and not in_event_row:
                 _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
-        ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
-        head = (_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
-            "last_seq": batch.last_seq, "last_hash": batch.last_hash,
-            "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
-            "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
-            "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
-        })
-        if _head_carried(conn):
-            conn.info[_HEAD_WITH_COMMIT] = (conn.get_transaction(), head)
-        else:
-            _move_head(conn, head)
 
     def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
         """`encode_unchained` of rows built whole (a caller that drafted nothing):
@@ -473,6 +495,50 @@ def _closes(holds_closed: dict[int, int]) -> dict[str, str]:
     return {"ids": ints(ids), "amounts": ints([holds_closed[a] for a in ids])} if ids else {"ids": "", "amounts": ""}
 
 
+def _head_statement(batch: AppendedBatch) -> tuple[str, dict]:
+    """The head's move, with the balances and spend limits' usage it checks and adds."""
+    ids, limit_ids = sorted(batch.balances), sorted(batch.limit_usage)
+    return (_WRITE_APPENDED_WITH_LIMITS if limit_ids else _WRITE_APPENDED, {
+        "last_seq": batch.last_seq, "last_hash": batch.last_hash,
+        "balance_account_id": ints(ids), "balance": ints([batch.balances[a] for a in ids]),
+        "limit_id": ints(limit_ids), "limit_spent": ints([batch.limit_usage[i][0] for i in limit_ids]),
+        "limit_closed": ints([batch.limit_usage[i][1] for i in limit_ids]),
+    })
+
+
+def _inserts(batch: AppendedBatch) -> list[tuple[str, tuple]]:
+    """A small batch's events (and postings) as INSERT statements, their
+    values bound by psycopg: they travel with the COMMIT."""
+    at = batch.recorded_at
+    if not batch.postings_in_event_row:
+        statements = [_values(_INSERT_EVENTS, [(*row, at) for row in batch.event_rows])]
+        if batch.posting_rows:
+            statements.append(_values(_INSERT_POSTINGS, batch.posting_rows))
+        return statements
+    legs: dict[int, list[tuple]] = {row[0]: [] for row in batch.event_rows}
+    for seq, _, account_id, amount in batch.posting_rows:
+        legs[seq].append((account_id, amount))
+    return [_values(_INSERT_EVENTS_WITH_POSTINGS, [(*row, at, *_posting_arrays(legs[row[0]])) for row in batch.event_rows])]
+
+
+def _values(insert: str, rows: list[tuple]) -> tuple[str, tuple]:
+    row = "(" + ",".join(["%s"] * len(rows[0])) + ")"
+    return insert + ",".join([row] * len(rows)), tuple(value for r in rows for value in r)
+
+
+def _posting_arrays(postings: list[tuple[int, int]]) -> tuple[str | None, str | None]:
+    """An event's legs as its two array columns' literals (NULL when it has none, as the CHECK of 0031 asks)."""
+    if not postings:
+        return None, None
+    return ints([p[0] for p in postings]), ints([p[1] for p in postings])
+
+
+def _carry(conn: Connection, statements: list[tuple[str, object]]) -> None:
+    """Keep `statements` for this transaction's COMMIT (or a later append's lock, whichever runs first)."""
+    transaction, carried = conn.info[_HEAD_WITH_COMMIT]
+    conn.info[_HEAD_WITH_COMMIT] = (transaction, [*carried, *statements])
+
+
 def _announced(conn: Connection) -> dict[int, int] | None:
     """What this transaction's lock announced it would close; None: no lock
     announced anything, and the settings hold whatever they hold."""
@@ -486,14 +552,14 @@ def _head_carried(conn: Connection) -> bool:
     return carried is not None and carried is conn.get_transaction()
 
 
-def _take_earlier_head(conn: Connection) -> list[tuple[str, dict]]:
-    """The head's move this transaction kept for its COMMIT, if any, taken to be sent now
-    (by a later append's lock, or by the commit)."""
+def _take_carried(conn: Connection) -> list[tuple[str, object]]:
+    """What this transaction kept for its COMMIT (`_carry`), taken to be sent
+    now (by a later append's lock, or by the commit)."""
     if not _head_carried(conn):
         return []
-    transaction, head = conn.info[_HEAD_WITH_COMMIT]
-    conn.info[_HEAD_WITH_COMMIT] = (transaction, None)
-    return [head] if head is not None else []
+    transaction, carried = conn.info[_HEAD_WITH_COMMIT]
+    conn.info[_HEAD_WITH_COMMIT] = (transaction, [])
+    return carried
 
 
 def _move_head(conn: Connection, head: tuple[str, dict]) -> None:
@@ -501,6 +567,13 @@ def _move_head(conn: Connection, head: tuple[str, dict]) -> None:
         conn.exec_driver_sql(*head)
     except DBAPIError as exc:
         _raise_head_refused_or(exc.orig, None, exc)
+
+
+def _note_keys_refused(conn: Connection, exc: BaseException) -> None:
+    """Events carried with a later statement that the keys' unique index
+    refused: the batch's next run looks every key up (ledger.store)."""
+    if getattr(exc, "sqlstate", None) == _UNIQUE_VIOLATION:
+        conn.info[LOOK_UP_EVERY_KEY] = True
 
 
 def _raise_head_refused_or(exc: BaseException, statement: str | None, wrapped: DBAPIError | None = None) -> None:

@@ -5,17 +5,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
+from sqlalchemy.exc import IntegrityError
 
 from ledger import commands as cmd
 from ledger import holds as hl
 from ledger import spend_limits
 from ledger.hold_commands import PlaceHold
+from ledger.limits import EVENTS_INSERTED_WITH_COMMIT_MAX
 from ledger.service import Ledger, append_now
+from ledger.storage import postgres
+from ledger.storage.base import LOOK_UP_EVERY_KEY
 from ledger.storage.postgres import PostgresStorage
 from ledger.store import append_batch
 from ledger.verify import verify
 from tests.conftest import migrated_database_url
-from tests.ledger.helpers import customer_with
+from tests.ledger.helpers import customer_with, key, money_snapshot
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
 from tests.support.harness import wait_for
 
@@ -134,6 +138,58 @@ class TestPostgresStorage(StorageContract):
             limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
             assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (3 * USD // 4, 0), "both settlements spent the limit"
             assert verify(conn).ok
+
+    @pytest.mark.parametrize("settlements", [1, EVENTS_INSERTED_WITH_COMMIT_MAX, EVENTS_INSERTED_WITH_COMMIT_MAX + 1])
+    def test_a_small_durable_batch_sends_its_events_with_its_commit_and_a_larger_one_copies_them(
+            self, engine, storage, monkeypatch, settlements):
+        """A COPY costs two round trips: up to EVENTS_INSERTED_WITH_COMMIT_MAX
+        events travel as an INSERT in the COMMIT's query instead. Either way
+        each settlement is appended once, the balances move and the chain verifies."""
+        copies = []
+        copy = postgres._copy
+        monkeypatch.setattr(postgres, "_copy", lambda cursor, sql, text: copies.append(sql) or copy(cursor, sql, text))
+        customer, owner, placed = self._holds(engine, settlements)
+        before = money_snapshot(engine)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                results = append_batch(conn, [cmd.SettleRequest(h.hold_id, owner, USD // 4, f"r{i}", key("s"))
+                                              for i, h in enumerate(placed)], closing_keys_to_the_index=True)
+                storage.commit_and_wait_for_flush(conn)
+        assert [r.status for r in results] == ["created"] * settlements
+        assert bool(copies) == (settlements > EVENTS_INSERTED_WITH_COMMIT_MAX)
+        after = money_snapshot(engine)
+        assert after["events"] == before["events"] + settlements
+        assert after["balances"][customer] == before["balances"][customer] - settlements * USD // 4
+        with engine.connect() as conn:
+            assert verify(conn).ok
+
+    def test_events_kept_for_the_commit_whose_key_was_taken_are_refused_at_the_next_appends_lock(self, engine, storage):
+        """A second append in the same durable batch sends the first one's
+        events ahead of its lock: a key the log's unique index refuses there
+        fails the batch as the database's refusal, asks the next batch to
+        look every key up, and nothing is written."""
+        customer, owner, placed = self._holds(engine, 2)
+        taken = key("taken")
+        append_now(engine, cmd.GrantCredits(customer, 1, "takes the key", taken))
+        before = money_snapshot(engine)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with pytest.raises(IntegrityError):
+                with conn.begin():
+                    storage.begin_durable_batch(conn)
+                    append_batch(conn, [cmd.SettleRequest(placed[0].hold_id, owner, 1, "r0", taken)], closing_keys_to_the_index=True)
+                    append_batch(conn, [cmd.SettleRequest(placed[1].hold_id, owner, 1, "r1", key("s"))], closing_keys_to_the_index=True)
+            assert conn.info.get(LOOK_UP_EVERY_KEY) is True
+        assert money_snapshot(engine) == before
+
+    def _holds(self, engine, count: int) -> tuple[int, int, list]:
+        ledger = Ledger(engine)
+        try:
+            customer = customer_with(ledger, count * USD)
+            owner = ledger.create_account(cmd.OWNER, "owner")
+            return customer, owner, [ledger.place_hold(PlaceHold(customer, USD // 2, key("hold"))) for _ in range(count)]
+        finally:
+            ledger.close()
 
     def test_no_statement_is_prepared_on_the_server(self, engine):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
