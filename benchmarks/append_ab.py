@@ -14,10 +14,14 @@ sides alike.
     python benchmarks/append_ab.py --base HEAD~1 --json
     python benchmarks/append_ab.py --base HEAD --postings-in-event-row --json
     python benchmarks/append_ab.py --base HEAD --postings-in-event-row --base-postings-in-event-row --json
+    python benchmarks/append_ab.py --base HEAD~1 --batch-size 1 --batches 3000 --durable --json
 
 The second compares the two postings layouts of this checkout (migration
 0031): this checkout with postings in their event's row, the base with rows.
 The third compares uncommitted changes with both sides in the event-row layout.
+The fourth runs each batch as the durable writer does (its transaction begun
+with its first statement, the COMMIT and the wait for the flush in one
+query), alone, as the proxy's settlements are at a few a millisecond.
 
 Prints one JSON line: the medians of each side and of the ratios (this
 checkout over the base: below 1 is less CPU), for the writer's thread and for
@@ -39,7 +43,8 @@ from checkout import REPO, revision_checkout
 CUSTOMERS, OWNERS, HOLD_NANO_USD = 64, 8, 5_000_000
 
 
-def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool) -> None:
+def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool,
+           durable: bool) -> None:
     """One side: settle `batches` batches from `root`'s ledger, one per line read, printing
     CPU µs per settlement of the writer's thread and of its database backend."""
     sys.path[:0] = [root, str(Path(root) / "benchmarks")]  # its own scratch.py, which puts its own root first again
@@ -50,6 +55,7 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
     from app.runtime import tune_garbage_collector
     from ledger import commands as cmd
     from ledger.holds import PlaceHold
+    from ledger.db import storage_of
     from ledger.service import Ledger
     from ledger.store import append_batch
 
@@ -74,17 +80,29 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
         prepared = [settlements(b) for b in range(warm_up_batches + batches)]
         ledger.close()
         tune_garbage_collector()
+        storage = storage_of(engine)
+
+        def append(conn, batch: list) -> list:
+            with conn.begin():
+                if not durable:
+                    return append_batch(conn, batch, closing_keys_to_the_index=True)
+                storage.begin_durable_batch(conn)
+                results = append_batch(conn, batch, closing_keys_to_the_index=True)
+                storage.commit_and_wait_for_flush(conn)
+                return results
+
+        # The durable writer's connection is in autocommit: it sends its own BEGIN with its first statement.
         with engine.connect() as conn:
+            if durable:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             backend_pid = conn.connection.driver_connection.info.backend_pid
             for batch in prepared[:warm_up_batches]:
-                with conn.begin():
-                    append_batch(conn, batch, closing_keys_to_the_index=True)
+                append(conn, batch)
             print(f"ready {Path(append_batch.__code__.co_filename).resolve()}", flush=True)
             for batch in prepared[warm_up_batches:]:
                 sys.stdin.readline()
                 started, backend_started = time.thread_time(), backend_cpu_s(backend_pid)
-                with conn.begin():
-                    results = append_batch(conn, batch, closing_keys_to_the_index=True)
+                results = append(conn, batch)
                 cpu_s, backend_s = time.thread_time() - started, backend_cpu_s(backend_pid) - backend_started
                 if any(getattr(r, "status", None) != "created" for r in results):
                     raise SystemExit(f"a settlement was not created: {results[0]!r}")
@@ -102,14 +120,14 @@ def backend_cpu_s(pid: int) -> float:
 
 
 def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up_batches: int, in_event_row: bool,
-            base_in_event_row: bool = False) -> dict:
+            base_in_event_row: bool = False, durable: bool = False) -> dict:
     with revision_checkout(base) as base_root:
         sides: dict[str, subprocess.Popen] = {}
         try:
             for name, root in (("base", base_root), ("current", str(REPO))):
                 sides[name] = subprocess.Popen(
                     [sys.executable, __file__, "--worker", root, "--database-url", database_url, "--batches", str(batches),
-                     "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches),
+                     "--batch-size", str(batch_size), "--warm-up-batches", str(warm_up_batches), *(["--durable"] if durable else []),
                      *(["--postings-in-event-row"] if (in_event_row if name == "current" else base_in_event_row) else [])],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
             for (name, process), root in zip(sides.items(), (base_root, str(REPO))):
@@ -138,7 +156,7 @@ def compare(base: str, database_url: str, batches: int, batch_size: int, warm_up
                 except subprocess.TimeoutExpired:
                     process.kill()
     return {"base": base, "batches": batches, "batch_size": batch_size, "postings_in_event_row": in_event_row,
-            "base_postings_in_event_row": base_in_event_row,
+            "base_postings_in_event_row": base_in_event_row, "durable": durable,
             **side_by_side("", cpu_us), **side_by_side("backend_", backend_us)}
 
 
@@ -166,18 +184,20 @@ def main() -> None:
     parser.add_argument("--postings-in-event-row", action="store_true",
                         help="this checkout's side puts postings in their event's row (migration 0031)")
     parser.add_argument("--base-postings-in-event-row", action="store_true", help="and so does the base's side")
+    parser.add_argument("--durable", action="store_true", help="each batch as the durable writer runs it, and waited for its flush")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the root of one side's checkout
     args = parser.parse_args()
     if args.batches < 2:
         raise SystemExit("--batches must be at least 2")
     if args.worker:
-        worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches, args.postings_in_event_row)
+        worker(args.worker, args.database_url, args.batches, args.batch_size, args.warm_up_batches, args.postings_in_event_row,
+               args.durable)
         return
     sys.path.insert(0, str(REPO / "benchmarks"))
     from scratch import print_result
 
     print_result(compare(args.base, args.database_url, args.batches, args.batch_size, args.warm_up_batches,
-                         args.postings_in_event_row, args.base_postings_in_event_row), args.json)
+                         args.postings_in_event_row, args.base_postings_in_event_row, args.durable), args.json)
 
 
 if __name__ == "__main__":
