@@ -141,10 +141,11 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # head's move; a small batch's events too).
 _HEAD_WITH_COMMIT = "paralon_head_with_commit"
 # Up to EVENTS_INSERTED_WITH_COMMIT_MAX events, a batch whose head travels
-# with its COMMIT inserts them in that same query, not by COPY: the COPY's two round trips (its start,
-# then its data and end) cost a batch of one or two (the proxy's, at a few
-# settlements a millisecond) more than all the rest of its client's work.
-# Larger batches keep COPY, which writes a page of rows per WAL record.
+# with its COMMIT inserts them in that same query, not by COPY, whose two
+# round trips (its start, then its data and end) are a large part of what a
+# batch of one or two costs (the proxy's, at a few settlements a
+# millisecond). Larger batches keep COPY, which writes a page of rows per
+# WAL record.
 _INSERT_EVENTS = ("INSERT INTO ledger_events (seq, event_type, payload, idempotency_key, content_digest, reverses_seq, "
                   "prev_hash, hash, recorded_at) VALUES ")
 _INSERT_EVENTS_WITH_POSTINGS = _INSERT_EVENTS.replace("recorded_at)", "recorded_at, posting_account_ids, posting_amounts_nano_usd)")
