@@ -187,8 +187,6 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     return results  # type: ignore[return-value]
 
 
-
-
 def append_one(conn: Connection, command: cmd.Command) -> AppendResult:
     """One command in the caller's transaction: its result, or its typed error raised."""
     [result] = append_batch(conn, [command])
