@@ -7,6 +7,7 @@ import psycopg
 import pytest
 from sqlalchemy.exc import IntegrityError
 
+from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import holds as hl
 from ledger import spend_limits
@@ -181,6 +182,28 @@ class TestPostgresStorage(StorageContract):
                     append_batch(conn, [cmd.SettleRequest(placed[1].hold_id, owner, 1, "r1", key("s"))], closing_keys_to_the_index=True)
             assert conn.info.get(LOOK_UP_EVERY_KEY) is True
         assert money_snapshot(engine) == before
+
+    def test_a_small_durable_batch_with_a_settlement_refused_under_the_lock_closes_only_the_others_hold(self, engine, storage):
+        """The lock announced both holds' closes; one settlement is then
+        refused there (its key was taken): the announcement sent with the
+        COMMIT is the other's alone, and the refused one's hold stays held."""
+        customer, owner, placed = self._holds(engine, 2)
+        taken = key("taken")
+        append_now(engine, cmd.GrantCredits(customer, 1, "takes the key", taken))
+        before = money_snapshot(engine)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                refused, settled = append_batch(conn, [cmd.SettleRequest(placed[0].hold_id, owner, USD // 4, "r0", taken),
+                                                       cmd.SettleRequest(placed[1].hold_id, owner, USD // 4, "r1", key("s"))])
+                storage.commit_and_wait_for_flush(conn)
+        assert type(refused).__name__ == "IdempotencyConflict" and settled.status == "created"
+        after = money_snapshot(engine)
+        assert after["events"] == before["events"] + 1
+        assert after["balances"][customer] == before["balances"][customer] - USD // 4
+        with engine.connect() as conn:
+            assert acc.read_balance(conn, customer).held_nano_usd == USD // 2, "the refused settlement's hold is still held"
+            assert verify(conn).ok
 
     def _holds(self, engine, count: int) -> tuple[int, int, list]:
         ledger = Ledger(engine)
