@@ -139,7 +139,7 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # The transaction whose writes wait to travel with its COMMIT (conn.info):
 # the transaction, then the statements `write_appended` left for it (the
 # head's move; a small batch's events too).
-_HEAD_WITH_COMMIT = "paralon_head_with_commit"
+_CARRIED_TO_COMMIT = "paralon_carried_to_commit"
 # Up to EVENTS_INSERTED_WITH_COMMIT_MAX events, a batch whose head travels
 # with its COMMIT inserts them in that same query, not by COPY, whose two
 # round trips (its start, then its data and end) are a large part of what a
@@ -272,7 +272,7 @@ class PostgresStorage(Storage):
         if conn.connection.driver_connection.autocommit:
             conn.info[_BEGIN_PENDING] = transaction
         self.skip_flush_wait(conn, with_next_statement=True)
-        conn.info[_HEAD_WITH_COMMIT] = (transaction, [])
+        conn.info[_CARRIED_TO_COMMIT] = (transaction, [])
 
     def commit_and_wait_for_flush(self, conn: Connection) -> None:
         """One query of the simple protocol, one round trip: the skip of the
@@ -284,7 +284,7 @@ class PostgresStorage(Storage):
         for the caller's rollback); after it, the transaction committed and
         only its flush is not known."""
         carried = _take_carried(conn)
-        conn.info.pop(_HEAD_WITH_COMMIT, None)
+        conn.info.pop(_CARRIED_TO_COMMIT, None)
         if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
             conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
             statements, ending = [], []
@@ -352,8 +352,9 @@ class PostgresStorage(Storage):
         which then wrote nothing, or a default of the settings left there."""
         holds_closed = holds_closed or {}
         conn.info[_HOLDS_CLOSED_ANNOUNCED] = (conn.get_transaction(), holds_closed)
-        # A second append in a durable batch: the first one's head, kept for
-        # the COMMIT, moves first, before this one announces its closes.
+        # A second append in a durable batch: what the first one kept for the
+        # COMMIT (its events if few, its head's move) goes first, before this
+        # one announces its closes.
         earlier = _take_carried(conn)
         try:
             *_, head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [*earlier,
@@ -391,7 +392,7 @@ class PostgresStorage(Storage):
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         conn.info[POSTINGS_IN_EVENT_ROW_SEEN] = batch.postings_in_event_row
         head = _head_statement(batch)
-        if not _head_carried(conn):
+        if not _carries_to_commit(conn):
             self._copy_rows(conn, batch)
             _move_head(conn, head)
             return
@@ -536,8 +537,8 @@ def _posting_arrays(postings: list[tuple[int, int]]) -> tuple[str | None, str | 
 
 def _carry(conn: Connection, statements: list[tuple[str, object]]) -> None:
     """Keep `statements` for this transaction's COMMIT (or a later append's lock, whichever runs first)."""
-    transaction, carried = conn.info[_HEAD_WITH_COMMIT]
-    conn.info[_HEAD_WITH_COMMIT] = (transaction, [*carried, *statements])
+    transaction, carried = conn.info[_CARRIED_TO_COMMIT]
+    conn.info[_CARRIED_TO_COMMIT] = (transaction, [*carried, *statements])
 
 
 def _announced(conn: Connection) -> dict[int, int] | None:
@@ -547,19 +548,19 @@ def _announced(conn: Connection) -> dict[int, int] | None:
     return holds_closed if transaction is not None and transaction is conn.get_transaction() else None
 
 
-def _head_carried(conn: Connection) -> bool:
-    """Whether this transaction's head moves with its COMMIT (`begin_durable_batch`)."""
-    carried, _ = conn.info.get(_HEAD_WITH_COMMIT, (None, None))
+def _carries_to_commit(conn: Connection) -> bool:
+    """Whether this transaction's writes travel with its COMMIT (`begin_durable_batch`)."""
+    carried, _ = conn.info.get(_CARRIED_TO_COMMIT, (None, None))
     return carried is not None and carried is conn.get_transaction()
 
 
 def _take_carried(conn: Connection) -> list[tuple[str, object]]:
     """What this transaction kept for its COMMIT (`_carry`), taken to be sent
     now (by a later append's lock, or by the commit)."""
-    if not _head_carried(conn):
+    if not _carries_to_commit(conn):
         return []
-    transaction, carried = conn.info[_HEAD_WITH_COMMIT]
-    conn.info[_HEAD_WITH_COMMIT] = (transaction, [])
+    transaction, carried = conn.info[_CARRIED_TO_COMMIT]
+    conn.info[_CARRIED_TO_COMMIT] = (transaction, [])
     return carried
 
 
@@ -687,8 +688,8 @@ def _statements_rows(conn: Connection, statements: list[tuple[str, dict]]) -> li
     the simple protocol, its parameters bound as literals by psycopg:
     measured, about 85 µs of this process's CPU for four statements where
     psycopg's pipeline mode took 145 (a system call for each message and
-    readiness poll). A statement without rows (BEGIN, an earlier append's
-    head) gives an empty list."""
+    readiness poll). A statement without rows (BEGIN, what an earlier append
+    kept for the COMMIT) gives an empty list."""
     opening = _opening(conn)
     with ClientCursor(conn.connection.driver_connection) as cursor:
         cursor.execute(";\n".join([cursor.mogrify(sql, params or None) for sql, params in opening + statements]))
