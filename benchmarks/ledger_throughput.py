@@ -44,7 +44,7 @@ from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E40
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
-from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
@@ -107,13 +107,12 @@ def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
     }
 
 
-# The appending backends inside a batch (every busy client backend of the
-# scratch database but the holds' writers, which only call paralon_place_holds)
-# and what each is doing.
+# Every other client backend of the scratch database, and what each is doing:
+# the holds' writers are those seen calling paralon_place_holds, the rest
+# append (the appending backends inside a batch are those not idle).
 _BACKENDS = """
-SELECT state, wait_event_type, wait_event FROM pg_stat_activity
+SELECT pid, query LIKE '%%paralon_place_holds%%', state, wait_event_type, wait_event FROM pg_stat_activity
 WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
-  AND state <> 'idle' AND query NOT LIKE '%%paralon_place_holds%%'
 """
 APPENDER_STATES = ("waiting_for_append_lock", "flushing_wal", "executing", "client_in_transaction")
 
@@ -140,19 +139,41 @@ class AppenderSampler(threading.Thread):
         super().__init__(name="appender-sampler", daemon=True)
         self.url, self.interval_s = url, interval_s
         self.counts = dict.fromkeys(APPENDER_STATES, 0)
+        self.holder_pids: set[int] = set()
+        self.client_pids: set[int] = set()
         self.stopping = threading.Event()
 
     def run(self) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             while not self.stopping.wait(self.interval_s):
-                for row in conn.execute(_BACKENDS):
-                    self.counts[appender_state(*row)] += 1
+                for pid, places_holds, state, *waits in conn.execute(_BACKENDS):
+                    self.client_pids.add(pid)
+                    if places_holds:
+                        self.holder_pids.add(pid)
+                    elif state != "idle":
+                        self.counts[appender_state(state, *waits)] += 1
+
+    def cpu_us_per_settlement_by_role(self, used_s: dict[int, float], settled: int) -> dict[str, float]:
+        """PostgreSQL's CPU (seconds by process) split between the holds' writers'
+        backends, the appenders' and the rest (WAL writer, checkpointer,
+        autovacuum, this sampler), per settlement."""
+        client_pids = set(used_s) & self.client_pids
+        roles = {"holders": client_pids & self.holder_pids, "appenders": client_pids - self.holder_pids}
+        roles["background"] = set(used_s) - client_pids
+        return {role: round(sum(used_s[pid] for pid in pids) / max(settled, 1) * 1e6, 1) for role, pids in roles.items()}
 
     def shares(self) -> dict[str, float]:
         self.stopping.set()
         self.join()
         total = max(sum(self.counts.values()), 1)
         return {state: round(count / total, 3) for state, count in self.counts.items()}
+
+
+def cpu_used_between(started: dict[int, float] | None, ended: dict[int, float] | None) -> dict[int, float] | None:
+    """CPU seconds each process used between two readings (one started since counts from 0)."""
+    if started is None or ended is None:
+        return None
+    return {pid: used - started.get(pid, 0.0) for pid, used in ended.items()}
 
 
 def pgbench_tps(server_url: str, seconds: int) -> float:
@@ -294,16 +315,17 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         time.sleep(max(0.0, start_at - time.time()))
         disk_started = disk_snapshot(watcher)
         watcher.rollback()
-        postgres_cpu_started, idle_started = postgres_cpu_s(), idle_cpu_s()
+        postgres_cpu_started, idle_started = postgres_cpu_s_by_pid(), idle_cpu_s()
         sampler = AppenderSampler(libpq_url)
         sampler.start()
         time.sleep(max(0.0, start_at + seconds - time.time()))
-        postgres_cpu_used = postgres_cpu_s()  # before the producers disconnect and their backends exit
+        postgres_cpu_used = postgres_cpu_s_by_pid()  # before the producers disconnect and their backends exit
         appender_time_shares = sampler.shares()
         machine_idle_share = (idle_cpu_s() - idle_started) / (seconds * (os.cpu_count() or 1))
         parts = pending.get()
         disk_used = disk_snapshot(watcher)  # after the last settlement: each one counted is in it
         watcher.rollback()
+    postgres_cpu_s = cpu_used_between(postgres_cpu_started, postgres_cpu_used)
     with engine.connect() as conn:
         report = verify(conn)
     engine.dispose()
@@ -338,7 +360,10 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
             for name, moment in LOCK_PARTS.items()
         },
         "postgres_cpu_us_per_settlement": (
-            round((postgres_cpu_used - postgres_cpu_started) / max(settled, 1) * 1e6, 1) if postgres_cpu_started is not None else None
+            round(sum(postgres_cpu_s.values()) / max(settled, 1) * 1e6, 1) if postgres_cpu_s is not None else None
+        ),
+        "postgres_cpu_us_per_settlement_by_role": (
+            sampler.cpu_us_per_settlement_by_role(postgres_cpu_s, settled) if postgres_cpu_s is not None else None
         ),
         **bytes_per_settlement(disk_started, disk_used, settled),
         "machine_idle_share": round(machine_idle_share, 3),

@@ -26,9 +26,9 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def postgres_cpu_s() -> float | None:
-    """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
-    total, ticks_per_s = 0, os.sysconf("SC_CLK_TCK")
+def postgres_cpu_s_by_pid() -> dict[int, float] | None:
+    """CPU seconds used so far by each local `postgres` process (Linux /proc), or None."""
+    used, ticks_per_s = {}, os.sysconf("SC_CLK_TCK")
     try:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -36,12 +36,18 @@ def postgres_cpu_s() -> float | None:
                     fields = f.read().rsplit(")", 1)
                 if fields[0].endswith("(postgres"):
                     parts = fields[1].split()
-                    total += int(parts[11]) + int(parts[12])
+                    used[int(pid)] = (int(parts[11]) + int(parts[12])) / ticks_per_s
             except (OSError, IndexError, ValueError):
                 continue
     except OSError:
         return None
-    return total / ticks_per_s
+    return used
+
+
+def postgres_cpu_s() -> float | None:
+    """CPU seconds used so far by every local `postgres` process (Linux /proc), or None."""
+    used = postgres_cpu_s_by_pid()
+    return None if used is None else sum(used.values())
 
 
 def batch_arguments(description: str, batches: int) -> argparse.Namespace:
