@@ -1,14 +1,15 @@
 """What placing and renewing a hold costs the server, as migrated and as before
-migration 0032 (an index by expiry, full pages), in one run.
+a migration, in one run: 0036 (the default: the hold function looked every
+key up before its insert) or 0032 (an index by expiry, full pages).
 
-Two scratch databases, one put back as it was before 0032. Round after round,
+Two scratch databases, one put back as it was before that migration. Round after round,
 alternately first, each places a batch of holds through the hold function
 (64 customers), renews every one of them as running requests do (expiry and
 capture), and closes them as settlements do. The server's own time and WAL for
 the placement and the renewal come from EXPLAIN (ANALYZE, WAL); medians per
 hold after a warm-up, and their ratios (as migrated over before).
 
-    python benchmarks/holds_writes.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
+    python benchmarks/holds_writes.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --before 0036 --json
 
 The database in the URL is only used to create (and finally drop) two scratch
 databases of the benchmark's own.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.migrate import earlier_revision  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.schema import utc_now  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
@@ -36,11 +38,22 @@ HOLD_NANO_USD = 1_000_000
 HOLD_TTL_S = 30
 CAPTURE_NANO_USD = 5_000
 US_PER_MS = 1000
-BEFORE_0032 = ["CREATE INDEX ix_holds_expiry ON holds (expires_at)", "ALTER TABLE holds RESET (fillfactor)"]
-LAYOUTS = ("as_migrated", "before_0032")
+LAYOUTS = ("as_migrated", "before")
 
 
-def prepared(scratch: ScratchDatabase, before_0032: bool):
+def statements_before(revision: str) -> list[str]:
+    """What puts a migrated database back as it was before `revision`, in what this benchmark measures."""
+    if revision == "0032":
+        return ["CREATE INDEX ix_holds_expiry ON holds (expires_at)", "ALTER TABLE holds RESET (fillfactor)"]
+    hold_function = earlier_revision("0036_holds_placed_without_looking_their_keys_up.py")
+    signature = hold_function.SIGNATURE
+    return [earlier_revision("0028_holds_granted_in_full_without_a_loop.py").place_holds_function(),
+            f"ALTER FUNCTION {signature} SET plan_cache_mode = force_generic_plan",
+            f"ALTER FUNCTION {signature} SET enable_seqscan = off",
+            f"ALTER FUNCTION {signature} SET search_path = pg_catalog, public, pg_temp"]
+
+
+def prepared(scratch: ScratchDatabase, put_back: list[str]):
     """The scratch database's raw connection (autocommit) and its customers, each with credits."""
     engine = scratch.engine()
     ledger = Ledger(engine)
@@ -50,9 +63,8 @@ def prepared(scratch: ScratchDatabase, before_0032: bool):
     ledger.close()
     raw = engine.raw_connection()
     raw.driver_connection.autocommit = True
-    if before_0032:
-        for statement in BEFORE_0032:
-            raw.driver_connection.execute(statement)
+    for statement in put_back:
+        raw.driver_connection.execute(statement)
     return engine, raw, customers
 
 
@@ -84,13 +96,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warm-up-rounds", type=int, default=5)
     parser.add_argument("--holds", type=int, default=400, help="holds per round")
+    parser.add_argument("--before", choices=("0036", "0032"), default="0036", help="the migration whose effect is measured")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args()
     with ExitStack() as stack:
         sides = {}
         for layout in LAYOUTS:
             scratch = stack.enter_context(ScratchDatabase(args.database_url, f"paralon_holds_{layout}"))
-            engine, raw, customers = prepared(scratch, layout == "before_0032")
+            engine, raw, customers = prepared(scratch, statements_before(args.before) if layout == "before" else [])
             stack.callback(engine.dispose)
             stack.callback(raw.close)
             sides[layout] = (raw.driver_connection, customers)
@@ -104,9 +117,9 @@ def main() -> None:
                     figures[layout].append(measured)
     medians = {layout: {name: round(statistics.median(r[name] for r in rounds), 2) for name in rounds[0]}
                for layout, rounds in figures.items()}
-    result = {**medians, "rounds": args.rounds, "holds_per_round": args.holds,
-              **{f"{name}_ratio": round(medians["as_migrated"][name] / medians["before_0032"][name], 3)
-                 for name in medians["as_migrated"] if medians["before_0032"][name]}}
+    result = {**medians, "before_revision": args.before, "rounds": args.rounds, "holds_per_round": args.holds,
+              **{f"{name}_ratio": round(medians["as_migrated"][name] / medians["before"][name], 3)
+                 for name in medians["as_migrated"] if medians["before"][name]}}
     print_result(result, args.json)
 
 

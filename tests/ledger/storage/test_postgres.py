@@ -230,10 +230,66 @@ class TestPostgresStorage(StorageContract):
                     hl.place_holds(holder, [PlaceHold(customer, 1, f"early-{i}")])
             with engine.begin() as other:
                 hl.place_holds(other, [PlaceHold(customer, 1, f"open-{i}") for i in range(3000)])
-            with holder.begin():
-                hl.place_holds(holder, [PlaceHold(customer, 1, "late")])
+            with holder.begin():  # a key placed before: the keys are looked up (migration 0036)
+                answers = hl.place_holds(holder, [PlaceHold(customer, 1, "late"), PlaceHold(customer, 1, "open-0")])
                 scans = _sequential_scans(holder, "holds")
+        assert [a.status for a in answers] == ["created", "exists"]
         assert scans == 0, "the key lookup scanned the whole holds table"
+
+    def test_a_batch_with_a_key_placed_before_is_decided_one_by_one_and_places_each_hold_once(self, engine, customer):
+        """The batch is inserted without its keys looked up first (migration
+        0036); a key placed before undoes that insert, and the batch is decided
+        request by request: the same content gets the hold placed before,
+        other content a conflict, the rest new holds, each counted once."""
+        append_now(engine, cmd.GrantCredits(customer, 100 * USD, "credits", key("grant")))
+        with engine.begin() as conn:
+            before = hl.place_holds(conn, [PlaceHold(customer, USD, "h-1"), PlaceHold(customer, USD, "h-2")])
+        with engine.begin() as conn:
+            answers = hl.place_holds(conn, [PlaceHold(customer, 2 * USD, "h-3"), PlaceHold(customer, USD, "h-1"),
+                                            PlaceHold(customer, 5 * USD, "h-2"), PlaceHold(customer, 3 * USD, "h-4")])
+        assert [(a.status, a.amount_nano_usd) for a in before] == [("created", USD)] * 2
+        assert [getattr(a, "status", None) or a.code for a in answers] == ["created", "exists", "exists_with_different_content", "created"]
+        assert answers[1].hold_id == before[0].hold_id
+        rows = _hold_rows(engine)
+        assert rows == {before[0].hold_id: ("h-1", USD), before[1].hold_id: ("h-2", USD),
+                        answers[0].hold_id: ("h-3", 2 * USD), answers[3].hold_id: ("h-4", 3 * USD)}
+        with engine.connect() as conn:
+            assert acc.read_balance(conn, customer).held_nano_usd == 7 * USD, "each hold counted once, the conflict not at all"
+
+    def test_a_whole_batch_placed_at_once_answers_each_request_with_its_own_hold(self, engine, customer):
+        """The ids are taken before the insert, in request order: each answer names the row placed for it."""
+        append_now(engine, cmd.GrantCredits(customer, 100 * USD, "credits", key("grant")))
+        requests = [PlaceHold(customer, (i + 1) * USD, f"whole-{i}", ttl_s=30 + i) for i in range(5)]
+        with engine.begin() as conn:
+            answers = hl.place_holds(conn, requests)
+        assert [a.status for a in answers] == ["created"] * 5
+        assert _hold_rows(engine) == {a.hold_id: (r.idempotency_key, r.amount_nano_usd) for a, r in zip(answers, requests)}
+        with engine.connect() as conn:
+            expiries = dict(conn.exec_driver_sql("SELECT id, expires_at - created_at FROM holds").all())
+            assert acc.read_balance(conn, customer).held_nano_usd == 15 * USD
+        assert [expiries[a.hold_id].total_seconds() for a in answers] == [30, 31, 32, 33, 34]
+        assert [(a.expires_at - answers[0].expires_at).total_seconds() for a in answers] == [0, 1, 2, 3, 4]
+
+    def test_a_key_placed_meanwhile_by_another_replica_is_found_not_placed_twice(self, engine, customer):
+        """The second placement waits for the transaction that placed the key
+        (its customer's row is locked); once that commits, the key is its hold,
+        and the rest of the batch is placed."""
+        append_now(engine, cmd.GrantCredits(customer, 100 * USD, "credits", key("grant")))
+        with engine.connect() as first:
+            first.begin()
+            [theirs] = hl.place_holds(first, [PlaceHold(customer, USD, "raced")])
+            with ThreadPoolExecutor(1) as pool:
+                def place_too():
+                    with engine.begin() as second:
+                        return hl.place_holds(second, [PlaceHold(customer, 2 * USD, "mine"), PlaceHold(customer, USD, "raced")])
+                waiting = pool.submit(place_too)
+                wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)  # the second waits for the first
+                first.commit()
+                mine, raced = waiting.result(timeout=30)
+        assert (mine.status, raced.status, raced.hold_id) == ("created", "exists", theirs.hold_id)
+        assert _hold_rows(engine) == {theirs.hold_id: ("raced", USD), mine.hold_id: ("mine", 2 * USD)}
+        with engine.connect() as conn:
+            assert acc.read_balance(conn, customer).held_nano_usd == 3 * USD
 
     def test_an_append_never_scans_the_whole_log(self, engine, customer):
         """A writer that appended its first batches while the log was nearly
@@ -279,6 +335,12 @@ def _lock_waits(engine) -> int:
     with engine.connect() as watcher:
         return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                                        "AND wait_event_type = 'Lock'").scalar_one()
+
+
+def _hold_rows(engine) -> dict[int, tuple[str, int]]:
+    with engine.connect() as conn:
+        return {hold_id: (hold_key, amount) for hold_id, hold_key, amount in
+                conn.exec_driver_sql("SELECT id, idempotency_key, amount_nano_usd FROM holds")}
 
 
 def _sequential_scans(conn, table: str) -> int:
