@@ -1,7 +1,8 @@
 """Group commit: many callers' commands share one transaction.
 
 A writer thread takes what is queued (up to `batch_size_max`, waiting at most
-`batch_wait_ms` for more once the first arrives), runs the whole batch in one
+`batch_wait_ms` for more once the first arrives, and no longer once nothing
+arrived for `batch_quiet_ms`), runs the whole batch in one
 transaction and hands each caller its own result. On PostgreSQL that turns one
 fsync per command into one per batch; a command's own failure (an overdraft)
 is its result alone and does not fail the batch.
@@ -32,6 +33,7 @@ from sqlalchemy.exc import DBAPIError
 from ledger.db import APPEND_MARKS, COMMITTED, is_connection_failure, storage_of
 from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, LedgerError, WriterClosed, WriterOverloaded, first_line
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
+    BATCH_QUIET_MS_DEFAULT,
     BATCH_SIZE_MAX_DEFAULT,
     BATCH_WAIT_MS_DEFAULT,
     DATABASE_RETRY_WAITS_S,
@@ -58,13 +60,14 @@ class GroupCommitWriter(Generic[C, R]):
         name: str = "ledger-writer",
         batch_size_max: int = BATCH_SIZE_MAX_DEFAULT,
         batch_wait_ms: float = BATCH_WAIT_MS_DEFAULT,
+        batch_quiet_ms: float = BATCH_QUIET_MS_DEFAULT,
         queue_depth_max: int = QUEUE_DEPTH_MAX_DEFAULT,
         validate: Callable[[C], None] | None = None,
         autocommit: bool = False,
         flush_after_commit: bool = False,
     ) -> None:
-        if batch_size_max < 1 or batch_wait_ms < 0 or queue_depth_max < batch_size_max:
-            raise ValueError("need batch_size_max >= 1, batch_wait_ms >= 0, queue_depth_max >= batch_size_max")
+        if batch_size_max < 1 or batch_wait_ms < 0 or batch_quiet_ms < 0 or queue_depth_max < batch_size_max:
+            raise ValueError("need batch_size_max >= 1, batch_wait_ms >= 0, batch_quiet_ms >= 0, queue_depth_max >= batch_size_max")
         self._engine = engine
         self._storage = storage_of(engine)
         self._apply_batch = apply_batch
@@ -79,6 +82,7 @@ class GroupCommitWriter(Generic[C, R]):
         self._validate = validate
         self.batch_size_max = batch_size_max
         self.batch_wait_s = batch_wait_ms / MS_PER_S
+        self.batch_quiet_s = batch_quiet_ms / MS_PER_S
         self.queue_depth_max = queue_depth_max
         # Items are (command, waiter): a concurrent Future, or (loop, asyncio Future).
         self._queue: deque = deque()
@@ -160,7 +164,10 @@ class GroupCommitWriter(Generic[C, R]):
             if self.batch_wait_s and len(self._queue) < self.batch_size_max and not self._closed:
                 deadline = time.monotonic() + self.batch_wait_s
                 while len(self._queue) < self.batch_size_max and (remaining := deadline - time.monotonic()) > 0:
-                    self._ready.wait(remaining)
+                    queued = len(self._queue)
+                    self._ready.wait(min(remaining, self.batch_quiet_s))  # no one notifies a queue already waited on
+                    if len(self._queue) == queued:
+                        break  # nothing arrived for batch_quiet_ms
             count = min(len(self._queue), self.batch_size_max)
             return [self._queue.popleft() for _ in range(count)]
 

@@ -47,6 +47,9 @@ REPLICA_ID_CHARS_MAX = 200  # who placed a hold (PARALON_REPLICA_ID)
 # Group commit
 BATCH_SIZE_MAX_DEFAULT = 1024  # commands in one transaction
 BATCH_WAIT_MS_DEFAULT = 1.0  # how long a batch waits for more once its first command arrived
+# A batch stops waiting sooner once nothing more arrived for this long: the
+# callers that were coming have queued, and waiting on adds only latency.
+BATCH_QUIET_MS_DEFAULT = 0.25
 HOLD_BATCH_WAIT_MS_DEFAULT = 0.0  # holds are on the path to the first token: never wait for company
 QUEUE_DEPTH_MAX_DEFAULT = 50_000  # commands waiting before callers are refused
 TRANSIENT_ATTEMPTS_MAX = 3  # tries of one batch that fails for a transient reason

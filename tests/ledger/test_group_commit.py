@@ -132,3 +132,32 @@ def test_appends_outside_a_writer_keep_only_their_last_marks_on_the_connection(e
             with conn.begin():
                 append_batch(conn, [cmd.GrantCredits(customer, USD, "credits", key(f"grant{i}"))])
             assert [moment for moment, _ in conn.info[APPEND_MARKS]] == ["lock_taken", "chained", "written"]
+
+
+def test_a_batch_stops_waiting_for_more_once_nothing_arrived_for_its_quiet_time(engine):
+    """With a minute to wait for company, the batch still goes once no
+    command arrived for its quiet time: the callers that were coming have queued."""
+    writer = GroupCommitWriter(engine, lambda conn, commands: list(commands), batch_wait_ms=60_000, batch_quiet_ms=50)
+    try:
+        assert writer.submit("alone").result(timeout=30) == "alone"  # waited 50 ms, not a minute
+    finally:
+        writer.close()
+
+
+def test_commands_arriving_within_the_quiet_time_join_the_batch_they_kept_waiting(engine):
+    batches = []
+
+    def apply(conn, commands):
+        batches.append(list(commands))
+        return list(commands)
+
+    writer = GroupCommitWriter(engine, apply, batch_wait_ms=60_000, batch_quiet_ms=3_000)
+    try:
+        futures = [writer.submit("first")]
+        for i in range(3):  # each well inside the quiet time of the one before
+            time.sleep(0.05)
+            futures.append(writer.submit(f"then-{i}"))
+        assert [f.result(timeout=30) for f in futures] == ["first", "then-0", "then-1", "then-2"]
+    finally:
+        writer.close()
+    assert batches == [["first", "then-0", "then-1", "then-2"]]
