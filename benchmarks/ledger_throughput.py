@@ -1,7 +1,8 @@
 """Settlements per second through group commit, against pgbench on the same server.
 
 Many concurrent producers each place a hold (committed without waiting for the
-flush) and settle it (80/20, durable), as the proxy will. pgbench tpcb-like runs
+flush) and settle it (80/20, durable), as the proxy will, through writers
+that batch as the service's do (their defaults in ledger.limits). pgbench tpcb-like runs
 on the same server before, between and after the ledger's rounds (three by
 default), and the ratio is what to read: this machine is shared and absolute
 numbers drift. Each round's ratio is to the pgbench windows on either side
@@ -44,6 +45,7 @@ from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E40
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
+from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT  # noqa: E402
 from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
@@ -385,8 +387,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--producers", type=int, default=1024, help="concurrent producers in all")
     parser.add_argument("--processes", type=int, default=2, help="processes the producers are spread over")
-    parser.add_argument("--batch-size-max", type=int, default=1024)
-    parser.add_argument("--batch-wait-ms", type=float, default=2.0)
+    parser.add_argument("--batch-size-max", type=int, default=BATCH_SIZE_MAX_DEFAULT)
+    parser.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT_MS_DEFAULT,
+                        help="the settlements' writer's wait for more (default: the service's; 2 before 2026-12-04)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="ledger loads, each between two pgbench windows; the round with the median ratio is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
