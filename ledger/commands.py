@@ -6,6 +6,7 @@ same rules run inside any group-commit batch, against the state loaded for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from ledger import events as ev
@@ -213,6 +214,9 @@ class HoldView(NamedTuple):
     account_id: int
     amount_nano_usd: int
     active: bool
+
+
+hold_view_of = partial(tuple.__new__, HoldView)  # from a 4-tuple, as ev.posting_of: one per settlement, twice
 
 
 class BookView(Protocol):
@@ -446,9 +450,9 @@ def _settle(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, 
                               owner_nano_usd, platform_nano_usd, hold.amount_nano_usd - command.charge_nano_usd,
                               command.request_id, dict(command.meta))
     postings = [
-        ev.Posting(hold.account_id, -command.charge_nano_usd),
-        ev.Posting(command.owner_account_id, owner_nano_usd),
-        ev.Posting(platform, platform_nano_usd),
+        ev.posting_of((hold.account_id, -command.charge_nano_usd)),
+        ev.posting_of((command.owner_account_id, owner_nano_usd)),
+        ev.posting_of((platform, platform_nano_usd)),
     ]
     return event, postings
 

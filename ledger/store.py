@@ -8,6 +8,7 @@ write. Holds are never locked here except the ones being settled.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, select, update
@@ -38,6 +39,9 @@ class AppendResult(NamedTuple):
     status: str  # "created" or "exists": a retry with the same key is safe
     seq: int
     event_type: str
+
+
+_append_result_of = partial(tuple.__new__, AppendResult)  # from a 3-tuple, as ev.posting_of: one per event appended
 
 
 class _BatchBook:
@@ -165,7 +169,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
         prev_hash = event_hash
-        results[i] = AppendResult(CREATED, seq, columns[0])
+        results[i] = _append_result_of((CREATED, seq, columns[0]))
 
     mark_append(conn, CHAINED)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
@@ -240,7 +244,7 @@ def _prepare(commands, digests, texts, pending, book, results):
             continue
         if isinstance(event, ev.RequestSettled):  # a second settlement of it in this batch must fail
             hold = book.holds[event.hold_id]
-            book.holds[event.hold_id] = cmd.HoldView(hold.hold_id, hold.account_id, hold.amount_nano_usd, False)
+            book.holds[event.hold_id] = cmd.hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd, False))
         prepared[i] = _draft(event, postings, key, digests[i], texts[i])
     return prepared, same_batch
 
@@ -358,7 +362,7 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
     closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
     storage = storage_of(conn)
     for closed in storage.close_holds(conn, closable):
-        book.holds[closed.hold_id] = cmd.HoldView(closed.hold_id, closed.account_id, closed.amount_nano_usd, True)
+        book.holds[closed.hold_id] = cmd.hold_view_of((closed.hold_id, closed.account_id, closed.amount_nano_usd, True))
         book.kinds[closed.account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
         book.closing[closed.hold_id] = closed
     unclosed = sorted({c.hold_id for c in settles} - set(book.closing))

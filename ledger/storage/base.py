@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import datetime
+from functools import partial
 from typing import Callable, ClassVar, Iterator, NamedTuple
 
 from sqlalchemy import Connection, Engine, select
@@ -45,6 +46,9 @@ class ClosedHold(NamedTuple):
     amount_nano_usd: int
     spend_limit_id: int | None
     row: object
+
+
+closed_hold_of = partial(tuple.__new__, ClosedHold)  # from a 5-tuple, as ledger.events.posting_of
 
 # In a connection's `info`: where its last append wrote postings, so the next
 # drafts them that way before the lock tells.

@@ -36,6 +36,7 @@ from ledger.storage.base import (
     AppendedBatch,
     ClosedHold,
     HeadRead,
+    closed_hold_of,
     HoldRules,
     KnownKeys,
     Storage,
@@ -461,7 +462,7 @@ class PostgresStorage(Storage):
         })}
 
     def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[ClosedHold]:
-        return [ClosedHold(*row) for row in _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)})] if hold_ids else []
+        return list(map(closed_hold_of, _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)}))) if hold_ids else []
 
     def reopen_holds(self, conn: Connection, closed: list[ClosedHold]) -> None:
         """Here `row` is the record's text, as `close_holds` returned it."""
