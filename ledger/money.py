@@ -16,6 +16,8 @@ NANO_USD_PER_CENT = NANO_USD_PER_USD // CENTS_PER_USD
 # The owner of the GPU that served a request gets this share of its charge; the platform the rest.
 OWNER_SHARE_PERCENT = 80
 PERCENT = 100
+# A settlement's postings: the customer's charge, the owner's share, the platform's.
+SETTLEMENT_LEGS = 3
 # Amounts are written as plain decimals in ASCII digits: Decimal() alone would also
 # take "1_000", Arabic-Indic digits and "1e999999999" (which then overflows).
 _PLAIN_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
