@@ -86,7 +86,8 @@ class GroupCommitWriter(Generic[C, R]):
         self.queue_depth_max = queue_depth_max
         # Items are (command, waiter): a concurrent Future, or (loop, asyncio Future).
         self._queue: deque = deque()
-        self._ready = threading.Condition(threading.Lock())
+        self._queue_lock = threading.Lock()  # taken bare by each caller: a Condition's own `with` is two Python calls more
+        self._ready = threading.Condition(self._queue_lock)
         self._closed = False
         self._database_away = False  # the last batch could not reach it: the next one tries once only
         self.batches_committed = 0
@@ -115,7 +116,7 @@ class GroupCommitWriter(Generic[C, R]):
             raise WriterClosed("the writer is closed")
         if self._validate is not None:
             self._validate(command)  # bad input fails at once, before it can join a batch
-        with self._ready:
+        with self._queue_lock:
             if len(self._queue) >= self.queue_depth_max:
                 raise WriterOverloaded(f"more than {self.queue_depth_max} commands are waiting")
             self._queue.append((command, waiter))
