@@ -7,6 +7,7 @@ function on PostgreSQL), and both answer with the results built here.
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Callable, NamedTuple
 
 from ledger import commands as cmd
@@ -47,6 +48,11 @@ class HoldResult(NamedTuple):
     hold_id: int
     amount_nano_usd: int
     expires_at: datetime
+
+
+# A HoldResult from a 4-tuple without the Python frame of its generated
+# __new__ (as ledger.events.posting_of): one per request.
+hold_result_of = partial(tuple.__new__, HoldResult)
 
 
 class HoldRenewal(NamedTuple):

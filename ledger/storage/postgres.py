@@ -26,7 +26,7 @@ from ledger.limits import (
     DATABASE_TCP_USER_TIMEOUT_MS,
     EVENTS_INSERTED_WITH_COMMIT_MAX,
 )
-from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, place_each_key_once, refusal
+from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, hold_result_of, place_each_key_once, refusal
 from ledger.money import SETTLEMENT_LEGS
 from ledger.schema import utc_now
 from ledger.storage.base import (
@@ -641,11 +641,15 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
         "now": now,
     }
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)
+    expiry_by_ttl_s: dict[int, datetime] = {}  # a timedelta and a sum per distinct ttl, not per hold
     for idx, status, hold_id, amount, expires_at, error_code in _rows(conn, _PLACE_HOLDS, params):
         if error_code is not None:
             results[idx] = refusal(requests[idx], error_code, amount)
-        else:
-            results[idx] = HoldResult(status, hold_id, amount, expires_at or now + timedelta(seconds=requests[idx].ttl_s))
+            continue
+        if expires_at is None:  # created: it expires at the `now` sent plus its ttl
+            ttl_s = requests[idx].ttl_s
+            expires_at = expiry_by_ttl_s.get(ttl_s) or expiry_by_ttl_s.setdefault(ttl_s, now + timedelta(seconds=ttl_s))
+        results[idx] = hold_result_of((status, hold_id, amount, expires_at))
     return results  # type: ignore[return-value]
 
 
