@@ -144,9 +144,6 @@ class GroupCommitWriter(Generic[C, R]):
             future.set_exception(exc)
         return future
 
-    async def execute_async(self, command: C) -> R:
-        return await self.submit_async(command)
-
     def close(self, timeout_s: float = WRITER_CLOSE_WAIT_S) -> None:
         """Finish what is queued, then stop."""
         with self._ready:

@@ -65,19 +65,21 @@ class Ledger:
     def append(self, command: cmd.Command) -> AppendResult:
         return self.appender.execute(command)
 
-    async def append_async(self, command: cmd.Command) -> AppendResult:
-        return await self.appender.execute_async(command)
+    def append_async(self, command: cmd.Command) -> asyncio.Future:
+        """Queue a command from the event loop now; awaiting the future gives its
+        AppendResult (or raises its typed error). A future, not a coroutine:
+        two coroutine frames fewer on each settlement's await."""
+        return self.appender.submit_async(command)
 
     # Holds: reservations, committed without waiting for the flush
     def place_hold(self, request: hl.PlaceHold) -> hl.HoldResult:
         return self.holder.execute(request)
 
-    async def place_hold_async(self, request: hl.PlaceHold) -> hl.HoldResult:
-        return await self.holder.execute_async(request)
-
-    def hold_placed(self, request: hl.PlaceHold) -> asyncio.Future:
-        """Queue a hold from the event loop; the future resolves with its HoldResult (or typed error) on this loop."""
+    def place_hold_async(self, request: hl.PlaceHold) -> asyncio.Future:
+        """Queue a hold from the event loop now; the future resolves with its HoldResult (or typed error) on this loop."""
         return self.holder.submit_async(request)
+
+    hold_placed = place_hold_async  # as the proxy names it: queued before its other work
 
     def release_hold(self, hold_id: int) -> bool:
         with self.engine.begin() as conn:
