@@ -50,6 +50,7 @@ class ClosedHold(NamedTuple):
 
 closed_hold_of = partial(tuple.__new__, ClosedHold)  # from a 5-tuple, as ledger.events.posting_of
 
+
 # In a connection's `info`: where its last append wrote postings, so the next
 # drafts them that way before the lock tells.
 POSTINGS_IN_EVENT_ROW_SEEN = "paralon_postings_in_event_row"

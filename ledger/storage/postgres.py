@@ -37,10 +37,10 @@ from ledger.storage.base import (
     AppendedBatch,
     ClosedHold,
     HeadRead,
-    closed_hold_of,
     HoldRules,
     KnownKeys,
     Storage,
+    closed_hold_of,
 )
 from ledger.storage.pg_arrays import ints, nullable_ints, nullable_texts, texts
 
