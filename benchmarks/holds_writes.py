@@ -45,12 +45,9 @@ def statements_before(revision: str) -> list[str]:
     """What puts a migrated database back as it was before `revision`, in what this benchmark measures."""
     if revision == "0032":
         return ["CREATE INDEX ix_holds_expiry ON holds (expires_at)", "ALTER TABLE holds RESET (fillfactor)"]
-    hold_function = earlier_revision("0036_holds_placed_without_looking_their_keys_up.py")
-    signature = hold_function.SIGNATURE
-    return [earlier_revision("0028_holds_granted_in_full_without_a_loop.py").place_holds_function(),
-            f"ALTER FUNCTION {signature} SET plan_cache_mode = force_generic_plan",
-            f"ALTER FUNCTION {signature} SET enable_seqscan = off",
-            f"ALTER FUNCTION {signature} SET search_path = pg_catalog, public, pg_temp"]
+    revision_0036 = earlier_revision("0036_holds_placed_without_looking_their_keys_up.py")
+    # 0036's downgrade, and the search path each migration leaves (app.db_roles.harden_functions)
+    return [*revision_0036.function_of_0028(), f"ALTER FUNCTION {revision_0036.SIGNATURE} SET search_path = pg_catalog, public, pg_temp"]
 
 
 def prepared(scratch: ScratchDatabase, put_back: list[str]):

@@ -33,6 +33,17 @@ depends_on = None
 
 SIGNATURE = "paralon_place_holds(bigint[], bigint[], bigint[], text[], int[], bigint[], text[], timestamptz)"
 
+
+def _decided_one_by_one() -> str:
+    """0015's loop over the requests and the insert of what it decided, as
+    that revision wrote them (0028 wrapped the same part, between the same
+    two lines)."""
+    of_0028 = earlier_revision("0028_holds_granted_in_full_without_a_loop.py")
+    original = earlier_revision("0015_hold_replicas.py").PLACE_HOLDS
+    start, end = original.index(of_0028._LOOP_STARTS), original.index(of_0028._LOOP_WRITTEN) + len(of_0028._LOOP_WRITTEN)
+    return original[start:end]
+
+
 PLACE_HOLDS = """
 CREATE OR REPLACE FUNCTION paralon_place_holds(
     p_account bigint[], p_amount bigint[], p_minimum bigint[], p_key text[], p_ttl_s int[], p_limit bigint[],
@@ -110,50 +121,7 @@ BEGIN
       FROM holds h WHERE h.idempotency_key = ANY(p_key);
     acc_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(acc_ids), 0)]);
     lim_placed := array_fill(0::bigint, ARRAY[coalesce(cardinality(lim_ids), 0)]);
-    FOR i IN 1 .. n LOOP
-        want := p_amount[i];
-        lowest := coalesce(p_minimum[i], want);
-        e := array_position(ex_keys, p_key[i]);
-        j := array_position(acc_ids, p_account[i]);
-        k := CASE WHEN p_limit[i] IS NULL THEN NULL ELSE coalesce(array_position(lim_ids, p_limit[i]), 0) END;
-        IF e IS NOT NULL THEN
-            IF ex_accounts[e] = p_account[i] AND ex_amounts[e] BETWEEN lowest AND want
-               AND ex_limits[e] IS NOT DISTINCT FROM p_limit[i] THEN
-                r_status[i] := 'exists'; r_hold[i] := ex_ids[e]; r_amount[i] := ex_amounts[e]; r_expires[i] := ex_expires[e];
-            ELSE
-                r_error[i] := 'exists_with_different_content';
-            END IF;
-        ELSIF j IS NULL THEN
-            r_error[i] := 'unknown_account';
-        ELSIF acc_kinds[j] <> 'customer' THEN
-            r_error[i] := 'wrong_account_kind';
-        ELSIF k IS NOT NULL AND (k = 0 OR lim_available[k] < lowest) THEN
-            r_error[i] := 'spend_limit_reached'; r_amount[i] := CASE WHEN k = 0 THEN 0 ELSE lim_available[k] END;
-        ELSE
-            granted := least(want, acc_available[j], CASE WHEN k IS NULL THEN want ELSE lim_available[k] END);
-            IF granted < lowest THEN
-                r_error[i] := 'overdraft'; r_amount[i] := acc_available[j];
-            ELSE
-                acc_available[j] := acc_available[j] - granted;
-                acc_placed[j] := acc_placed[j] + granted;
-                IF k IS NOT NULL THEN
-                    lim_available[k] := lim_available[k] - granted;
-                    lim_placed[k] := lim_placed[k] + granted;
-                END IF;
-                r_status[i] := 'created'; r_amount[i] := granted; r_expires[i] := p_now + make_interval(secs => p_ttl_s[i]);
-            END IF;
-        END IF;
-    END LOOP;
-    RETURN QUERY
-    WITH inserted AS (
-        INSERT INTO holds (account_id, amount_nano_usd, idempotency_key, created_at, expires_at, spend_limit_id, replica_id)
-        SELECT p_account[i], r_amount[i], p_key[i], p_now, r_expires[i], p_limit[i], p_replica[i]
-          FROM generate_subscripts(p_key, 1) AS i WHERE r_status[i] = 'created'
-        RETURNING holds.id, holds.idempotency_key
-    )
-    SELECT (i - 1)::int, r_status[i], coalesce(r_hold[i], inserted.id), r_amount[i], r_expires[i], r_error[i]
-      FROM generate_subscripts(p_key, 1) AS i LEFT JOIN inserted ON inserted.idempotency_key = p_key[i];
-    END IF;
+""" + _decided_one_by_one() + """    END IF;
     UPDATE customer_holds c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.placed
       FROM unnest(acc_ids, acc_placed) AS u(account_id, placed)
      WHERE c.account_id = u.account_id AND u.placed <> 0;
@@ -164,19 +132,23 @@ END $$
 """
 
 
-def _settle_function_settings() -> None:
-    """CREATE OR REPLACE drops them: 0028's, back (the search path is put back after every migration)."""
-    op.execute(f"ALTER FUNCTION {SIGNATURE} SET plan_cache_mode = force_generic_plan")
-    op.execute(f"ALTER FUNCTION {SIGNATURE} SET enable_seqscan = off")
+# CREATE OR REPLACE drops them: 0028's, back (the search path is put back after every migration).
+FUNCTION_SETTINGS = [f"ALTER FUNCTION {SIGNATURE} SET plan_cache_mode = force_generic_plan",
+                     f"ALTER FUNCTION {SIGNATURE} SET enable_seqscan = off"]
+
+
+def function_of_0028() -> list[str]:
+    """The statements that put 0028's function back."""
+    return [earlier_revision("0028_holds_granted_in_full_without_a_loop.py").place_holds_function(), *FUNCTION_SETTINGS]
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(PLACE_HOLDS)
-        _settle_function_settings()
+        for statement in (PLACE_HOLDS, *FUNCTION_SETTINGS):
+            op.execute(statement)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(earlier_revision("0028_holds_granted_in_full_without_a_loop.py").place_holds_function())
-        _settle_function_settings()
+        for statement in function_of_0028():
+            op.execute(statement)
