@@ -101,6 +101,9 @@ class RequestSettled(NamedTuple):
     meta: dict  # model, tokens, worker: integers, strings, booleans and null only
 
 
+settled_of = functools.partial(tuple.__new__, RequestSettled)  # from a 9-tuple, as posting_of: one per request
+
+
 class UsageDiscrepancyRecorded(NamedTuple):
     """A worker reported more tokens than the proxy could count; the lower was billed.
     Moves no money: it is the audit trail for a charge below what a worker claimed."""

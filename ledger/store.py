@@ -145,29 +145,30 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     holds_closed: dict[int, int] = {}
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
+    balances, chained_hash = book.balances, ev.chained_hash  # under the lock: each lookup saved counts twice
     for drafted_at, (i, (event, postings, columns, hashed)) in enumerate(prepared.items()):
         answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
             results[i] = answer
             continue
         seq += 1
-        event_hash = ev.chained_hash(prev_hex, seq, at_text, hashed)
+        event_hash = chained_hash(prev_hex, seq, at_text, hashed)
         prev_hex = event_hash.hex()
         hashes_hex.append(prev_hex)
         written.append(drafted_at)
         event_rows.append((seq, *columns, prev_hash, event_hash))
         for leg, (account_id, amount) in enumerate(postings):
             posting_rows.append((seq, leg, account_id, amount))
-            book.balances[account_id] += amount
+            balances[account_id] += amount
             touched.add(account_id)
-        if isinstance(event, ev.EventReversed):
-            book.reversals[event.reversed_seq] = seq
-        elif isinstance(event, ev.RequestSettled):
+        if type(event) is ev.RequestSettled:
             held = _add_hold_closed(holds_closed, book, event)
             limit_id = book.closing.pop(event.hold_id).spend_limit_id
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
+        elif isinstance(event, ev.EventReversed):
+            book.reversals[event.reversed_seq] = seq
         prev_hash = event_hash
         results[i] = _append_result_of((CREATED, seq, columns[0]))
 
@@ -223,6 +224,9 @@ class _Draft(NamedTuple):
     hashed: tuple[str, str]  # ev.hashed_parts
 
 
+_draft_of = partial(tuple.__new__, _Draft)  # from a 4-tuple, as ev.posting_of: one per command
+
+
 def _prepare(commands, digests, texts, pending, book, results):
     """Rules that read no balance, for each command not yet answered.
 
@@ -263,7 +267,7 @@ def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes, t
     else:
         payload_json = ev.canonical_json(ev.event_payload(event))
         hashed = ev.hashed_parts(event_type, key, payload_json, postings)
-    return _Draft(event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)), hashed)
+    return _draft_of((event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)), hashed))
 
 
 def _repeat_of(first: AppendResult | LedgerError, command: cmd.Command, same_content: bool) -> AppendResult | LedgerError:
@@ -305,28 +309,32 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     in one statement (a release or expiry racing with it finds them gone)."""
     book = _BatchBook()
     facts = _facts_of(conn)
-    codes = {getattr(c, name) for c in commands for name in ("counter_account", "frozen_account") if hasattr(c, name)}
+    # Settlements, most of any batch, name no counter-account and no event: the rarer kinds are looked at alone.
+    settles = [c for c in commands if type(c) is cmd.SettleRequest]
+    others = [c for c in commands if type(c) is not cmd.SettleRequest] if len(settles) < len(commands) else []
+    codes = {getattr(c, name) for c in others for name in ("counter_account", "frozen_account") if hasattr(c, name)}
     if not facts.system or not codes <= facts.system.keys():  # a counter-account made since (one per chain)
         facts.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
     book.system = facts.system
-    reversed_seqs = sorted({c.seq for c in commands if isinstance(c, cmd.ReverseEvent)})
+    reversed_seqs = sorted({c.seq for c in others if isinstance(c, cmd.ReverseEvent)})
     _load_reversal_targets(conn, book, reversed_seqs)
     _load_reversals(conn, book, reversed_seqs)
-    account_ids = set(book.system.values())
-    for c in commands:
+    account_ids = {*book.system.values(), *[c.owner_account_id for c in settles]}
+    for c in others:
         match c:
             case cmd.GrantCredits() | cmd.PurchaseCredits() | cmd.RefundCredits() | cmd.FreezeCredits() | cmd.AdjustBalance():
                 account_ids.add(c.account_id)
-            case cmd.SettleRequest() | cmd.RequestPayout() | cmd.SettlePayout() | cmd.FailPayout():
+            case cmd.RequestPayout() | cmd.SettlePayout() | cmd.FailPayout():
                 account_ids.add(c.owner_account_id)
             case cmd.ReverseEvent() if c.seq in book.events:
                 account_ids.update(p.account_id for p in book.events[c.seq][1])
-    book.kinds.update({a: facts.kinds[a] for a in account_ids if a in facts.kinds})
+    kinds = facts.kinds
+    book.kinds.update({a: kinds[a] for a in account_ids if a in kinds})
     for chunk in in_chunks(sorted(account_ids - book.kinds.keys())):
         found = conn.execute(select(accounts.c.id, accounts.c.kind).where(storage_of(conn).one_of(accounts.c.id, chunk))).all()
         book.kinds.update(found)
         facts.remember_kinds(found)
-    _close_holds(conn, book, [c for c in commands if isinstance(c, cmd.SettleRequest)])
+    _close_holds(conn, book, settles)
     return book
 
 
@@ -359,13 +367,14 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
 
     A hold closed for a command that then fails (charge above the hold, a key
     another process used meanwhile) is put back before the batch commits."""
-    closable = sorted({c.hold_id for c in settles if book.kinds.get(c.owner_account_id) == cmd.OWNER})
+    kinds, owner, hold_view_of = book.kinds, cmd.OWNER, cmd.hold_view_of
+    closable = sorted({c.hold_id for c in settles if kinds.get(c.owner_account_id) == owner})
     storage = storage_of(conn)
-    for closed in storage.close_holds(conn, closable):
-        book.holds[closed.hold_id] = cmd.hold_view_of((closed.hold_id, closed.account_id, closed.amount_nano_usd, True))
-        book.kinds[closed.account_id] = cmd.CUSTOMER  # holds are only ever placed on customers
-        book.closing[closed.hold_id] = closed
-    unclosed = sorted({c.hold_id for c in settles} - set(book.closing))
+    closed = storage.close_holds(conn, closable)
+    book.holds.update({h.hold_id: hold_view_of((h.hold_id, h.account_id, h.amount_nano_usd, True)) for h in closed})
+    kinds.update(dict.fromkeys([h.account_id for h in closed], cmd.CUSTOMER))  # holds are only ever placed on customers
+    book.closing.update({h.hold_id: h for h in closed})
+    unclosed = sorted({c.hold_id for c in settles}.difference(book.closing))
     for chunk in in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
         for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(storage.one_of(holds.c.id, chunk))):
             book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, True)

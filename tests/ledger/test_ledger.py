@@ -21,6 +21,7 @@ from ledger.errors import (
     WrongAccountKind,
 )
 from ledger.holds import PlaceHold, expire_holds, place_holds
+from ledger.limits import REASON_CHARS_MAX
 from ledger.log import consume_once, consumer_position, read_events
 from ledger.schema import accounts, utc_now
 from ledger.store import append_batch
@@ -81,6 +82,11 @@ def test_same_key_other_content_is_a_conflict_and_moves_nothing(ledger, engine):
         (lambda a: cmd.SettleRequest(-1, a, 5, "r", key(), {}), InvalidInput),
         (lambda a: cmd.SettleRequest("1", a, 5, "r", key(), {}), InvalidInput),
         (lambda a: cmd.SettleRequest(1, True, 5, "r", key(), {}), InvalidInput),
+        # A metadata text is refused as any other text: NUL, blank, too long, not Unicode.
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"model": "nul \x00 inside"}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"model": " \t\n"}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"model": "m" * (REASON_CHARS_MAX + 1)}), InvalidInput),
+        (lambda a: cmd.SettleRequest(1, a, 5, "r", key(), {"model": "lone surrogate \ud800"}), InvalidInput),
     ],
 )
 def test_bad_commands_fail_with_a_typed_error_and_move_nothing(ledger, engine, bad, error):
