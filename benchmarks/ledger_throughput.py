@@ -112,8 +112,11 @@ def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
 # Every other client backend of the scratch database, and what each is doing:
 # the holds' writers are those seen calling paralon_place_holds, the rest
 # append (the appending backends inside a batch are those not idle).
+# A backend's role by what it ran: the hold function, or an append's
+# statements (the close of holds, the head's lock and move, the events' COPY).
 _BACKENDS = """
-SELECT pid, query LIKE '%%paralon_place_holds%%', state, wait_event_type, wait_event FROM pg_stat_activity
+SELECT pid, query LIKE '%%paralon_place_holds%%', query ~ 'DELETE FROM holds|ledger_head|COPY ledger_events',
+       state, wait_event_type, wait_event FROM pg_stat_activity
 WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
 """
 APPENDER_STATES = ("waiting_for_append_lock", "flushing_wal", "executing", "client_in_transaction")
@@ -142,26 +145,26 @@ class AppenderSampler(threading.Thread):
         self.url, self.interval_s = url, interval_s
         self.counts = dict.fromkeys(APPENDER_STATES, 0)
         self.holder_pids: set[int] = set()
-        self.client_pids: set[int] = set()
+        self.appender_pids: set[int] = set()
         self.stopping = threading.Event()
 
     def run(self) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             while not self.stopping.wait(self.interval_s):
-                for pid, places_holds, state, *waits in conn.execute(_BACKENDS):
-                    self.client_pids.add(pid)
+                for pid, places_holds, appends, state, *waits in conn.execute(_BACKENDS):
                     if places_holds:
                         self.holder_pids.add(pid)
-                    elif state != "idle":
-                        self.counts[appender_state(state, *waits)] += 1
+                    elif appends:
+                        self.appender_pids.add(pid)
+                        if state != "idle":
+                            self.counts[appender_state(state, *waits)] += 1
 
     def cpu_us_per_settlement_by_role(self, used_s: dict[int, float], settled: int) -> dict[str, float]:
         """PostgreSQL's CPU (seconds by process) split between the holds' writers'
         backends, the appenders' and the rest (WAL writer, checkpointer,
-        autovacuum, this sampler), per settlement."""
-        client_pids = set(used_s) & self.client_pids
-        roles = {"holders": client_pids & self.holder_pids, "appenders": client_pids - self.holder_pids}
-        roles["background"] = set(used_s) - client_pids
+        autovacuum, this sampler, any other client), per settlement."""
+        roles = {"holders": set(used_s) & self.holder_pids, "appenders": set(used_s) & (self.appender_pids - self.holder_pids)}
+        roles["background"] = set(used_s) - roles["holders"] - roles["appenders"]
         return {role: round(sum(used_s[pid] for pid in pids) / max(settled, 1) * 1e6, 1) for role, pids in roles.items()}
 
     def shares(self) -> dict[str, float]:
