@@ -37,9 +37,10 @@ HOLD_ROW = ("id", "account_id", "amount_nano_usd", "idempotency_key", "created_a
 
 
 class ClosedHold(NamedTuple):
-    """A hold a settlement closed: what its rules read, and its whole row in
-    whatever form the storage takes it back in (`reopen_holds`), which the
-    settlement never reads."""
+    """A hold a settlement closed: what its rules read, and whatever the
+    storage needs to put it back (`reopen_holds`: SQLite its whole row,
+    PostgreSQL nothing, reading the row as another connection sees it),
+    which the settlement never reads."""
 
     hold_id: int
     account_id: int

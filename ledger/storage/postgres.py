@@ -186,14 +186,21 @@ FROM unnest(%(id)s::bigint[], %(ttl_s)s::int[], %(capture)s::bigint[], %(owner)s
 WHERE h.id = u.id
 RETURNING h.id
 """
-# What a settlement reads of the holds it closes, and each whole row as the
-# record's text, which only a settlement that then fails sends back: parsing
-# every column (two timestamps) cost the writer half as much again per hold.
+# What a settlement reads of the holds it closes; no row to put back (NULL).
+# A hold closed for a settlement that then fails (rare) is put back from its
+# row as another connection still sees it: this transaction's delete is not
+# committed, and its row lock keeps anyone else from changing the row. Each
+# whole row's text in the RETURNING cost, measured on 512 holds a batch, 1.1
+# µs of the server and 0.3 of the writer a hold (2.70 and 0.92 µs against
+# 1.60 and 0.62).
 _CLOSE_HOLDS = """
 DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
-RETURNING id, account_id, amount_nano_usd, spend_limit_id, holds::text
+RETURNING id, account_id, amount_nano_usd, spend_limit_id, NULL
 """
+_HOLD_ROWS = "SELECT holds::text FROM holds WHERE id = ANY(%(id)s::bigint[])"
 _REOPEN_HOLDS = "INSERT INTO holds SELECT * FROM unnest(%(row)s::text[]::holds[])"
+# The connection a writer reads holds' rows on as others see them (conn.info), kept for the next time.
+_OUTSIDE_CONNECTION = "paralon_outside_connection"
 _ADD_PLACED = """
 UPDATE customer_holds AS c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.amount
 FROM unnest(%(id)s::bigint[], %(amount)s::bigint[]) AS u(id, amount)
@@ -251,6 +258,8 @@ class PostgresStorage(Storage):
                                              "keepalives_count": DATABASE_KEEPALIVE_PROBES,
                                              "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
         event.listen(engine, "before_cursor_execute", _begin_before_statement)
+        for closing in ("close", "invalidate"):  # a pooled connection's own outside connection goes with it
+            event.listen(engine.pool, closing, _close_outside)
         return engine
 
     def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
@@ -466,10 +475,15 @@ class PostgresStorage(Storage):
         return list(map(closed_hold_of, _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)}))) if hold_ids else []
 
     def reopen_holds(self, conn: Connection, closed: list[ClosedHold]) -> None:
-        """Here `row` is the record's text, as `close_holds` returned it."""
-        if closed:
-            with _raw_cursor(conn) as cursor:
-                cursor.execute(_REOPEN_HOLDS, {"row": texts([c.row for c in closed])})
+        """The rows as another connection sees them (`_CLOSE_HOLDS`), inserted again in this transaction."""
+        if not closed:
+            return
+        ids = [c.hold_id for c in closed]
+        rows = [row for (row,) in _outside(conn).execute(_HOLD_ROWS, {"id": ints(ids)})]
+        if len(rows) != len(ids):
+            raise InvariantBroken(f"holds {ids} closed by this batch are not all there for another connection")
+        with _raw_cursor(conn) as cursor:
+            cursor.execute(_REOPEN_HOLDS, {"row": texts(rows)})
 
     def add_holds_placed(self, conn: Connection, placed: dict[int, int]) -> None:
         _add(conn, _ADD_PLACED, placed)
@@ -651,6 +665,24 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
             expires_at = expiry_by_ttl_s.get(ttl_s) or expiry_by_ttl_s.setdefault(ttl_s, now + timedelta(seconds=ttl_s))
         results[idx] = hold_result_of((status, hold_id, amount, expires_at))
     return results  # type: ignore[return-value]
+
+
+def _outside(conn: Connection) -> psycopg.Connection:
+    """A connection of its own to the same database, in autocommit, made
+    outside the pool (whose connections may all be held by callers waiting
+    for this very batch) and kept beside `conn` for the next time."""
+    outside = conn.info.get(_OUTSIDE_CONNECTION)
+    if outside is None or outside.closed or outside.broken:
+        info = conn.connection.driver_connection.info
+        outside = conn.info[_OUTSIDE_CONNECTION] = psycopg.connect(
+            info.dsn, password=info.password, autocommit=True, connect_timeout=DATABASE_CONNECT_TIMEOUT_S)
+    return outside
+
+
+def _close_outside(_dbapi_connection, record, *_) -> None:
+    outside = record.info.pop(_OUTSIDE_CONNECTION, None)
+    if outside is not None:
+        outside.close()
 
 
 def _rows(conn: Connection, sql: str, params: dict) -> list[tuple]:

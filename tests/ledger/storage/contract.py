@@ -177,12 +177,14 @@ class StorageContract:
         assert (plain.expires_at, plain.capture_nano_usd, plain.capture_meta) == (now + timedelta(seconds=90), 10, '{"a":3}')
 
     def test_closed_holds_come_back_whole_when_reopened(self, engine, storage, customer):
+        # Placed and renewed in a transaction of their own, as the holds' writer does before any settlement closes them.
         with engine.begin() as conn:
             # Texts that quoting gets wrong: a row's fields come back whole however it travels.
             awkward = 'h-1, "(x)\\\t{y}'
             now = utc_now()
             ids = storage.insert_holds(conn, [(customer, 5, awkward, 60, LIMIT_ID, "host:8000"), (customer, 6, "h-2", 60, None, None)], now)
             storage.renew_holds(conn, [HoldRenewal(ids[awkward], 60, 4, 8, 'r "1", (2)', {})], ['{"q":"a\\"b,(c)"}'], now)
+        with engine.begin() as conn:
             before = {tuple(r) for r in conn.execute(select(*(holds.c[name] for name in HOLD_ROW)))}
             closed = storage.close_holds(conn, sorted(ids.values()) + [max(ids.values()) + 99])
             assert {c[:4] for c in closed} == {(r[0], r[1], r[2], r[HOLD_ROW.index("spend_limit_id")]) for r in before}

@@ -205,6 +205,34 @@ class TestPostgresStorage(StorageContract):
             assert acc.read_balance(conn, customer).held_nano_usd == USD // 2, "the refused settlement's hold is still held"
             assert verify(conn).ok
 
+    def test_a_reopened_hold_is_read_as_another_connection_sees_it_and_that_connection_goes_with_its_own(self, engine, storage):
+        """The close returns no row; a reopen reads it on a connection of its
+        own, kept beside the writer's pooled connection and closed with it."""
+        customer, _, placed = self._holds(engine, 1)
+        with engine.connect() as conn:
+            with conn.begin():
+                [closed] = storage.close_holds(conn, [placed[0].hold_id])
+                assert closed.row is None, "no row travels with the close"
+                storage.reopen_holds(conn, [closed])
+            outside = conn.info[postgres._OUTSIDE_CONNECTION]
+            assert not outside.closed
+            conn.invalidate()
+        assert outside.closed, "closed with the pooled connection it stood beside"
+        with engine.connect() as conn:
+            assert acc.read_balance(conn, customer).held_nano_usd == USD // 2, "the hold is held again"
+
+    def test_a_hold_placed_in_the_closing_transaction_cannot_be_reopened_and_nothing_is_written(self, engine, storage, customer):
+        """Another connection cannot see a hold this transaction placed: the
+        reopen is refused, and the transaction with it, rather than losing it."""
+        before = money_snapshot(engine)
+        with pytest.raises(postgres.InvariantBroken, match="not all there for another connection"):
+            with engine.begin() as conn:
+                ids = storage.insert_holds(conn, [(customer, 5, key("h"), 60, None, None)], postgres.utc_now())
+                storage.reopen_holds(conn, storage.close_holds(conn, list(ids.values())))
+        assert money_snapshot(engine) == before
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM holds").scalar() == 0
+
     def _holds(self, engine, count: int) -> tuple[int, int, list]:
         ledger = Ledger(engine)
         try:
