@@ -199,8 +199,6 @@ RETURNING id, account_id, amount_nano_usd, spend_limit_id, NULL
 """
 _HOLD_ROWS = "SELECT holds::text FROM holds WHERE id = ANY(%(id)s::bigint[])"
 _REOPEN_HOLDS = "INSERT INTO holds SELECT * FROM unnest(%(row)s::text[]::holds[])"
-# The connection a writer reads holds' rows on as others see them (conn.info), kept for the next time.
-_OUTSIDE_CONNECTION = "paralon_outside_connection"
 _ADD_PLACED = """
 UPDATE customer_holds AS c SET holds_placed_nano_usd = c.holds_placed_nano_usd + u.amount
 FROM unnest(%(id)s::bigint[], %(amount)s::bigint[]) AS u(id, amount)
@@ -258,8 +256,6 @@ class PostgresStorage(Storage):
                                              "keepalives_count": DATABASE_KEEPALIVE_PROBES,
                                              "tcp_user_timeout": DATABASE_TCP_USER_TIMEOUT_MS})
         event.listen(engine, "before_cursor_execute", _begin_before_statement)
-        for closing in ("close", "invalidate"):  # a pooled connection's own outside connection goes with it
-            event.listen(engine.pool, closing, _close_outside)
         return engine
 
     def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
@@ -479,7 +475,8 @@ class PostgresStorage(Storage):
         if not closed:
             return
         ids = [c.hold_id for c in closed]
-        rows = [row for (row,) in _outside(conn).execute(_HOLD_ROWS, {"id": ints(ids)})]
+        with _outside(conn) as outside:
+            rows = [row for (row,) in outside.execute(_HOLD_ROWS, {"id": ints(ids)})]
         if len(rows) != len(ids):
             raise InvariantBroken(f"holds {ids} closed by this batch are not all there for another connection")
         with _raw_cursor(conn) as cursor:
@@ -670,19 +667,12 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
 def _outside(conn: Connection) -> psycopg.Connection:
     """A connection of its own to the same database, in autocommit, made
     outside the pool (whose connections may all be held by callers waiting
-    for this very batch) and kept beside `conn` for the next time."""
-    outside = conn.info.get(_OUTSIDE_CONNECTION)
-    if outside is None or outside.closed or outside.broken:
-        info = conn.connection.driver_connection.info
-        outside = conn.info[_OUTSIDE_CONNECTION] = psycopg.connect(
-            info.dsn, password=info.password, autocommit=True, connect_timeout=DATABASE_CONNECT_TIMEOUT_S)
-    return outside
-
-
-def _close_outside(_dbapi_connection, record, *_) -> None:
-    outside = record.info.pop(_OUTSIDE_CONNECTION, None)
-    if outside is not None:
-        outside.close()
+    for this very batch). Made for each reopen and closed after it: a few
+    milliseconds under the append lock, for a settlement refused after its
+    hold closed, which the proxy never sends on purpose; kept, one per
+    writer's connection, such connections outlived their writers in tests."""
+    info = conn.connection.driver_connection.info
+    return psycopg.connect(info.dsn, password=info.password, autocommit=True, connect_timeout=DATABASE_CONNECT_TIMEOUT_S)
 
 
 def _rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
