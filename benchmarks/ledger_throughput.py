@@ -110,10 +110,9 @@ def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
 
 
 # Every other client backend of the scratch database, and what each is doing:
-# the holds' writers are those seen calling paralon_place_holds, the rest
-# append (the appending backends inside a batch are those not idle).
-# A backend's role by what it ran: the hold function, or an append's
-# statements (the close of holds, the head's lock and move, the events' COPY).
+# the holds' writers are those seen calling paralon_place_holds, the appenders
+# those seen running an append's statements (the close of holds, the head's
+# lock and move, the events' COPY); an appender inside a batch is not idle.
 _BACKENDS = """
 SELECT pid, query LIKE '%%paralon_place_holds%%', query ~ 'DELETE FROM holds|ledger_head|COPY ledger_events',
        state, wait_event_type, wait_event FROM pg_stat_activity
