@@ -1,8 +1,11 @@
 """Settlements per second through group commit, against pgbench on the same server.
 
 Many concurrent producers each place a hold (committed without waiting for the
-flush) and settle it (80/20, durable), as the proxy will, through writers
-that batch as the service's do (their defaults in ledger.limits). pgbench tpcb-like runs
+flush) and settle it (80/20, durable), as the proxy does, through writers
+that batch as the service's do (their defaults in ledger.limits). Each
+request has the proxy's own id and keys (`new_request_id`, `hold_key`,
+`settlement_key`): how they sort decides where they go in the keys' indexes,
+and their length what each row and payload carries. pgbench tpcb-like runs
 on the same server before, between and after the ledger's rounds (three by
 default), and the ratio is what to read: this machine is shared and absolute
 numbers drift. Each round's ratio is to the pgbench windows on either side
@@ -13,7 +16,9 @@ round with the median ratio is reported, with every round's ratio beside it.
 
 With --holds-placed-before N, each producer's first N holds are placed before
 the clock starts: what settlements per second would be if placing a hold cost
-nothing (the most that holds kept off the database could give).
+nothing (the most that holds kept off the database could give). With
+--random-request-ids, request ids are random (UUIDv4), as the proxy made them
+before they were ordered by time.
 
 The database in the URL is only used to create (and finally drop) scratch
 databases of the benchmark's own.
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -44,12 +50,15 @@ from app.migrate import migrate  # noqa: E402
 from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E402
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
+from ledger.hold_commands import settlement_key  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT  # noqa: E402
 from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
+from proxy.request_ids import new_request_id  # noqa: E402
+from proxy.settlement import hold_key  # noqa: E402
 
 CUSTOMERS = 64
 OWNERS = 8
@@ -196,30 +205,37 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     return float(match.group(1))
 
 
-async def producer(ledger: Ledger, customer: int, owner: int, worker: str, deadline: float, latencies_ms: list[float],
-                   placed_ahead: list) -> int:
+def random_request_id(prefix: str) -> str:
+    """A request id as the proxy made them before `new_request_id`: UUIDv4, random."""
+    return prefix + uuid.uuid4().hex
+
+
+async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, latencies_ms: list[float],
+                   placed_ahead: list, new_id) -> int:
     done = 0
     while time.time() < deadline:
-        tag = f"{worker}:{done}"
-        hold = placed_ahead.pop() if placed_ahead else await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, f"h:{tag}"))
+        request_id = new_id("chatcmpl-")
+        hold = placed_ahead.pop() if placed_ahead else await ledger.place_hold_async(
+            PlaceHold(customer, HOLD_NANO_USD, hold_key(request_id)))
         charge = 150 * (900 + done % 97) + 600 * (100 + done % 53)
         started = time.perf_counter()
-        await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, f"req:{tag}", f"s:{tag}",
+        await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, request_id, settlement_key(request_id),
                                                     {"model": "bench", "prompt_tokens": 900 + done % 97}))
         latencies_ms.append((time.perf_counter() - started) * 1000)
         done += 1
     return done
 
 
-async def _process_load(url: str, index: int, producers: int, customers: list[int], owners: list[int],
+async def _process_load(url: str, producers: int, customers: list[int], owners: list[int],
                         start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
-                        flush_after_commit: bool, holds_ahead: int) -> dict:
+                        flush_after_commit: bool, holds_ahead: int, random_ids: bool) -> dict:
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
-    # Producer i's customer, owner and name.
-    roles = [(customers[i % len(customers)], owners[i % len(owners)], f"{index}.{i}") for i in range(producers)]
-    placed_ahead = [place_ahead(ledger, customer, worker, holds_ahead) for customer, _, worker in roles]
+    new_id = random_request_id if random_ids else new_request_id
+    # Producer i's customer and owner.
+    roles = [(customers[i % len(customers)], owners[i % len(owners)]) for i in range(producers)]
+    placed_ahead = [place_ahead(ledger, customer, holds_ahead, new_id) for customer, _ in roles]
     if holds_ahead and time.time() > start_at:
         # Not SystemExit: a pool's worker would die of it and leave the run waiting for ever.
         raise RuntimeError("the holds placed before the clock took longer than their lead time: give fewer")
@@ -233,8 +249,8 @@ async def _process_load(url: str, index: int, producers: int, customers: list[in
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     counts = await asyncio.gather(*(
-        producer(ledger, customer, owner, worker, start_at + seconds, latencies_ms, ahead)
-        for (customer, owner, worker), ahead in zip(roles, placed_ahead)
+        producer(ledger, customer, owner, start_at + seconds, latencies_ms, ahead, new_id)
+        for (customer, owner), ahead in zip(roles, placed_ahead)
     ))
     cpu_s = time.process_time() - cpu_started
     unused_ahead = sum(len(holds) for holds in placed_ahead)
@@ -261,10 +277,10 @@ async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
         last = now
 
 
-def place_ahead(ledger: Ledger, customer: int, worker: str, count: int) -> list:
+def place_ahead(ledger: Ledger, customer: int, count: int, new_id) -> list:
     """`count` holds for one producer, placed before the clock starts; popped from the end."""
-    futures = [ledger.holder.submit(PlaceHold(customer, HOLD_NANO_USD, f"ahead:{worker}:{k}", ttl_s=HOLD_TTL_S_MAX))
-               for k in range(count)]
+    futures = [ledger.holder.submit(PlaceHold(customer, HOLD_NANO_USD, hold_key(new_id("chatcmpl-")), ttl_s=HOLD_TTL_S_MAX))
+               for _ in range(count)]
     return [future.result() for future in futures]
 
 
@@ -289,7 +305,8 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
-             postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0) -> dict:
+             postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0,
+             random_ids: bool = False) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
@@ -312,8 +329,8 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     # Every process starts producing at the same moment.
     start_at = time.time() + 3.0 + holds_ahead * producers / HOLDS_PLACED_AHEAD_PER_S
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    jobs = [(url, p, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
-             holds_ahead) for p in range(processes)]
+    jobs = [(url, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
+             holds_ahead, random_ids)] * processes
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
@@ -405,6 +422,7 @@ def main() -> None:
                         help="place each producer's first N holds before the clock starts (what free holds would give)")
     parser.add_argument("--flush-under-lock", action="store_true",
                         help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
+    parser.add_argument("--random-request-ids", action="store_true", help="request ids as the proxy made them before: UUIDv4")
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
@@ -424,7 +442,7 @@ def main() -> None:
             rounds.append(run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                                    args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                                    not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                                   flush_after_commit(args), args.holds_placed_before))
+                                   flush_after_commit(args), args.holds_placed_before, args.random_request_ids))
         log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s; pgbench ...")
         tps.append(pgbench_tps(args.database_url, int(args.seconds)))
     ratios = [round(part["settlements_per_s"] / ((tps[i] + tps[i + 1]) / 2), 2) for i, part in enumerate(rounds)]
@@ -447,6 +465,7 @@ def main() -> None:
         postings_in_event_row=args.postings_in_event_row,
         flush_after_commit=flush_after_commit(args),
         holds_placed_before=args.holds_placed_before,
+        random_request_ids=args.random_request_ids,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -31,7 +31,6 @@ import base64
 import logging
 import math
 import struct
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
@@ -66,6 +65,7 @@ from proxy.limits import (
     UPSTREAM_REFUSAL_DETAIL_BYTES_MAX,
 )
 from proxy.prices import Price
+from proxy.request_ids import new_request_id
 from proxy.settlement import Settler, hold_key
 from proxy.upstream import UpstreamError, UpstreamPool
 
@@ -248,7 +248,7 @@ class Embeddings:
     async def create(self, body: object, grant: KeyGrant) -> Embedded:
         ask = read_request(body)
         price, candidates = self._plan(ask)
-        request_id, started_at = "embd-" + uuid.uuid4().hex, utc_now()
+        request_id, started_at = new_request_id("embd-"), utc_now()
         held = await self._hold(grant, request_id, ask.bound_tokens * price.input_nano_usd_per_token)
         try:
             attempted = await self._ask_workers(ask, candidates)

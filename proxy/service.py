@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import orjson
 
@@ -34,6 +33,7 @@ from proxy.errors import (
 )
 from proxy.generation import CHAT, Generation
 from proxy.keys import KeyGrant
+from proxy.request_ids import new_request_id
 from proxy.limits import (
     HOLD_TTL_S_DEFAULT,
     SOLVENT_FOR_S,
@@ -152,7 +152,7 @@ class InferenceProxy:
         context_bound = tokenize.bound_in_force(byte_bound, counted)
         candidates = routing.candidates(fleet, context_bound + (asked_max_tokens or 1))
         max_tokens = metering.planned_max_tokens(asked_max_tokens, context_bound, [w.context_length for w in candidates])
-        request_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+        request_id = new_request_id("chatcmpl-" if kind == CHAT else "cmpl-")
         plan = metering.plan_hold(price, context_bound, max_tokens, choices)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)

@@ -9,7 +9,6 @@ anything is held, so that an unknown or another account's
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
@@ -18,6 +17,7 @@ from proxy import workers as registry
 from proxy.errors import InvalidRequest, ProxyError, UnknownModel
 from proxy.generation import Generation
 from proxy.keys import KeyGrant
+from proxy.request_ids import new_request_id
 from proxy.responses import store
 from proxy.responses.request import RESPONSES, ResponsesRequest, read_request
 from proxy.responses.stream import ResponsesGeneration
@@ -60,7 +60,7 @@ class ResponsesProxy(InferenceProxy):
         candidates = routing.candidates(fleet, request.prompt_bound + (request.max_output_tokens or 1))
         max_tokens = metering.planned_max_tokens(request.max_output_tokens, request.prompt_bound,
                                                  [w.context_length for w in candidates])
-        request_id = "resp_" + uuid.uuid4().hex
+        request_id = new_request_id("resp_")
         plan = metering.plan_hold(price, request.prompt_bound, max_tokens)
         hold_request = PlaceHold(grant.account_id, plan.amount_nano_usd, hold_key(request_id), self.hold_ttl_s,
                                  plan.minimum_nano_usd, spend_limit_id=grant.spend_limit_id, replica_id=self.replica_id)

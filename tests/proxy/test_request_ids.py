@@ -1,0 +1,58 @@
+"""Request ids sort in the order they were made (UUIDv7): each request's hold
+and settlement keys then go in at the right edge of their unique indexes."""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+from sqlalchemy import select
+
+from ledger.schema import ledger_events
+from proxy.request_ids import new_request_id
+from tests.support.harness import MODEL, make_fleet, serving, sim_worker
+
+ID_HEX = re.compile(r"chatcmpl-([0-9a-f]{32})")
+MS_HEX_DIGITS = 12  # a UUIDv7 starts with the Unix time in milliseconds, 48 bits
+
+
+def test_ids_keep_their_prefix_and_carry_the_time_they_were_made():
+    before_ms = time.time_ns() // 1_000_000
+    request_id = new_request_id("chatcmpl-")
+    after_ms = time.time_ns() // 1_000_000
+    found = ID_HEX.fullmatch(request_id)
+    assert found, request_id
+    assert before_ms <= int(found.group(1)[:MS_HEX_DIGITS], 16) <= after_ms
+    assert new_request_id("resp_").startswith("resp_") and new_request_id("embd-").startswith("embd-")
+
+
+def test_ids_made_one_after_another_sort_in_that_order_and_never_repeat():
+    ids = []
+    for _ in range(3):  # across several milliseconds, and many within one
+        ids += [new_request_id("cmpl-") for _ in range(2000)]
+        time.sleep(0.002)
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
+
+
+def test_the_proxys_requests_settle_under_keys_in_the_order_they_came(database_url):
+    """Three requests one after another: their answers' ids are the request
+    ids, and the settlements' keys in the log sort as the requests came."""
+    worker = sim_worker("instant")
+    fleet = make_fleet(database_url, [worker.url])
+    answered = []
+    with serving(database_url) as proxy:
+        for _ in range(3):
+            response = httpx.post(proxy.url + "/v1/chat/completions", timeout=30,
+                                  headers={"authorization": f"Bearer {fleet.key}"},
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+            assert response.status_code == 200, response.text
+            answered.append(response.json()["id"])
+            time.sleep(0.002)
+    worker.stop()
+    assert all(ID_HEX.fullmatch(i) for i in answered) and answered == sorted(answered)
+    with fleet.engine.connect() as conn:
+        keys = conn.execute(select(ledger_events.c.idempotency_key).where(ledger_events.c.event_type == "RequestSettled")
+                            .order_by(ledger_events.c.seq)).scalars().all()
+    assert keys == [f"settle:{i}" for i in answered] and keys == sorted(keys)
+    fleet.assert_books_close()
