@@ -37,7 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import psycopg
@@ -53,7 +52,7 @@ from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  #
 from ledger.hold_commands import settlement_key  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT  # noqa: E402
-from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid, random_request_id  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
@@ -203,11 +202,6 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     if not match:
         raise RuntimeError(f"cannot read pgbench output:\n{out}")
     return float(match.group(1))
-
-
-def random_request_id(prefix: str) -> str:
-    """A request id as the proxy made them before `new_request_id`: UUIDv4, random."""
-    return prefix + uuid.uuid4().hex
 
 
 async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, latencies_ms: list[float],

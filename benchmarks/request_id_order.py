@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -34,13 +33,17 @@ from ledger.holds import PlaceHold  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from proxy.request_ids import new_request_id  # noqa: E402
 from proxy.settlement import hold_key  # noqa: E402
-from scratch import BENCH_HOLD_NANO_USD, ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid, print_result  # noqa: E402
+from scratch import (  # noqa: E402
+    BENCH_HOLD_NANO_USD,
+    ScratchDatabase,
+    funded_accounts,
+    log,
+    postgres_cpu_s_by_pid,
+    print_result,
+    random_request_id,
+)
 
 CUSTOMERS, OWNERS = 64, 8
-
-
-def random_request_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
 
 
 KINDS = {"random": random_request_id, "ordered": new_request_id}

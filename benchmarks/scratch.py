@@ -76,6 +76,11 @@ def bench_settlement(hold_id: int, owner: int, tag: str, i: int) -> cmd.SettleRe
                              {"model": "bench", "prompt_tokens": 900 + i % 97})
 
 
+def random_request_id(prefix: str) -> str:
+    """A request id as the proxy made them before `new_request_id`: UUIDv4, random."""
+    return prefix + uuid.uuid4().hex
+
+
 def hold_then_settle(ledger, customers: list[int], owners: list[int], tag: str, size: int) -> None:
     """One batch of `size` holds, then their settlements, each through its group-commit writer."""
     holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], BENCH_HOLD_NANO_USD, f"h:{tag}:{i}")) for i in range(size)]
