@@ -1,5 +1,6 @@
-"""Request ids sort in the order they were made (UUIDv7): each request's hold
-and settlement keys then go in at the right edge of their unique indexes."""
+"""Request ids sort in the order they were made (the time in milliseconds
+first): each request's hold and settlement keys then go in at the right edge
+of their unique indexes."""
 from __future__ import annotations
 
 import re
@@ -13,26 +14,38 @@ from proxy.request_ids import new_request_id
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
 ID_HEX = re.compile(r"chatcmpl-([0-9a-f]{32})")
-MS_HEX_DIGITS = 12  # a UUIDv7 starts with the Unix time in milliseconds, 48 bits
+MS_HEX_DIGITS = 12  # an id starts with the Unix time in milliseconds, 48 bits
+
+
+def _ms_of(request_id: str) -> int:
+    return int(ID_HEX.fullmatch(request_id).group(1)[:MS_HEX_DIGITS], 16)
 
 
 def test_ids_keep_their_prefix_and_carry_the_time_they_were_made():
     before_ms = time.time_ns() // 1_000_000
     request_id = new_request_id("chatcmpl-")
     after_ms = time.time_ns() // 1_000_000
-    found = ID_HEX.fullmatch(request_id)
-    assert found, request_id
-    assert before_ms <= int(found.group(1)[:MS_HEX_DIGITS], 16) <= after_ms
+    assert ID_HEX.fullmatch(request_id), request_id
+    assert before_ms <= _ms_of(request_id) <= after_ms
     assert new_request_id("resp_").startswith("resp_") and new_request_id("embd-").startswith("embd-")
 
 
-def test_ids_made_one_after_another_sort_in_that_order_and_never_repeat():
+def test_ids_of_a_later_millisecond_sort_after_earlier_ones_and_none_repeats():
     ids = []
-    for _ in range(3):  # across several milliseconds, and many within one
-        ids += [new_request_id("cmpl-") for _ in range(2000)]
+    for _ in range(3):  # across several milliseconds, and many within one (those sort among themselves at random)
+        ids += [new_request_id("chatcmpl-") for _ in range(2000)]
         time.sleep(0.002)
-    assert ids == sorted(ids)
+    made_ms = [_ms_of(i) for i in ids]
+    assert made_ms == sorted(made_ms) and len(set(made_ms)) >= 3
+    assert all(a < b for a, b, a_ms, b_ms in zip(ids, ids[1:], made_ms, made_ms[1:]) if a_ms < b_ms)
     assert len(set(ids)) == len(ids)
+
+
+def test_ids_made_fast_keep_to_the_clock():
+    """Many ids in one millisecond do not push their time ahead of the clock
+    (as a generator that adds a millisecond to keep each id above the last would)."""
+    ids = [new_request_id("chatcmpl-") for _ in range(20_000)]
+    assert _ms_of(ids[-1]) <= time.time_ns() // 1_000_000
 
 
 def test_the_proxys_requests_settle_under_keys_in_the_order_they_came(database_url):
