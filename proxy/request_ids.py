@@ -6,22 +6,52 @@ into unique B-tree indexes (of `holds` and `ledger_events`). A random id
 (UUIDv4, before) sends each key to a random leaf of each index, a page that
 is rarely in cache and often full of keys already closed, which splits; an
 id that starts with the time sends it to the right edge, where the last keys
-went. Measured in README ("The proxy's own request ids and keys").
+went. Ids made in the same millisecond sort among themselves at random, which
+costs nothing: they go to the same leaf. Measured in README ("The proxy's own
+request ids and keys").
 
-Ids made in the same millisecond sort among themselves at random, which
-costs nothing: they go to the same leaf. The `uuid6` package's UUIDv7 was
+The random bits are read from the system a few kilobytes at a time, not at
+every id: `os.urandom` lets other threads take the interpreter for its system
+call, and an event loop that starts a burst of requests then hands it to the
+ledger's writer threads at every id, each of which takes a batch of a few
+holds where it would have taken them all. The `uuid6` package's UUIDv7 was
 tried and left: to keep its ids strictly increasing it adds a millisecond to
 the last one whenever the clock has not moved, so under load its time runs
 ahead of the clock (a second ahead per thousand ids made in one millisecond).
 """
 from __future__ import annotations
 
-import secrets
+import os
+import threading
 import time
 
-RANDOM_HEX_DIGITS = 20  # 80 bits: two ids of one millisecond collide with odds of 2**-80
+RANDOM_BYTES = 10  # 80 bits: two ids of one millisecond collide with odds of 2**-80
+IDS_PER_SYSTEM_READ = 256
+
+_lock = threading.Lock()
+_random = b""
+_taken = 0
+
+
+def _forget_random() -> None:
+    """A forked child reads its own: the parent's bytes left unused would make the parent's next ids."""
+    global _random, _taken
+    _random, _taken = b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_random)
+
+
+def _random_hex() -> str:
+    global _random, _taken
+    with _lock:
+        start = _taken
+        if start + RANDOM_BYTES > len(_random):
+            _random, start = os.urandom(RANDOM_BYTES * IDS_PER_SYSTEM_READ), 0
+        _taken = start + RANDOM_BYTES
+        return _random[start:_taken].hex()
 
 
 def new_request_id(prefix: str) -> str:
     """`prefix` (the API's: "chatcmpl-", "cmpl-", "embd-", "resp_") and 32 hex digits, later ids after earlier."""
-    return f"{prefix}{time.time_ns() // 1_000_000:012x}{secrets.token_hex(RANDOM_HEX_DIGITS // 2)}"
+    return f"{prefix}{time.time_ns() // 1_000_000:012x}{_random_hex()}"

@@ -3,6 +3,7 @@ first): each request's hold and settlement keys then go in at the right edge
 of their unique indexes."""
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -10,6 +11,7 @@ import httpx
 from sqlalchemy import select
 
 from ledger.schema import ledger_events
+from proxy import request_ids
 from proxy.request_ids import new_request_id
 from tests.support.harness import MODEL, make_fleet, serving, sim_worker
 
@@ -46,6 +48,33 @@ def test_ids_made_fast_keep_to_the_clock():
     (as a generator that adds a millisecond to keep each id above the last would)."""
     ids = [new_request_id("chatcmpl-") for _ in range(20_000)]
     assert _ms_of(ids[-1]) <= time.time_ns() // 1_000_000
+
+
+def test_the_random_bits_are_read_from_the_system_once_for_many_ids(monkeypatch):
+    """`os.urandom` hands the interpreter to other threads: one read serves many ids."""
+    reads = []
+    real_urandom = os.urandom
+    monkeypatch.setattr(request_ids.os, "urandom", lambda n: reads.append(n) or real_urandom(n))
+    ids = [new_request_id("chatcmpl-") for _ in range(1000)]
+    assert 1 <= len(reads) <= len(ids) // 100 and len(set(ids)) == len(ids)
+
+
+def test_a_forked_child_makes_ids_of_its_own_not_its_parents_next_ones():
+    new_request_id("chatcmpl-")  # the parent holds random bytes not used yet
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        try:
+            os.write(write_end, "".join(new_request_id("") for _ in range(8)).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        from_child = pipe.read()
+    os.waitpid(child, 0)
+    from_parent = [new_request_id("") for _ in range(8)]
+    child_random = {from_child[i * 32 + MS_HEX_DIGITS:(i + 1) * 32] for i in range(8)}
+    assert len(child_random) == 8 and not child_random & {i[MS_HEX_DIGITS:] for i in from_parent}
 
 
 def test_the_proxys_requests_settle_under_keys_in_the_order_they_came(database_url):
