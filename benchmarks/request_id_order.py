@@ -1,5 +1,5 @@
 """What the order of request ids costs PostgreSQL, in one run: random (UUIDv4,
-as the proxy made them before) against ordered by time (UUIDv7, `new_request_id`).
+as the proxy made them before) against ordered by time (`new_request_id`).
 
 A request's id ends its hold's key and its settlement's key, and each key goes
 into a unique index (of `holds`, of `ledger_events`). One scratch database per
@@ -8,9 +8,10 @@ and settles them through its own ledger's group-commit writers, under the
 proxy's keys (`hold_key`, `settlement_key`) for ids of its kind. The CPU its
 backends used after a warm-up (from /proc, whose clock ticks every 10 ms:
 summed over the rounds, not read one round at a time) is divided by the
-settlements, and the ratio given (ordered over random). The
-indexes grow as a running ledger's do: each hold is deleted as it settles,
-and each settlement's key stays.
+settlements, and the ratio given (ordered over random). The indexes grow
+as a running ledger's do: each hold is deleted as it settles, and each
+settlement's key stays. Ids are made before each round's holds are placed,
+so that only where their keys go differs, not how the threads interleave.
 
     python benchmarks/request_id_order.py --json
 
@@ -44,8 +45,6 @@ from scratch import (  # noqa: E402
 )
 
 CUSTOMERS, OWNERS = 64, 8
-
-
 KINDS = {"random": random_request_id, "ordered": new_request_id}
 
 
