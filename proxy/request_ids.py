@@ -34,9 +34,11 @@ _taken = 0
 
 
 def _forget_random() -> None:
-    """A forked child reads its own: the parent's bytes left unused would make the parent's next ids."""
-    global _random, _taken
-    _random, _taken = b"", 0
+    """A forked child reads its own: the parent's bytes left unused would make
+    the parent's next ids. Its lock is new too: another thread of the parent
+    may have held the old one at the fork, and would never release it here."""
+    global _lock, _random, _taken
+    _lock, _random, _taken = threading.Lock(), b"", 0
 
 
 os.register_at_fork(after_in_child=_forget_random)

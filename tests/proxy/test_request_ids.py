@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
 import httpx
+import pytest
 from sqlalchemy import select
 
 from ledger.schema import ledger_events
@@ -75,6 +77,24 @@ def test_a_forked_child_makes_ids_of_its_own_not_its_parents_next_ones():
     from_parent = [new_request_id("") for _ in range(8)]
     child_random = {from_child[i * 32 + MS_HEX_DIGITS:(i + 1) * 32] for i in range(8)}
     assert len(child_random) == 8 and not child_random & {i[MS_HEX_DIGITS:] for i in from_parent}
+
+
+def test_a_child_forked_while_another_thread_held_the_lock_still_makes_ids():
+    with request_ids._lock:  # as another thread of the parent might, at the fork
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the child)
+            try:
+                new_request_id("chatcmpl-")
+            finally:
+                os._exit(0)
+    deadline_s = time.monotonic() + 10
+    while not (done := os.waitpid(child, os.WNOHANG))[0]:
+        if time.monotonic() > deadline_s:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child waited for ever for a lock its parent's thread held")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_the_proxys_requests_settle_under_keys_in_the_order_they_came(database_url):
