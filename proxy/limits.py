@@ -230,3 +230,8 @@ EMBEDDING_TOKENS_PER_INPUT = 4
 EMBEDDING_ANSWER_BYTES_MAX = 256 * 1024 * 1024  # a worker's answer (2,048 vectors of 4,096 floats as JSON fit)
 SIM_EMBEDDING_DIMENSIONS = 16  # the simulated worker's vectors, unless a request asks for fewer
 SIM_EMBEDDING_TOKENS_PER_INPUT = 2  # CLS and SEP, as a BERT-style embedding model adds
+
+# --- Request ids (proxy/request_ids.py) -------------------------------------------
+REQUEST_ID_RANDOM_BYTES = 10  # 80 bits after the millisecond: two ids of one millisecond collide with odds of 2**-80
+REQUEST_IDS_PER_RANDOM_READ = 256  # ids served by one os.urandom call (a system call that lets other threads run)
+NS_PER_MS = 1_000_000

@@ -25,8 +25,7 @@ import os
 import threading
 import time
 
-RANDOM_BYTES = 10  # 80 bits: two ids of one millisecond collide with odds of 2**-80
-IDS_PER_SYSTEM_READ = 256
+from proxy.limits import NS_PER_MS, REQUEST_ID_RANDOM_BYTES, REQUEST_IDS_PER_RANDOM_READ
 
 _lock = threading.Lock()
 _random = b""
@@ -48,12 +47,12 @@ def _random_hex() -> str:
     global _random, _taken
     with _lock:
         start = _taken
-        if start + RANDOM_BYTES > len(_random):
-            _random, start = os.urandom(RANDOM_BYTES * IDS_PER_SYSTEM_READ), 0
-        _taken = start + RANDOM_BYTES
+        if start + REQUEST_ID_RANDOM_BYTES > len(_random):
+            _random, start = os.urandom(REQUEST_ID_RANDOM_BYTES * REQUEST_IDS_PER_RANDOM_READ), 0
+        _taken = start + REQUEST_ID_RANDOM_BYTES
         return _random[start:_taken].hex()
 
 
 def new_request_id(prefix: str) -> str:
     """`prefix` (the API's: "chatcmpl-", "cmpl-", "embd-", "resp_") and 32 hex digits, later ids after earlier."""
-    return f"{prefix}{time.time_ns() // 1_000_000:012x}{_random_hex()}"
+    return f"{prefix}{time.time_ns() // NS_PER_MS:012x}{_random_hex()}"
