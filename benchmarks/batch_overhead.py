@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
-from scratch import ScratchDatabase, funded_accounts, hold_then_settle, log, postgres_cpu_s, print_result  # noqa: E402
+from scratch import ScratchDatabase, funded_accounts, hold_then_settle, log, postgres_cpu_s, print_result, short_keys  # noqa: E402
 
 CUSTOMERS, OWNERS = 64, 8
 WARM_UP_ROUNDS = 4
@@ -55,7 +55,7 @@ def measure(ledger: Ledger, customers: list[int], owners: list[int], sizes: list
             log(f"repetition {repetition + 1}/{repetitions}: batches of {size} ...")
             client_started, server_started = time.process_time(), postgres_cpu_s()
             for r in range(settlements_per_size // size):
-                hold_then_settle(ledger, customers, owners, f"{repetition}:{size}:{r}", size)
+                hold_then_settle(ledger, customers, owners, short_keys(f"{repetition}:{size}:{r}", size))
             used[size][0] += time.process_time() - client_started
             used[size][1] += postgres_cpu_s() - server_started
     return {size: (client, server) for size, (client, server) in used.items()}
@@ -101,7 +101,7 @@ def main() -> None:
         try:
             customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
             for r in range(WARM_UP_ROUNDS):
-                hold_then_settle(ledger, customers, owners, f"warm{r}", sizes[-1])
+                hold_then_settle(ledger, customers, owners, short_keys(f"warm{r}", sizes[-1]))
             with engine.connect() as conn:
                 conn.execute(text("ANALYZE"))
                 conn.commit()

@@ -15,29 +15,28 @@ so that only where their keys go differs, not how the threads interleave.
 
     python benchmarks/request_id_order.py --json
 
+Its rounds are `--batches` (100 by default) of `--batch-size` (512).
+
 The database in the URL is only used to create (and finally drop) two
 scratch databases of the benchmark's own.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger import commands as cmd  # noqa: E402
 from ledger.hold_commands import settlement_key  # noqa: E402
-from ledger.holds import PlaceHold  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
 from proxy.request_ids import new_request_id  # noqa: E402
 from proxy.settlement import hold_key  # noqa: E402
 from scratch import (  # noqa: E402
-    BENCH_HOLD_NANO_USD,
     ScratchDatabase,
+    batch_arguments,
     funded_accounts,
+    hold_then_settle,
     log,
     postgres_cpu_s_by_pid,
     print_result,
@@ -67,13 +66,7 @@ class Side:
         pids = self.backend_pids()
         started = postgres_cpu_s_by_pid() or {}
         ids = [self.new_id("chatcmpl-") for _ in range(size)]
-        holds = [self.ledger.holder.submit(PlaceHold(self.customers[i % CUSTOMERS], BENCH_HOLD_NANO_USD, hold_key(rid)))
-                 for i, rid in enumerate(ids)]
-        settles = [self.ledger.appender.submit(cmd.SettleRequest(hold.result().hold_id, self.owners[i % OWNERS], 150 * (900 + i % 97),
-                                                                 rid, settlement_key(rid), {"model": "bench", "prompt_tokens": 900 + i % 97}))
-                   for i, (rid, hold) in enumerate(zip(ids, holds, strict=True))]
-        for settled in settles:
-            settled.result()
+        hold_then_settle(self.ledger, self.customers, self.owners, [(hold_key(rid), rid, settlement_key(rid)) for rid in ids])
         ended = postgres_cpu_s_by_pid() or {}
         return sum(ended[pid] - started[pid] for pid in pids & started.keys() & ended.keys())
 
@@ -83,15 +76,9 @@ class Side:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--warm-up-rounds", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=512, help="holds, then settlements, per round")
-    parser.add_argument("--json", action="store_true", help="print one JSON line")
-    args = parser.parse_args()
-    if args.rounds < 1 or args.batch_size < 1 or args.warm_up_rounds < 0:
-        raise SystemExit("--rounds and --batch-size must be at least 1, --warm-up-rounds at least 0")
+    args = batch_arguments(__doc__.split("\n\n")[0], batches=100, batch_size=512)
+    if args.batches < 1 or args.batch_size < 1 or args.warm_up_batches < 0:
+        raise SystemExit("--batches and --batch-size must be at least 1, --warm-up-batches at least 0")
     if postgres_cpu_s_by_pid() is None:
         raise SystemExit("the backends' CPU is read from /proc: run on the database server's machine (Linux)")
     with ExitStack() as stack:
@@ -99,18 +86,18 @@ def main() -> None:
         for kind, new_id in KINDS.items():
             sides[kind] = Side(stack.enter_context(ScratchDatabase(args.database_url, f"paralon_ids_{kind}")), new_id)
             stack.callback(sides[kind].close)
-        log(f"{args.rounds} rounds of {args.batch_size} settlements on each kind of id ...")
+        log(f"{args.batches} rounds of {args.batch_size} settlements on each kind of id ...")
         used_s = dict.fromkeys(KINDS, 0.0)
         order = list(KINDS)
-        for round_ in range(args.warm_up_rounds + args.rounds):
+        for round_ in range(args.warm_up_batches + args.batches):
             for kind in (order if round_ % 2 == 0 else order[::-1]):
                 cpu_s = sides[kind].round_cpu_s(args.batch_size)
-                if round_ >= args.warm_up_rounds:
+                if round_ >= args.warm_up_batches:
                     used_s[kind] += cpu_s
-    per_settlement = {kind: round(s / (args.rounds * args.batch_size) * 1e6, 2) for kind, s in used_s.items()}
+    per_settlement = {kind: round(s / (args.batches * args.batch_size) * 1e6, 2) for kind, s in used_s.items()}
     print_result({"postgres_cpu_us_per_settlement": per_settlement,
                   "ordered_to_random": round(used_s["ordered"] / used_s["random"], 3) if used_s["random"] else None,
-                  "rounds": args.rounds, "batch_size": args.batch_size}, args.json)
+                  "rounds": args.batches, "batch_size": args.batch_size}, args.json)
 
 
 if __name__ == "__main__":

@@ -50,12 +50,13 @@ def postgres_cpu_s() -> float | None:
     return None if used is None else sum(used.values())
 
 
-def batch_arguments(description: str, batches: int) -> argparse.Namespace:
-    """The options of a benchmark that writes settlement batches to a scratch database."""
+def batch_arguments(description: str, batches: int, batch_size: int = 400) -> argparse.Namespace:
+    """The options of a benchmark that writes settlement batches to a scratch
+    database (400 settlements a batch by default: the throughput run's mean was about this)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--database-url", default=os.environ.get("PARALON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--batches", type=int, default=batches)
-    parser.add_argument("--batch-size", type=int, default=400, help="settlements per batch (the throughput run's mean is about this)")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="settlements per batch")
     parser.add_argument("--warm-up-batches", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     return parser.parse_args()
@@ -72,8 +73,16 @@ def funded_accounts(ledger, customers: int, owners: int) -> tuple[list[int], lis
 
 def bench_settlement(hold_id: int, owner: int, tag: str, i: int) -> cmd.SettleRequest:
     """The `i`th settlement of batch `tag`: a request's charge and metadata, varied as traffic varies them."""
-    return cmd.SettleRequest(hold_id, owner, 150 * (900 + i % 97), f"req:{tag}:{i}", f"s:{tag}:{i}",
-                             {"model": "bench", "prompt_tokens": 900 + i % 97})
+    return _settlement(hold_id, owner, i, f"req:{tag}:{i}", f"s:{tag}:{i}")
+
+
+def _settlement(hold_id: int, owner: int, i: int, request_id: str, key: str) -> cmd.SettleRequest:
+    return cmd.SettleRequest(hold_id, owner, 150 * (900 + i % 97), request_id, key, {"model": "bench", "prompt_tokens": 900 + i % 97})
+
+
+def short_keys(tag: str, size: int) -> list[tuple[str, str, str]]:
+    """Batch `tag`'s own keys for `hold_then_settle`: (the hold's, the request id, the settlement's)."""
+    return [(f"h:{tag}:{i}", f"req:{tag}:{i}", f"s:{tag}:{i}") for i in range(size)]
 
 
 def random_request_id(prefix: str) -> str:
@@ -81,11 +90,13 @@ def random_request_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def hold_then_settle(ledger, customers: list[int], owners: list[int], tag: str, size: int) -> None:
-    """One batch of `size` holds, then their settlements, each through its group-commit writer."""
-    holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], BENCH_HOLD_NANO_USD, f"h:{tag}:{i}")) for i in range(size)]
-    settles = [ledger.appender.submit(bench_settlement(hold.result().hold_id, owners[i % len(owners)], tag, i))
-               for i, hold in enumerate(holds)]
+def hold_then_settle(ledger, customers: list[int], owners: list[int], keys: list[tuple[str, str, str]]) -> None:
+    """One batch of holds, then their settlements, each through its group-commit
+    writer, one per (hold's key, request id, settlement's key) of `keys`."""
+    holds = [ledger.holder.submit(PlaceHold(customers[i % len(customers)], BENCH_HOLD_NANO_USD, hold_key))
+             for i, (hold_key, _, _) in enumerate(keys)]
+    settles = [ledger.appender.submit(_settlement(hold.result().hold_id, owners[i % len(owners)], i, request_id, key))
+               for i, (hold, (_, request_id, key)) in enumerate(zip(holds, keys, strict=True))]
     for settled in settles:
         settled.result()
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.service import Ledger  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
-from scratch import ScratchDatabase, batch_arguments, funded_accounts, hold_then_settle, log, print_result  # noqa: E402
+from scratch import ScratchDatabase, batch_arguments, funded_accounts, hold_then_settle, log, print_result, short_keys  # noqa: E402
 
 CUSTOMERS, OWNERS = 64, 8
 STATEMENTS_SHOWN = 16
@@ -67,14 +67,14 @@ def main() -> None:
         try:
             customers, owners = funded_accounts(ledger, CUSTOMERS, OWNERS)
             for r in range(args.warm_up_batches):
-                hold_then_settle(ledger, customers, owners, f"warm{r}", args.batch_size)
+                hold_then_settle(ledger, customers, owners, short_keys(f"warm{r}", args.batch_size))
             with engine.connect() as conn:
                 conn.execute(text("ANALYZE"))
                 conn.execute(text("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)"))
                 conn.commit()
             log(f"{args.batches} batches of {args.batch_size} ...")
             for r in range(args.batches):
-                hold_then_settle(ledger, customers, owners, f"m{r}", args.batch_size)
+                hold_then_settle(ledger, customers, owners, short_keys(f"m{r}", args.batch_size))
             settled = args.batches * args.batch_size
             with engine.connect() as conn:
                 rows = conn.execute(_TOP_STATEMENTS, {"chars": QUERY_CHARS_SHOWN, "shown": STATEMENTS_SHOWN}).all()
