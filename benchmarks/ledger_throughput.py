@@ -65,6 +65,11 @@ HOLD_NANO_USD = 5_000_000
 # Holds placed before the clock starts (--holds-placed-before), per second of
 # lead time given to place them.
 HOLDS_PLACED_AHEAD_PER_S = 20_000
+# Open loop: how often the arrivals due are started (each tick starts every one due by then).
+ARRIVAL_TICK_S = 0.001
+# Open loop: a rate is held when 99% of its requests settle within this many
+# milliseconds of arriving (hold and settlement both).
+LATENCY_BOUND_MS_DEFAULT = 100.0
 # The parts of the append lock's time, by the writer's mark that ends each; the
 # commit's part ends after its flush, which travels with it (one query).
 LOCK_PARTS = {"rules_and_hash_chain": CHAINED, "rows_written": WRITTEN, "commit": COMMITTED}
@@ -220,9 +225,43 @@ async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, l
     return done
 
 
+async def arriving_request(ledger: Ledger, customer: int, owner: int, arrives_at: float, n: int,
+                           latencies_ms: list[float], hold_latencies_ms: list[float], new_id) -> None:
+    """One request of open-loop traffic: its hold, then its settlement; each
+    latency counted from when it was due to arrive, so that a late start (the
+    event loop behind) counts against the ledger, not for it."""
+    request_id = new_id("chatcmpl-")
+    hold = await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, hold_key(request_id)))
+    hold_latencies_ms.append((time.time() - arrives_at) * 1000)
+    charge = 150 * (900 + n % 97) + 600 * (100 + n % 53)
+    await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, request_id, settlement_key(request_id),
+                                                {"model": "bench", "prompt_tokens": 900 + n % 97}))
+    latencies_ms.append((time.time() - arrives_at) * 1000)
+
+
+async def open_loop(ledger: Ledger, roles: list[tuple[int, int]], rate_per_s: float, start_at: float, seconds: float,
+                    latencies_ms: list[float], hold_latencies_ms: list[float], new_id) -> int:
+    """Requests arrive evenly at `rate_per_s` whether or not the earlier ones
+    are done, as callers send them to the proxy: no closed loop whose first
+    batches decide the rest. Started each tick for every arrival due by then;
+    returns how many arrived (every one is awaited)."""
+    due_total, started = int(rate_per_s * seconds), 0
+    tasks = []
+    while started < due_total:
+        due = min(due_total, int((time.time() - start_at) * rate_per_s) + 1)
+        for n in range(started, due):
+            customer, owner = roles[n % len(roles)]
+            tasks.append(asyncio.ensure_future(arriving_request(
+                ledger, customer, owner, start_at + n / rate_per_s, n, latencies_ms, hold_latencies_ms, new_id)))
+        started = max(started, due)
+        await asyncio.sleep(ARRIVAL_TICK_S)
+    await asyncio.gather(*tasks)
+    return started
+
+
 async def _process_load(url: str, producers: int, customers: list[int], owners: list[int],
                         start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
-                        flush_after_commit: bool, holds_ahead: int, random_ids: bool) -> dict:
+                        flush_after_commit: bool, holds_ahead: int, random_ids: bool, rate_per_s: float | None) -> dict:
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
@@ -242,10 +281,14 @@ async def _process_load(url: str, producers: int, customers: list[int], owners: 
     lock_parts_started_s = dict(ledger.appender.append_lock_parts_s)
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
-    counts = await asyncio.gather(*(
-        producer(ledger, customer, owner, start_at + seconds, latencies_ms, ahead, new_id)
-        for (customer, owner), ahead in zip(roles, placed_ahead)
-    ))
+    hold_latencies_ms: list[float] = []
+    if rate_per_s is None:
+        counts = await asyncio.gather(*(
+            producer(ledger, customer, owner, start_at + seconds, latencies_ms, ahead, new_id)
+            for (customer, owner), ahead in zip(roles, placed_ahead)
+        ))
+    else:
+        counts = [await open_loop(ledger, roles, rate_per_s, start_at, seconds, latencies_ms, hold_latencies_ms, new_id)]
     cpu_s = time.process_time() - cpu_started
     unused_ahead = sum(len(holds) for holds in placed_ahead)
     lock_held_s = ledger.appender.append_lock_held_s - lock_held_started_s
@@ -255,7 +298,7 @@ async def _process_load(url: str, producers: int, customers: list[int], owners: 
     batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed - hold_batches_started
     ledger.close()
     engine.dispose()
-    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
+    return {"settlements": sum(counts), "latencies_ms": latencies_ms, "hold_latencies_ms": hold_latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
             "lock_held_s": lock_held_s, "lock_parts_s": lock_parts_s,
             "batches": batches, "hold_batches": hold_batches, "per_second": per_second,
             "holds_placed_in_window": sum(counts) - (holds_ahead * producers - unused_ahead)}
@@ -300,8 +343,9 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
              postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0,
-             random_ids: bool = False) -> dict:
-    """Producers spread over `processes` processes, as proxy replicas would be."""
+             random_ids: bool = False, rate_per_s: float | None = None) -> dict:
+    """Producers spread over `processes` processes, as proxy replicas would be;
+    with `rate_per_s`, requests arriving at that rate in all instead."""
     engine = make_engine(url, pool_size=4)
     migrate(engine)
     if not flush_wait:  # what waiting for the WAL flush at each commit costs: every session of the database skips it
@@ -324,7 +368,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     start_at = time.time() + 3.0 + holds_ahead * producers / HOLDS_PLACED_AHEAD_PER_S
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     jobs = [(url, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
-             holds_ahead, random_ids)] * processes
+             holds_ahead, random_ids, None if rate_per_s is None else rate_per_s / processes)] * processes
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
@@ -345,13 +389,21 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         report = verify(conn)
     engine.dispose()
     latencies_ms = sorted(x for part in parts for x in part["latencies_ms"])
+    hold_latencies_ms = sorted(x for part in parts for x in part["hold_latencies_ms"])
     settled = sum(part["settlements"] for part in parts)
     placed_in_window = sum(part["holds_placed_in_window"] for part in parts)
     return {
         "settlements": settled,
         "settlements_per_s": round(settled / seconds, 1),
+        # From the settlement's submission (closed loop), or from the request's arrival (open loop).
         "settle_latency_ms_p50": round(statistics.median(latencies_ms), 2),
-        "settle_latency_ms_p99": round(latencies_ms[int(len(latencies_ms) * 0.99) - 1], 2),
+        "settle_latency_ms_p99": round(percentile(latencies_ms, 0.99), 2),
+        # Open loop only: requests offered per second, and their holds' latency from arrival.
+        **({} if rate_per_s is None else {
+            "arrivals_per_s": rate_per_s,
+            "hold_latency_ms_p50": round(statistics.median(hold_latencies_ms), 2),
+            "hold_latency_ms_p99": round(percentile(hold_latencies_ms, 0.99), 2),
+        }),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         # Holds placed in the window (one per settlement, unless placed before
         # the clock) per batch, each batch one call of the hold function.
@@ -388,6 +440,15 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     }
 
 
+def held(round_result: dict, latency_bound_ms: float) -> bool:
+    """An open-loop round whose requests (arrival to settled) stayed within the bound at p99."""
+    return round_result["settle_latency_ms_p99"] <= latency_bound_ms
+
+
+def percentile(ordered: list[float], share: float) -> float:
+    return ordered[max(int(len(ordered) * share) - 1, 0)]
+
+
 def flush_after_commit(args: argparse.Namespace) -> bool:
     """Whether the writer waits for its flush after the commit; never without
     the flush wait, which that wait would otherwise still make."""
@@ -417,11 +478,18 @@ def main() -> None:
     parser.add_argument("--flush-under-lock", action="store_true",
                         help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
     parser.add_argument("--random-request-ids", action="store_true", help="request ids as the proxy made them before: UUIDv4")
+    parser.add_argument("--arrivals-per-s", type=float, nargs="+", metavar="RATE",
+                        help="open loop: requests arrive at each RATE in turn (one round each, instead of --rounds "
+                             "of closed-loop producers) until one is not held; the highest held is reported")
+    parser.add_argument("--latency-bound-ms", type=float, default=LATENCY_BOUND_MS_DEFAULT,
+                        help="open loop: a rate is held when its p99, arrival to settled, is within this")
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if args.holds_placed_before < 0:
         raise SystemExit("--holds-placed-before must be 0 or more")
+    if args.arrivals_per_s and (args.holds_placed_before or min(args.arrivals_per_s) <= 0 or args.latency_bound_ms <= 0):
+        raise SystemExit("--arrivals-per-s takes rates above 0, a --latency-bound-ms above 0, and no --holds-placed-before")
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
         raise SystemExit("the benchmark compares against pgbench: give a postgresql:// URL")
 
@@ -429,27 +497,42 @@ def main() -> None:
     # the pgbench windows on either side of it, and the median round is reported.
     log("pgbench ...")
     tps = [pgbench_tps(args.database_url, int(args.seconds))]
+    rates = args.arrivals_per_s or [None] * args.rounds
     rounds = []
-    for r in range(args.rounds):
-        log(f"  {tps[-1]:.0f} tps; ledger load, round {r + 1} of {args.rounds} ...")
+    for r, rate in enumerate(rates):
+        offered = "closed loop" if rate is None else f"{rate:.0f} arrivals/s"
+        log(f"  {tps[-1]:.0f} tps; ledger load, round {r + 1} of {len(rates)} ({offered}) ...")
         with ScratchDatabase(args.database_url, "paralon_bench") as scratch:
             rounds.append(run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                                    args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                                    not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                                   flush_after_commit(args), args.holds_placed_before, args.random_request_ids))
-        log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s; pgbench ...")
+                                   flush_after_commit(args), args.holds_placed_before, args.random_request_ids, rate))
+        log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s, p99 {rounds[-1]['settle_latency_ms_p99']:.0f} ms; pgbench ...")
         tps.append(pgbench_tps(args.database_url, int(args.seconds)))
+        if rate is not None and not held(rounds[-1], args.latency_bound_ms):
+            break
     ratios = [round(part["settlements_per_s"] / ((tps[i] + tps[i + 1]) / 2), 2) for i, part in enumerate(rounds)]
-    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
-    result = rounds[median]
+    if args.arrivals_per_s:
+        held_rounds = [i for i, part in enumerate(rounds) if held(part, args.latency_bound_ms)]
+        if not held_rounds:
+            tried = ", ".join(f"{part['arrivals_per_s']:.0f}/s: {part['settle_latency_ms_p99']:.0f} ms" for part in rounds)
+            raise SystemExit(f"no rate was held within {args.latency_bound_ms} ms at p99 ({tried}): offer less")
+        reported = max(held_rounds, key=lambda i: rounds[i]["arrivals_per_s"])  # the highest rate held
+    else:
+        reported = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    result = rounds[reported]
     result.update(
-        pgbench_tps_before=round(tps[median], 1),
-        pgbench_tps_after=round(tps[median + 1], 1),
-        ratio_to_pgbench_tps=ratios[median],
+        pgbench_tps_before=round(tps[reported], 1),
+        pgbench_tps_after=round(tps[reported + 1], 1),
+        ratio_to_pgbench_tps=ratios[reported],
         ratio_to_pgbench_tps_by_round=ratios,
         settlements_per_s_by_round=[part["settlements_per_s"] for part in rounds],
         pgbench_tps_by_window=[round(t, 1) for t in tps],
-        median_round=median + 1,
+        reported_round=reported + 1,  # the median ratio (closed loop), or the highest rate held (open loop)
+        **({} if not args.arrivals_per_s else {
+            "latency_bound_ms": args.latency_bound_ms,
+            "rounds_held": [held(part, args.latency_bound_ms) for part in rounds],
+        }),
         producers=args.producers,
         processes=args.processes,
         seconds=args.seconds,
