@@ -1,6 +1,7 @@
 """What placing and renewing a hold costs the server, as migrated and as before
-a migration, in one run: 0036 (the default: the hold function looked every
-key up before its insert) or 0032 (an index by expiry, full pages).
+a migration, in one run: 0037 (the default: the hold function placed every
+batch in some ten statements), 0036 (it looked every key up before its
+insert) or 0032 (an index by expiry, full pages).
 
 Two scratch databases, one put back as it was before that migration. Round after round,
 alternately first, each places a batch of holds through the hold function
@@ -10,6 +11,10 @@ the placement and the renewal come from EXPLAIN (ANALYZE, WAL); medians per
 hold after a warm-up, and their ratios (as migrated over before).
 
     python benchmarks/holds_writes.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --before 0036 --json
+    python benchmarks/holds_writes.py --before 0037 --holds 1 --rounds 400 --json
+
+The second places one hold a call, as the holds' writer does at a few
+requests a millisecond: what a call costs before its holds.
 
 The database in the URL is only used to create (and finally drop) two scratch
 databases of the benchmark's own.
@@ -46,8 +51,10 @@ def statements_before(revision: str) -> list[str]:
     if revision == "0032":
         return ["CREATE INDEX ix_holds_expiry ON holds (expires_at)", "ALTER TABLE holds RESET (fillfactor)"]
     revision_0036 = earlier_revision("0036_holds_placed_without_looking_their_keys_up.py")
-    # 0036's downgrade, and the search path each migration leaves (app.db_roles.harden_functions)
-    return [*revision_0036.function_of_0028(), f"ALTER FUNCTION {revision_0036.SIGNATURE} SET search_path = pg_catalog, public, pg_temp"]
+    # The revision's downgrade, and the search path each migration leaves (app.db_roles.harden_functions)
+    function = ([revision_0036.PLACE_HOLDS, *revision_0036.FUNCTION_SETTINGS] if revision == "0037"
+                else revision_0036.function_of_0028())
+    return [*function, f"ALTER FUNCTION {revision_0036.SIGNATURE} SET search_path = pg_catalog, public, pg_temp"]
 
 
 def prepared(scratch: ScratchDatabase, put_back: list[str]):
@@ -93,7 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warm-up-rounds", type=int, default=5)
     parser.add_argument("--holds", type=int, default=400, help="holds per round")
-    parser.add_argument("--before", choices=("0036", "0032"), default="0036", help="the migration whose effect is measured")
+    parser.add_argument("--before", choices=("0037", "0036", "0032"), default="0037", help="the migration whose effect is measured")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args()
     with ExitStack() as stack:

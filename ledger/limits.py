@@ -87,6 +87,10 @@ DATABASE_TCP_USER_TIMEOUT_MS = 15_000
 # milliseconds); then its callers get DatabaseUnavailable. While the database
 # stays away, a batch gets one attempt only, so callers fail fast.
 DATABASE_RETRY_WAITS_S = (0.0, 0.1, 0.3)
+# psycopg prepares a statement on the server after this many executions: in
+# effect never, so that only a statement asked for is (the hold function's
+# call); None would let none be, even when asked.
+STATEMENT_EXECUTIONS_BEFORE_PREPARED = 2**62
 POOL_CONNECTIONS_DEFAULT = 10  # PostgreSQL, per engine, plus as many overflow connections
 SQLITE_BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for SQLite's one write lock
 MS_PER_S = 1000

@@ -25,6 +25,7 @@ from ledger.limits import (
     DATABASE_KEEPALIVE_PROBES,
     DATABASE_TCP_USER_TIMEOUT_MS,
     EVENTS_INSERTED_WITH_COMMIT_MAX,
+    STATEMENT_EXECUTIONS_BEFORE_PREPARED,
 )
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold, hold_result_of, place_each_key_once, refusal
 from ledger.money import SETTLEMENT_LEGS
@@ -240,16 +241,19 @@ class PostgresStorage(Storage):
         return engine.connect().execution_options(isolation_level="REPEATABLE READ")  # one snapshot per transaction
 
     def create_engine(self, url: URL, *, pool_size: int) -> Engine:
-        # No server-side prepared statements: batch statements take arrays whose
-        # length varies, and a generic plan (estimated for ten elements, on whatever
-        # statistics were current) can turn a thousand-row join quadratic. Planning
-        # each batch statement afresh costs microseconds per batch.
+        # No server-side prepared statements but one: batch statements take arrays
+        # whose length varies, and a generic plan (estimated for ten elements, on
+        # whatever statistics were current) can turn a thousand-row join quadratic.
+        # Planning each batch statement afresh costs microseconds per batch. The
+        # hold function's call is asked to be prepared (`_call_place_holds`): its
+        # plan is a function scan whatever the batch, and a call is often of one
+        # hold, whose parse and plan took a fifth of the server's time for it.
         # Sessions speak UTC whatever the server's default: times come back as
         # UTC (psycopg then gives datetime.UTC itself) and days are UTC days.
         # A pooled connection is pinged before it is handed out (one that died is
         # replaced); a connection attempt and a dead path are noticed in seconds.
         engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                               connect_args={"prepare_threshold": None, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
+                               connect_args={"prepare_threshold": STATEMENT_EXECUTIONS_BEFORE_PREPARED, "connect_timeout": DATABASE_CONNECT_TIMEOUT_S,
                                              "options": _SESSION_IN_UTC,
                                              "keepalives": 1, "keepalives_idle": DATABASE_KEEPALIVE_IDLE_S,
                                              "keepalives_interval": DATABASE_KEEPALIVE_INTERVAL_S,
@@ -653,7 +657,7 @@ def _call_place_holds(conn: Connection, requests: list[PlaceHold]) -> list[HoldR
     }
     results: list[HoldResult | LedgerError | None] = [None] * len(requests)
     expiry_by_ttl_s: dict[int, datetime] = {}  # a timedelta and a sum per distinct ttl, not per hold
-    for idx, status, hold_id, amount, expires_at, error_code in _rows(conn, _PLACE_HOLDS, params):
+    for idx, status, hold_id, amount, expires_at, error_code in _rows(conn, _PLACE_HOLDS, params, prepare=True):
         if error_code is not None:
             results[idx] = refusal(requests[idx], error_code, amount)
             continue
@@ -675,12 +679,14 @@ def _outside(conn: Connection) -> psycopg.Connection:
     return psycopg.connect(info.dsn, password=info.password, autocommit=True, connect_timeout=DATABASE_CONNECT_TIMEOUT_S)
 
 
-def _rows(conn: Connection, sql: str, params: dict) -> list[tuple]:
-    """Run on the transaction's own psycopg connection and return plain tuples."""
+def _rows(conn: Connection, sql: str, params: dict, *, prepare: bool = False) -> list[tuple]:
+    """Run on the transaction's own psycopg connection and return plain tuples;
+    `prepare`: prepared on the server, once per connection (unless sent with
+    the transaction's BEGIN, in one query of the simple protocol)."""
     if _FLUSH_WAIT_SKIP_PENDING in conn.info or _BEGIN_PENDING in conn.info:
         return _statements_rows(conn, [(sql, params)])[0]
     with conn.connection.driver_connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, params, prepare=prepare or None)
         return cursor.fetchall()
 
 

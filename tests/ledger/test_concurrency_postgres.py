@@ -167,6 +167,40 @@ def test_a_hold_does_not_wait_for_an_unflushed_settlement_of_the_same_customer(p
     ledger.close()
 
 
+def test_a_hold_sees_a_debit_committed_while_it_waited_for_its_customer(pg_engine):
+    """A refund locks its customer's row of placed holds until it commits; a
+    hold placed meanwhile waits for that lock, then must decide on the balance
+    after the refund, not on the one its first read saw (migration 0037 reads
+    after the lock, in a statement of its own)."""
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 10 * HOLD)
+    refunding = pg_engine.connect()
+    transaction = refunding.begin()
+    try:
+        [refunded] = append_batch(refunding, [cmd.RefundCredits(customer, 6 * HOLD, "card", "re_1", "external:stripe", key())])
+        assert refunded.status == "created"
+        with ThreadPoolExecutor(1) as pool:
+            def place():
+                with pg_engine.begin() as conn:
+                    return place_holds(conn, [PlaceHold(customer, 5 * HOLD, key("hold"))])
+            waiting = pool.submit(place)
+            wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)  # the hold waits for the refund
+            transaction.commit()
+            [answer] = waiting.result(timeout=30)
+    finally:
+        refunding.close()
+    assert isinstance(answer, InsufficientFunds), answer
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (4 * HOLD, 0), "no hold beyond what the refund left"
+    ledger.close()
+
+
+def _lock_waits(engine) -> int:
+    with engine.connect() as watcher:
+        return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                       "AND wait_event_type = 'Lock'").scalar_one()
+
+
 @pytest.fixture(autouse=True)
 def _postgres_only(pg_engine):
     assert pg_engine.dialect.name == "postgresql"

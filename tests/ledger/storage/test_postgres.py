@@ -12,7 +12,7 @@ from ledger import commands as cmd
 from ledger import holds as hl
 from ledger import spend_limits
 from ledger.hold_commands import PlaceHold
-from ledger.limits import EVENTS_INSERTED_WITH_COMMIT_MAX
+from ledger.limits import EVENTS_INSERTED_WITH_COMMIT_MAX, STATEMENT_EXECUTIONS_BEFORE_PREPARED
 from ledger.service import Ledger, append_now
 from ledger.storage import postgres
 from ledger.storage.base import LOOK_UP_EVERY_KEY
@@ -242,10 +242,23 @@ class TestPostgresStorage(StorageContract):
         finally:
             ledger.close()
 
-    def test_no_statement_is_prepared_on_the_server(self, engine):
+    def test_no_statement_is_prepared_on_the_server_unless_asked(self, engine):
         """A plan prepared for a ten-element array can turn a thousand-row batch quadratic."""
         with engine.connect() as conn:
-            assert conn.connection.driver_connection.prepare_threshold is None
+            assert conn.connection.driver_connection.prepare_threshold == STATEMENT_EXECUTIONS_BEFORE_PREPARED
+
+    def test_the_hold_functions_call_alone_is_prepared_once_per_connection(self, engine, customer):
+        """Its plan is a function scan whatever the batch: prepared, a call of
+        one hold is not parsed and planned again each time."""
+        append_now(engine, cmd.GrantCredits(customer, 10 * USD, "credits", key("grant")))
+        with engine.connect() as conn:
+            for _ in range(3):
+                with conn.begin():
+                    hl.place_holds(conn, [PlaceHold(customer, USD, key("hold"))])
+            with conn.begin():
+                append_batch(conn, [cmd.GrantCredits(customer, 1, "credits", key("grant"))])
+            prepared = conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements").scalars().all()
+        assert len(prepared) == 1 and "paralon_place_holds(" in prepared[0], prepared
 
     def test_the_hold_function_never_scans_every_open_hold(self, engine, customer):
         """A connection that placed its first holds while the table was empty
