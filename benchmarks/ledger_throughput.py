@@ -209,6 +209,13 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     return float(match.group(1))
 
 
+def settlement(hold_id: int, owner: int, request_id: str, n: int) -> cmd.SettleRequest:
+    """The `n`th request's settlement: its charge and metadata varied as traffic varies them."""
+    charge = 150 * (900 + n % 97) + 600 * (100 + n % 53)
+    return cmd.SettleRequest(hold_id, owner, charge, request_id, settlement_key(request_id),
+                             {"model": "bench", "prompt_tokens": 900 + n % 97})
+
+
 async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, latencies_ms: list[float],
                    placed_ahead: list, new_id) -> int:
     done = 0
@@ -216,10 +223,8 @@ async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, l
         request_id = new_id("chatcmpl-")
         hold = placed_ahead.pop() if placed_ahead else await ledger.place_hold_async(
             PlaceHold(customer, HOLD_NANO_USD, hold_key(request_id)))
-        charge = 150 * (900 + done % 97) + 600 * (100 + done % 53)
         started = time.perf_counter()
-        await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, request_id, settlement_key(request_id),
-                                                    {"model": "bench", "prompt_tokens": 900 + done % 97}))
+        await ledger.append_async(settlement(hold.hold_id, owner, request_id, done))
         latencies_ms.append((time.perf_counter() - started) * 1000)
         done += 1
     return done
@@ -233,9 +238,7 @@ async def arriving_request(ledger: Ledger, customer: int, owner: int, arrives_at
     request_id = new_id("chatcmpl-")
     hold = await ledger.place_hold_async(PlaceHold(customer, HOLD_NANO_USD, hold_key(request_id)))
     hold_latencies_ms.append((time.time() - arrives_at) * 1000)
-    charge = 150 * (900 + n % 97) + 600 * (100 + n % 53)
-    await ledger.append_async(cmd.SettleRequest(hold.hold_id, owner, charge, request_id, settlement_key(request_id),
-                                                {"model": "bench", "prompt_tokens": 900 + n % 97}))
+    await ledger.append_async(settlement(hold.hold_id, owner, request_id, n))
     latencies_ms.append((time.time() - arrives_at) * 1000)
 
 
