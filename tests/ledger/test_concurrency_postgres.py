@@ -225,6 +225,36 @@ def test_40_concurrent_holds_from_separate_processes_never_overshoot_a_key_limit
         assert spend_limits.read_limits(conn, [5])[5]["held_nano_usd"] == 10 * HOLD
 
 
+def test_two_customers_holding_against_one_limit_wait_for_each_other_and_never_overshoot_it(pg_engine):
+    """Holds of two customers naming one spend limit share no customer's lock:
+    the limit's own lock makes the second wait for the first to commit, and
+    decide on what the first placed (migration 0037 takes it before its read)."""
+    ledger = Ledger(pg_engine)
+    first_customer, second_customer = customer_with(ledger, 10 * HOLD), customer_with(ledger, 10 * HOLD)
+    with pg_engine.begin() as conn:
+        spend_limits.create_limit(conn, 7, 5 * HOLD)
+    first = pg_engine.connect()
+    transaction = first.begin()
+    try:
+        [theirs] = place_holds(first, [PlaceHold(first_customer, 4 * HOLD, key("hold"), spend_limit_id=7)])
+        with ThreadPoolExecutor(1) as pool:
+            def place():
+                with pg_engine.begin() as conn:
+                    return place_holds(conn, [PlaceHold(second_customer, 3 * HOLD, key("hold"), spend_limit_id=7)])
+            waiting = pool.submit(place)
+            wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)  # the second waits for the limit
+            transaction.commit()
+            [mine] = waiting.result(timeout=30)
+    finally:
+        first.close()
+    assert theirs.amount_nano_usd == 4 * HOLD
+    assert isinstance(mine, SpendLimitReached), mine
+    with pg_engine.connect() as conn:
+        assert spend_limits.read_limits(conn, [7])[7]["held_nano_usd"] == 4 * HOLD
+    assert ledger.balance(second_customer).held_nano_usd == 0
+    ledger.close()
+
+
 def test_verify_while_appends_go_on_reads_one_state_and_finds_nothing_wrong(pg_engine):
     """Given a ledger being appended to without pause, when it is verified
     again and again meanwhile, then every verify is clean: the log, the head
