@@ -179,20 +179,27 @@ def test_a_hold_sees_a_debit_committed_while_it_waited_for_its_customer(pg_engin
     try:
         [refunded] = append_batch(refunding, [cmd.RefundCredits(customer, 6 * HOLD, "card", "re_1", "external:stripe", key())])
         assert refunded.status == "created"
-        with ThreadPoolExecutor(1) as pool:
-            def place():
-                with pg_engine.begin() as conn:
-                    return place_holds(conn, [PlaceHold(customer, 5 * HOLD, key("hold"))])
-            waiting = pool.submit(place)
-            wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)  # the hold waits for the refund
-            transaction.commit()
-            [answer] = waiting.result(timeout=30)
+        answer = _placed_once_waiting_for(pg_engine, transaction, PlaceHold(customer, 5 * HOLD, key("hold")))
     finally:
         refunding.close()
     assert isinstance(answer, InsufficientFunds), answer
     view = ledger.balance(customer)
     assert (view.balance_nano_usd, view.held_nano_usd) == (4 * HOLD, 0), "no hold beyond what the refund left"
     ledger.close()
+
+
+def _placed_once_waiting_for(pg_engine, transaction, request: PlaceHold):
+    """`request` placed in a transaction of its own while `transaction` is open:
+    once the placement waits for a lock, `transaction` commits; the placement's answer."""
+    with ThreadPoolExecutor(1) as pool:
+        def place():
+            with pg_engine.begin() as conn:
+                return place_holds(conn, [request])
+        waiting = pool.submit(place)
+        wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)
+        transaction.commit()
+        [answer] = waiting.result(timeout=30)
+    return answer
 
 
 def _lock_waits(engine) -> int:
@@ -237,14 +244,7 @@ def test_two_customers_holding_against_one_limit_wait_for_each_other_and_never_o
     transaction = first.begin()
     try:
         [theirs] = place_holds(first, [PlaceHold(first_customer, 4 * HOLD, key("hold"), spend_limit_id=7)])
-        with ThreadPoolExecutor(1) as pool:
-            def place():
-                with pg_engine.begin() as conn:
-                    return place_holds(conn, [PlaceHold(second_customer, 3 * HOLD, key("hold"), spend_limit_id=7)])
-            waiting = pool.submit(place)
-            wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)  # the second waits for the limit
-            transaction.commit()
-            [mine] = waiting.result(timeout=30)
+        mine = _placed_once_waiting_for(pg_engine, transaction, PlaceHold(second_customer, 3 * HOLD, key("hold"), spend_limit_id=7))
     finally:
         first.close()
     assert theirs.amount_nano_usd == 4 * HOLD
