@@ -50,12 +50,12 @@ _NEW_IDS_DECLARED = "    new_ids bigint[];\n"
 
 COVERED_DECLARED = "    covered boolean;  -- the common batch: its customers (and spend limits) cover it\n"
 COMMON_BATCH = """\
-    -- The common batch: every account a customer's, and it and every spend limit
-    -- named covering the sum of its requests; no key placed before. Its holds
-    -- and the placed sums are written by one statement. In one block, the locks
-    -- too: the rows' updater is then their locker, one subtransaction, where an
-    -- update under the transaction's own lock takes a multixact (WAL of its own).
-    -- A key placed before undoes the block, locks and all.
+    -- The common batch: every account a customer's, each customer and each spend
+    -- limit named covering the sum of its requests, no key placed before. Its
+    -- holds and the customers' placed sums are written by one statement. The
+    -- locks are in the block too: the rows' updater is then their locker, one
+    -- subtransaction, where an update under the transaction's own lock takes a
+    -- multixact (WAL of its own). A key placed before undoes the block, locks and all.
     BEGIN
         PERFORM 1 FROM customer_holds c WHERE c.account_id = ANY(p_account) ORDER BY c.account_id FOR UPDATE;
         IF cardinality(array_remove(p_limit, NULL)) > 0 THEN
