@@ -52,8 +52,8 @@ def statements_before(revision: str) -> list[str]:
         return ["CREATE INDEX ix_holds_expiry ON holds (expires_at)", "ALTER TABLE holds RESET (fillfactor)"]
     revision_0036 = earlier_revision("0036_holds_placed_without_looking_their_keys_up.py")
     # The revision's downgrade, and the search path each migration leaves (app.db_roles.harden_functions)
-    function = ([revision_0036.PLACE_HOLDS, *revision_0036.FUNCTION_SETTINGS] if revision == "0037"
-                else revision_0036.function_of_0028())
+    function = (earlier_revision("0037_holds_placed_for_customers_in_fewer_statements.py").function_of_0036()
+                if revision == "0037" else revision_0036.function_of_0028())
     return [*function, f"ALTER FUNCTION {revision_0036.SIGNATURE} SET search_path = pg_catalog, public, pg_temp"]
 
 

@@ -122,7 +122,12 @@ def upgrade() -> None:
             op.execute(statement)
 
 
+def function_of_0036() -> list[str]:
+    """The statements that put 0036's function back."""
+    return [_of_0036.PLACE_HOLDS, *_of_0036.FUNCTION_SETTINGS]
+
+
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        for statement in (_of_0036.PLACE_HOLDS, *_of_0036.FUNCTION_SETTINGS):
+        for statement in function_of_0036():
             op.execute(statement)
