@@ -144,6 +144,10 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # the transaction, then the statements `write_appended` left for it (the
 # head's move; a small batch's events too).
 _CARRIED_TO_COMMIT = "paralon_carried_to_commit"
+# The connection's own cursors (conn.info, which the pool drops with the
+# connection it describes), each with the psycopg connection it is on.
+_OWN_CURSOR = "paralon_own_cursor"
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 # Up to EVENTS_INSERTED_WITH_COMMIT_MAX events, a batch whose head travels
 # with its COMMIT inserts them in that same query, not by COPY, whose two
 # round trips (its start, then its data and end) are a large part of what a
@@ -306,14 +310,13 @@ class PostgresStorage(Storage):
         statements += carried
         raw = conn.connection.driver_connection
         query = statements_text([*statements, *((sql, None) for sql in (*ending, _FLUSH_BARRIER))])
-        with ClientCursor(raw) as cursor:
-            try:
-                cursor.execute(query)
-            except psycopg.Error as exc:
-                if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
-                    _note_keys_refused(conn, exc)
-                    _raise_head_refused_or(exc, query)
-                raise FlushNotConfirmed() from exc
+        try:
+            _own_cursor(conn).execute(query)
+        except psycopg.Error as exc:
+            if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
+                _note_keys_refused(conn, exc)
+                _raise_head_refused_or(exc, query)
+            raise FlushNotConfirmed() from exc
 
     def wait_for_flush(self, conn: Connection) -> None:
         """One transaction of its own that writes a WAL record and waits for
@@ -686,9 +689,9 @@ def _rows(conn: Connection, sql: str, params: dict, *, prepare: bool = False) ->
     the transaction's BEGIN, in one query of the simple protocol)."""
     if _FLUSH_WAIT_SKIP_PENDING in conn.info or _BEGIN_PENDING in conn.info:
         return _statements_rows(conn, [(sql, params)])[0]
-    with conn.connection.driver_connection.cursor() as cursor:
-        cursor.execute(sql, params, prepare=prepare or None)
-        return cursor.fetchall()
+    cursor = _own_cursor(conn, psycopg.Cursor)
+    cursor.execute(sql, params, prepare=prepare or None)
+    return cursor.fetchall()
 
 
 def _pending(conn: Connection, name: str) -> bool:
@@ -715,8 +718,7 @@ def _begin_before_statement(conn: Connection, *_) -> None:
     them (SQLAlchemy's, a COPY). An engine listener, so that no statement of
     such a transaction runs outside it."""
     if _BEGIN_PENDING in conn.info and _pending(conn, _BEGIN_PENDING):
-        with ClientCursor(conn.connection.driver_connection) as cursor:
-            cursor.execute(";\n".join(["BEGIN", *(sql for sql, _ in _opening(conn))]))
+        _own_cursor(conn).execute(";\n".join(["BEGIN", *(sql for sql, _ in _opening(conn))]))
 
 
 def _statements_rows(conn: Connection, statements: list[tuple[str, dict]]) -> list[list[tuple]]:
@@ -729,9 +731,22 @@ def _statements_rows(conn: Connection, statements: list[tuple[str, dict]]) -> li
     readiness poll. A statement without rows (BEGIN, what an earlier append
     kept for the COMMIT) gives an empty list."""
     opening = _opening(conn)
-    with ClientCursor(conn.connection.driver_connection) as cursor:
-        cursor.execute(statements_text(opening + statements))
-        rows = [cursor.fetchall() if cursor.description is not None else []]
-        while cursor.nextset():
-            rows.append(cursor.fetchall() if cursor.description is not None else [])
+    cursor = _own_cursor(conn)
+    cursor.execute(statements_text(opening + statements))
+    rows = [cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else []]
+    while cursor.nextset():
+        rows.append(cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else [])
     return rows[len(opening):]
+
+
+def _own_cursor(conn: Connection, kind: type[psycopg.Cursor] = ClientCursor) -> psycopg.Cursor:
+    """The connection's own cursor of `kind` (the simple protocol's, or the
+    extended one's), made once: a cursor's making (its adapters' map) and
+    each result's description (a Column per column) cost more than the rest
+    of a round trip's Python."""
+    raw = conn.connection.driver_connection
+    on, cursor = conn.info.get((_OWN_CURSOR, kind), (None, None))
+    if on is not raw or cursor.closed:
+        cursor = kind(raw)
+        conn.info[(_OWN_CURSOR, kind)] = (raw, cursor)
+    return cursor
