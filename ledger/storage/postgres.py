@@ -371,11 +371,13 @@ class PostgresStorage(Storage):
         # COMMIT (its events if few, its head's move) goes first, before this
         # one announces its closes.
         earlier = _take_carried(conn)
+        # No key to look up (settlements that closed their holds, all of most batches): no statement for them.
+        keys_read = [(_KNOWN_KEYS, {"keys": texts(keys)})] if keys else []
         try:
-            *_, head_rows, key_rows, balance_rows, _ = _statements_rows(conn, [*earlier,
-                (_LOCK_HEAD, {}), (_KNOWN_KEYS, {"keys": texts(keys)}), (_BALANCES, {"ids": ints(account_ids)}),
+            ours = _statements_rows(conn, [*earlier,
+                (_LOCK_HEAD, {}), *keys_read, (_BALANCES, {"ids": ints(account_ids)}),
                 (_ANNOUNCE_HOLDS_CLOSED, _closes(holds_closed)),
-            ])
+            ])[len(earlier):]
         except psycopg.errors.UndefinedColumn:  # deployed before its migration: nothing is written
             raise InvariantBroken("the ledger's head has no postings_in_event_row: run `paralon migrate` (migration 0031)") from None
         except psycopg.errors.NotNullViolation as exc:
@@ -383,8 +385,10 @@ class PostgresStorage(Storage):
         except psycopg.errors.UniqueViolation as exc:  # an earlier append's events, carried here
             _note_keys_refused(conn, exc)
             raise DBAPIError.instance(_INSERT_EVENTS, None, exc, psycopg.Error) from exc
+        head_rows, *key_rows, balance_rows, _ = ours
         last_seq, last_hash, in_event_row = head_rows[0]
-        return HeadRead(last_seq, last_hash, {r[0]: (r[1], r[2], r[3]) for r in key_rows}, dict(balance_rows), in_event_row)
+        known = {r[0]: (r[1], r[2], r[3]) for r in key_rows[0]} if key_rows else {}
+        return HeadRead(last_seq, last_hash, known, dict(balance_rows), in_event_row)
 
     def encode_unchained(self, event_columns: list[tuple], event_postings: list[list[tuple[int, int]]], *,
                          in_event_row: bool = False) -> list:
