@@ -144,8 +144,8 @@ _SKIP_FLUSH_WAIT = "SELECT set_config('synchronous_commit', 'off', true)"
 # the transaction, then the statements `write_appended` left for it (the
 # head's move; a small batch's events too).
 _CARRIED_TO_COMMIT = "paralon_carried_to_commit"
-# The connection's own cursors (conn.info, which the pool drops with the
-# connection it describes), each with the psycopg connection it is on.
+# The connection's own cursors (conn.info, which the pool clears when it
+# replaces the connection it describes), one of each kind.
 _OWN_CURSOR = "paralon_own_cursor"
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 # Up to EVENTS_INSERTED_WITH_COMMIT_MAX events, a batch whose head travels
@@ -748,9 +748,7 @@ def _own_cursor(conn: Connection, kind: type[psycopg.Cursor] = ClientCursor) -> 
     extended one's), made once: a cursor's making (its adapters' map) and
     each result's description (a Column per column) cost more than the rest
     of a round trip's Python."""
-    raw = conn.connection.driver_connection
-    on, cursor = conn.info.get((_OWN_CURSOR, kind), (None, None))
-    if on is not raw or cursor.closed:
-        cursor = kind(raw)
-        conn.info[(_OWN_CURSOR, kind)] = (raw, cursor)
+    cursor = conn.info.get((_OWN_CURSOR, kind))
+    if cursor is None or cursor.closed:
+        cursor = conn.info[(_OWN_CURSOR, kind)] = kind(conn.connection.driver_connection)
     return cursor

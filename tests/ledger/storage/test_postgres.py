@@ -260,6 +260,21 @@ class TestPostgresStorage(StorageContract):
             prepared = conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements").scalars().all()
         assert len(prepared) == 1 and "paralon_place_holds(" in prepared[0], prepared
 
+    def test_a_connection_keeps_one_cursor_of_each_protocol_and_a_new_connection_gets_its_own(self, engine, customer):
+        """Made once per psycopg connection, the cursors follow it: one that
+        replaces a closed connection gets new ones, never a cursor of the old."""
+        append_now(engine, cmd.GrantCredits(customer, 10 * USD, "credits", key("grant")))
+        with engine.connect() as conn:
+            cursors = [(postgres._own_cursor(conn), postgres._own_cursor(conn, psycopg.Cursor)) for _ in range(2)]
+            assert cursors[0] == cursors[1] and type(cursors[0][0]) is not type(cursors[0][1])
+            conn.invalidate()  # the connection is closed; the next statement gets a new one
+            with conn.begin():
+                placed = hl.place_holds(conn, [PlaceHold(customer, USD, key("hold"))])
+                append_batch(conn, [cmd.GrantCredits(customer, 1, "credits", key("grant"))])
+            fresh = postgres._own_cursor(conn)
+            assert fresh.connection is conn.connection.driver_connection and fresh is not cursors[0][0] and not fresh.closed
+        assert placed[0].status == "created"
+
     def test_the_hold_function_never_scans_every_open_hold(self, engine, customer):
         """A connection that placed its first holds while the table was empty
         must not keep a plan that scans every hold for each key once
