@@ -8,6 +8,7 @@ from sqlalchemy import func, inspect, select
 from ledger import commands as cmd
 from ledger.service import append_now
 from ledger.schema import account_balances, holds, ledger_event_postings, ledger_events, ledger_head, ledger_postings
+from tests.support.harness import wait_for
 
 
 def key(prefix: str = "k") -> str:
@@ -63,3 +64,14 @@ def keep_granting(engine, account: int, stop) -> int:
         append_now(engine, cmd.GrantCredits(account, 1, "more", key("grant")))
         appended += 1
     return appended
+
+
+def wait_until_a_session_waits_for_a_lock(engine) -> None:
+    """Returns once a session of the test's database waits for a lock (PostgreSQL)."""
+    wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)
+
+
+def _lock_waits(engine) -> int:
+    with engine.connect() as watcher:
+        return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                       "AND wait_event_type = 'Lock'").scalar_one()

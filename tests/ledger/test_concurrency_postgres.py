@@ -20,7 +20,7 @@ from ledger.schema import ledger_events
 from ledger.service import Ledger, append_now
 from ledger.store import append_batch, set_postings_in_event_row
 from ledger.verify import verify
-from tests.ledger.helpers import customer_with, keep_granting, key, money_snapshot
+from tests.ledger.helpers import customer_with, keep_granting, key, money_snapshot, wait_until_a_session_waits_for_a_lock
 from tests.support.harness import wait_for
 
 HOLD = 1_000_000
@@ -196,16 +196,10 @@ def _placed_once_waiting_for(pg_engine, transaction, request: PlaceHold):
             with pg_engine.begin() as conn:
                 return place_holds(conn, [request])
         waiting = pool.submit(place)
-        wait_for(lambda: _lock_waits(pg_engine), timeout_s=30, interval_s=0.01)
+        wait_until_a_session_waits_for_a_lock(pg_engine)
         transaction.commit()
         [answer] = waiting.result(timeout=30)
     return answer
-
-
-def _lock_waits(engine) -> int:
-    with engine.connect() as watcher:
-        return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                       "AND wait_event_type = 'Lock'").scalar_one()
 
 
 @pytest.fixture(autouse=True)

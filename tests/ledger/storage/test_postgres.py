@@ -20,7 +20,7 @@ from ledger.storage.postgres import PostgresStorage
 from ledger.store import append_batch
 from ledger.verify import verify
 from tests.conftest import migrated_database_url
-from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.ledger.helpers import customer_with, key, money_snapshot, wait_until_a_session_waits_for_a_lock
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
 from tests.support.harness import wait_for
 
@@ -339,7 +339,7 @@ class TestPostgresStorage(StorageContract):
                     with engine.begin() as second:
                         return hl.place_holds(second, [PlaceHold(customer, 2 * USD, "mine"), PlaceHold(customer, USD, "raced")])
                 waiting = pool.submit(place_too)
-                wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)  # the second waits for the first
+                wait_until_a_session_waits_for_a_lock(engine)  # the second waits for the first
                 first.commit()
                 mine, raced = waiting.result(timeout=30)
         assert (mine.status, raced.status, raced.hold_id) == ("created", "exists", theirs.hold_id)
@@ -380,17 +380,10 @@ class TestPostgresStorage(StorageContract):
             storage.write_appended(first, self._batch(customer, counter, seq=1, key_="k-1", amount=5))
             with ThreadPoolExecutor(1) as pool, engine.begin() as second:
                 waiting = pool.submit(storage.lock_head_and_read, second, ["k-1"], [customer])
-                wait_for(lambda: _lock_waits(engine), timeout_s=30, interval_s=0.01)  # the second batch waits
+                wait_until_a_session_waits_for_a_lock(engine)  # the second batch waits
                 first.commit()
                 head = waiting.result(timeout=30)
         assert (head.last_seq, head.known_keys, head.balances) == (1, {"k-1": (b"d" * 32, 1, "CreditsGranted")}, {customer: 5})
-
-
-def _lock_waits(engine) -> int:
-    """Sessions of the test's database waiting for a lock."""
-    with engine.connect() as watcher:
-        return watcher.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                       "AND wait_event_type = 'Lock'").scalar_one()
 
 
 def _hold_rows(engine) -> dict[int, tuple[str, int]]:
