@@ -381,9 +381,8 @@ def prepare(command: Command, book: BookView) -> tuple[object, list[ev.Posting]]
     """The event this command produces and its postings, or a typed error: every
     rule that does not read a balance (`require_covered` is the rest)."""
     if isinstance(command, SettleRequest):  # one per request: before the rarer kinds are tried
-        event, postings = _settle(command, book)
-    else:
-        event, postings = _prepare_other(command, book)
+        return prepare_settlement(command, book)
+    event, postings = _prepare_other(command, book)
     if sum(map(_amount_of, postings)) != 0:
         raise InvariantBroken(f"{type(event).__name__} postings do not sum to zero")
     return event, postings
@@ -440,15 +439,20 @@ def _prepare_other(command: Command, book: BookView) -> tuple[object, list[ev.Po
     return event, postings
 
 
-def _settle(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, list[ev.Posting]]:
+def prepare_settlement(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, list[ev.Posting]]:
+    """`prepare` of a settlement, which a batch calls for most of its commands."""
     hold = book.hold(command.hold_id)
     if not hold.active:
         raise HoldNotActive(f"hold {hold.hold_id} is no longer active")
-    if command.charge_nano_usd > hold.amount_nano_usd:
-        raise CaptureExceedsHold(f"charge {command.charge_nano_usd} exceeds hold {hold.hold_id} of {hold.amount_nano_usd}")
-    _require_kind(book, command.owner_account_id, OWNER)
+    charge = command.charge_nano_usd
+    if charge > hold.amount_nano_usd:
+        raise CaptureExceedsHold(f"charge {charge} exceeds hold {hold.hold_id} of {hold.amount_nano_usd}")
+    if book.kind(command.owner_account_id) != OWNER:
+        _require_kind(book, command.owner_account_id, OWNER)
     platform = book.system_account(PLATFORM_REVENUE_ACCOUNT)
-    owner_nano_usd, platform_nano_usd = split_charge(command.charge_nano_usd)
+    owner_nano_usd, platform_nano_usd = split_charge(charge)
+    if owner_nano_usd + platform_nano_usd != charge:  # the postings' sum, as `prepare` checks any event's
+        raise InvariantBroken("RequestSettled postings do not sum to zero")
     # hold_id, customer_account_id, owner_account_id, charge_nano_usd, owner_nano_usd,
     # platform_nano_usd, released_nano_usd, request_id, meta: by position, once per request
     event = ev.settled_of((hold.hold_id, hold.account_id, command.owner_account_id, command.charge_nano_usd,
@@ -510,7 +514,10 @@ def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -
     credits alone; any other debit must also leave every active hold covered."""
     if isinstance(event, (ev.CreditsRefunded, ev.CreditsFrozen)):
         return  # the money has left (or is claimed) already; a shortfall is the customer's debt
-    settled_hold = getattr(event, "hold_id", None)
+    if type(event) is ev.RequestSettled:
+        if (shortfall := settlement_shortfall(book.balance(event.customer_account_id), event)) is not None:
+            raise shortfall
+        return
     for posting in postings:
         if posting.amount_nano_usd >= 0:
             continue
@@ -518,9 +525,20 @@ def require_covered(book: BookView, event: object, postings: list[ev.Posting]) -
         if kind not in NON_NEGATIVE_KINDS:
             continue
         after = book.balance(posting.account_id) + posting.amount_nano_usd
-        if kind == CUSTOMER and settled_hold is None:
+        if kind == CUSTOMER:  # outside a hold: every active hold must stay covered too
             after -= book.held(posting.account_id)
         if after < 0:
             raise InsufficientFunds(
                 f"account {posting.account_id} would go {-after} nano-USD below zero"
             )
+
+
+def settlement_shortfall(customer_balance_nano_usd: int, event: ev.RequestSettled) -> InsufficientFunds | None:
+    """`require_covered` of a settlement, returned rather than raised (a batch
+    checks most of its commands so): its debit is covered by its own hold, so
+    only its customer's credits are checked; its owner and the platform are
+    only credited."""
+    after = customer_balance_nano_usd - event.charge_nano_usd
+    if after < 0:
+        return InsufficientFunds(f"account {event.customer_account_id} would go {-after} nano-USD below zero")
+    return None

@@ -56,6 +56,7 @@ class _BatchBook:
         self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
         self.reversals: dict[int, int] = {}
         self.system: dict[str, int] = {}
+        self.others = False  # whether the batch holds any command but settlements
 
     def kind(self, account_id: int) -> str:
         try:
@@ -122,21 +123,24 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     book = _load_book(conn, commands)
     # A settlement that just closed its hold cannot have been appended before,
     # so only the others are looked up now; every key is checked again under the lock.
-    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if not _closes_hold(c, book)])
+    closing = _closing_holds(commands, book)
+    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if i not in closing])
     for i, result in answered.items():
         results[i] = result
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, texts, pending, book, results)
 
     every_key = not closing_keys_to_the_index or conn.info.pop(LOOK_UP_EVERY_KEY, False)
-    keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or not _closes_hold(commands[i], book)]
+    keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or i not in closing]
     storage = storage_of(conn)
     drafts = list(prepared.values())
     unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts],
                                          in_event_row=conn.info.get(POSTINGS_IN_EVENT_ROW_SEEN, False))
     head_seq, head_hash, in_event_row, late = _lock_and_read(conn, book, keyed, drafts)
-    if any(isinstance(commands[i], cmd.ReverseEvent) for i in prepared):
-        _load_reversals(conn, book, sorted({commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}))
+    if book.others:  # a batch of settlements alone reverses nothing
+        reversed_seqs = {commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}
+        if reversed_seqs:
+            _load_reversals(conn, book, sorted(reversed_seqs))
 
     seq, prev_hash, prev_hex = head_seq, head_hash, head_hash.hex()
     recorded_at = utc_now()
@@ -145,9 +149,13 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     holds_closed: dict[int, int] = {}
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
-    balances, chained_hash = book.balances, ev.chained_hash  # under the lock: each lookup saved counts twice
+    # Under the lock: each lookup saved counts twice.
+    balances, holds, closing, chained_hash, settled = book.balances, book.holds, book.closing, ev.chained_hash, ev.RequestSettled
     for drafted_at, (i, (event, postings, columns, hashed)) in enumerate(prepared.items()):
-        answer = late.get(i) or _refusal(book, event, postings)
+        if type(event) is settled:  # most of any batch: its rules and rows without a loop over its legs
+            answer = late.get(i) or cmd.settlement_shortfall(balances[event.customer_account_id], event)
+        else:
+            answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
             results[i] = answer
             continue
@@ -157,18 +165,26 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         hashes_hex.append(prev_hex)
         written.append(drafted_at)
         event_rows.append((seq, *columns, prev_hash, event_hash))
-        for leg, (account_id, amount) in enumerate(postings):
-            posting_rows.append((seq, leg, account_id, amount))
-            balances[account_id] += amount
-            touched.add(account_id)
-        if type(event) is ev.RequestSettled:
-            held = _add_hold_closed(holds_closed, book, event)
-            limit_id = book.closing.pop(event.hold_id).spend_limit_id
+        if type(event) is settled:
+            (customer, debit), (owner, owner_share), (platform, platform_share) = postings
+            posting_rows += [(seq, leg, *posting) for leg, posting in enumerate(postings)]
+            balances[customer] += debit
+            balances[owner] += owner_share
+            balances[platform] += platform_share
+            touched.update((customer, owner, platform))
+            held = holds[event.hold_id].amount_nano_usd  # the whole hold is closed, whatever it captured
+            holds_closed[customer] = holds_closed.get(customer, 0) + held
+            limit_id = closing.pop(event.hold_id).spend_limit_id
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
                 limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
-        elif isinstance(event, ev.EventReversed):
-            book.reversals[event.reversed_seq] = seq
+        else:
+            for leg, (account_id, amount) in enumerate(postings):
+                posting_rows.append((seq, leg, account_id, amount))
+                balances[account_id] += amount
+                touched.add(account_id)
+            if isinstance(event, ev.EventReversed):
+                book.reversals[event.reversed_seq] = seq
         prev_hash = event_hash
         results[i] = _append_result_of((CREATED, seq, columns[0]))
 
@@ -187,7 +203,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         mark_append(conn, WRITTEN)
     for i, first in same_batch.items():
         results[i] = _repeat_of(results[first], commands[i], digests[i] == digests[first])
-    if any(r is None for r in results):
+    if None in results:
         raise InvariantBroken("a command in the batch got no result")
     return results  # type: ignore[return-value]
 
@@ -200,8 +216,10 @@ def append_one(conn: Connection, command: cmd.Command) -> AppendResult:
     return result
 
 
-def _closes_hold(command: cmd.Command, book: _BatchBook) -> bool:
-    return isinstance(command, cmd.SettleRequest) and command.hold_id in book.closing
+def _closing_holds(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
+    """The indexes of the settlements whose holds this batch closed."""
+    closing, settle_type = book.closing, cmd.SettleRequest
+    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and c.hold_id in closing}
 
 
 def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> LedgerError | None:
@@ -225,6 +243,7 @@ class _Draft(NamedTuple):
 
 
 _draft_of = partial(tuple.__new__, _Draft)  # from a 4-tuple, as ev.posting_of: one per command
+_SETTLED = ev.RequestSettled.__name__
 
 
 def _prepare(commands, digests, texts, pending, book, results):
@@ -235,21 +254,28 @@ def _prepare(commands, digests, texts, pending, book, results):
     prepared: dict[int, _Draft] = {}
     first_by_key: dict[str, int] = {}
     same_batch: dict[int, int] = {}
+    holds, hold_view_of, prepare_settlement = book.holds, cmd.hold_view_of, cmd.prepare_settlement
     for i in pending:
-        key = commands[i].idempotency_key
+        command, settle = commands[i], texts[i]
+        key = command.idempotency_key
         if key in first_by_key:
             same_batch[i] = first_by_key[key]
             continue
         first_by_key[key] = i
         try:
-            event, postings = cmd.prepare(commands[i], book)
+            event, postings = cmd.prepare(command, book) if settle is None else prepare_settlement(command, book)
         except LedgerError as exc:
             results[i] = exc
             continue
-        if isinstance(event, ev.RequestSettled):  # a second settlement of it in this batch must fail
-            hold = book.holds[event.hold_id]
-            book.holds[event.hold_id] = cmd.hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd, False))
-        prepared[i] = _draft(event, postings, key, digests[i], texts[i])
+        if settle is None:
+            prepared[i] = _draft(event, postings, key, digests[i])
+            if not isinstance(event, ev.RequestSettled):
+                continue
+        else:
+            payload_json, hashed = settled_texts(event, postings, settle)
+            prepared[i] = _draft_of((event, postings, (_SETTLED, payload_json, key, settle.digest, None), hashed))
+        hold = holds[event.hold_id]  # a second settlement of it in this batch must fail
+        holds[event.hold_id] = hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd, False))
     return prepared, same_batch
 
 
@@ -259,14 +285,11 @@ def _texts_and_digests(commands: list[cmd.Command]) -> tuple[list[SettleTexts | 
     return texts, [cmd.command_digest(c) if t is None else t.digest for c, t in zip(commands, texts)]
 
 
-def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes, texts: SettleTexts | None) -> _Draft:
-    """`texts`: a settlement's, written directly (ledger.settlement_texts); None: any event, through its fields."""
+def _draft(event: object, postings: list[ev.Posting], key: str, digest: bytes) -> _Draft:
+    """Any event's, through its fields (a settlement's texts are written directly: ledger.settlement_texts)."""
     event_type = type(event).__name__
-    if texts is not None:
-        payload_json, hashed = settled_texts(event, postings, texts)
-    else:
-        payload_json = ev.canonical_json(ev.event_payload(event))
-        hashed = ev.hashed_parts(event_type, key, payload_json, postings)
+    payload_json = ev.canonical_json(ev.event_payload(event))
+    hashed = ev.hashed_parts(event_type, key, payload_json, postings)
     return _draft_of((event, postings, (event_type, payload_json, key, digest, getattr(event, "reversed_seq", None)), hashed))
 
 
@@ -312,6 +335,7 @@ def _load_book(conn: Connection, commands: list[cmd.Command]) -> _BatchBook:
     # Settlements, most of any batch, name no counter-account and no event: the rarer kinds are looked at alone.
     settles = [c for c in commands if type(c) is cmd.SettleRequest]
     others = [c for c in commands if type(c) is not cmd.SettleRequest] if len(settles) < len(commands) else []
+    book.others = bool(others)
     codes = {getattr(c, name) for c in others for name in ("counter_account", "frozen_account") if hasattr(c, name)}
     if not facts.system or not codes <= facts.system.keys():  # a counter-account made since (one per chain)
         facts.system = dict(conn.execute(select(accounts.c.system_code, accounts.c.id).where(accounts.c.system_code.is_not(None))).all())
@@ -381,13 +405,6 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
-def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> int:
-    """Count the whole of the settled hold as closed for its customer; returns its amount."""
-    held = book.holds[event.hold_id].amount_nano_usd
-    holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
-    return held
-
-
 def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, bool, dict]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
@@ -395,14 +412,18 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     hold (their hold rows locked). Returns (last seq, last hash, whether the
     postings go in the event row, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
+    add_account, holds, settled = account_ids.add, book.holds, ev.RequestSettled
     holds_closed: dict[int, int] = {}  # if no settlement is refused under the lock
     for event, postings, *_ in prepared:
-        settles = isinstance(event, ev.RequestSettled)
-        if settles:
-            _add_hold_closed(holds_closed, book, event)
+        if type(event) is settled:  # its debit is its hold's: no customer's holds to lock for it
+            customer = event.customer_account_id
+            holds_closed[customer] = holds_closed.get(customer, 0) + holds[event.hold_id].amount_nano_usd
+            for account_id, _ in postings:
+                add_account(account_id)
+            continue
         for p in postings:
-            account_ids.add(p.account_id)
-            if p.amount_nano_usd < 0 and not settles and book.kinds.get(p.account_id) == cmd.CUSTOMER:
+            add_account(p.account_id)
+            if p.amount_nano_usd < 0 and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
     head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids), holds_closed)
     mark_append(conn, LOCK_TAKEN)

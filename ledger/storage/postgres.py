@@ -404,7 +404,11 @@ class PostgresStorage(Storage):
                 legs = [""]
                 for leg, (account_id, amount) in enumerate(postings):
                     legs.append(f"\t{leg}\t{account_id}\t{amount}\n")
-            drafted.append((f"\t{event_type}\t{_copy_text(payload)}\t{_copy_text(key)}\t{_copy_bytea(digest)}"
+            # Most texts need no escape: tested here, not in a call per text. A
+            # payload is JSON, whose control characters are escaped: a backslash is all it can hold.
+            if not (key.isprintable() and "\\" not in payload and "\\" not in key):
+                payload, key = _copy_text(payload), _copy_text(key)
+            drafted.append((f"\t{event_type}\t{payload}\t{key}\t{_COPY_BYTEA_HEX}{digest.hex()}"
                             f"\t{_COPY_NULL if reverses is None else reverses}\t{_COPY_BYTEA_HEX}", legs))
         return drafted
 
@@ -629,10 +633,6 @@ def _postings_columns(postings: list[tuple[int, int]]) -> str:
     if not postings:
         return f"\t{_COPY_NULL}\t{_COPY_NULL}"
     return "\t{" + ",".join([str(p[0]) for p in postings]) + "}\t{" + ",".join([str(p[1]) for p in postings]) + "}"
-
-
-def _copy_bytea(value: bytes) -> str:
-    return _COPY_BYTEA_HEX + value.hex()
 
 
 def _copy(cursor, sql: str, text: str) -> None:

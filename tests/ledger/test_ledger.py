@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import select, text
 
 from ledger import commands as cmd
+from ledger.accounts import create_system_account
 from ledger.errors import (
     CaptureExceedsHold,
     HoldNotActive,
@@ -133,6 +134,32 @@ def test_a_hold_cannot_be_settled_twice_nor_beyond_its_amount(ledger, engine):
     with pytest.raises(HoldNotActive):
         ledger.append(cmd.SettleRequest(987_654, owner, 1, "r", key(), {}))
     assert money_snapshot(engine) == before
+
+
+def test_a_settlement_charging_more_than_the_credits_a_refund_left_is_refused_and_moves_nothing(ledger, engine):
+    """A refund takes credits whatever holds are placed (the money has left).
+    Settlements are then checked against the credits left, under the append
+    lock and after each other: one charging more is refused and its hold stays
+    to be released; one charging exactly what is left is appended, and the
+    next one, finding nothing left, is refused."""
+    with engine.begin() as conn:
+        create_system_account(conn, "external:card", "Card payments")
+    customer = customer_with(ledger, 12 * USD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    holds = [ledger.place_hold(PlaceHold(customer, 4 * USD, key("hold"))) for _ in range(3)]
+    ledger.append(cmd.RefundCredits(customer, 9 * USD, "card", "re_1", "external:card", key("refund")))
+    before = money_snapshot(engine)
+    with pytest.raises(InsufficientFunds):
+        ledger.append(cmd.SettleRequest(holds[0].hold_id, owner, 3 * USD + 1, "r0", key("settle"), {}))
+    assert money_snapshot(engine) == before, "nothing moved and the hold is still active"
+    exact, after_it = (ledger.appender.submit(cmd.SettleRequest(hold.hold_id, owner, charge, f"r{i}", key("settle"), {}))
+                       for i, (hold, charge) in enumerate([(holds[1], 3 * USD), (holds[2], 1)], start=1))
+    assert exact.result().status == "created"
+    with pytest.raises(InsufficientFunds):
+        after_it.result()
+    assert ledger.balance(customer).balance_nano_usd == 0
+    with engine.connect() as conn:
+        assert verify(conn).ok
 
 
 # Characters a database's bulk formats treat specially: tab, newline, carriage

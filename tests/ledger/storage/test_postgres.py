@@ -1,6 +1,7 @@
 """The storage contract on PostgreSQL, and what only PostgreSQL's storage promises."""
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
@@ -17,10 +18,12 @@ from ledger.service import Ledger, append_now
 from ledger.storage import postgres
 from ledger.storage.base import LOOK_UP_EVERY_KEY
 from ledger.storage.postgres import PostgresStorage
-from ledger.store import append_batch
+from ledger.log import read_events
+from ledger.store import append_batch, set_postings_in_event_row
 from ledger.verify import verify
 from tests.conftest import migrated_database_url
 from tests.ledger.helpers import customer_with, key, money_snapshot, wait_until_a_session_waits_for_a_lock
+from tests.ledger.test_ledger import AWKWARD_TEXT
 from tests.ledger.storage.contract import PLACEMENT_ANSWERS, StorageContract, _placement
 from tests.support.harness import wait_for
 
@@ -164,6 +167,44 @@ class TestPostgresStorage(StorageContract):
         assert after["balances"][customer] == before["balances"][customer] - settlements * USD // 4
         with engine.connect() as conn:
             assert verify(conn).ok
+
+    @pytest.mark.parametrize("in_event_row", [False, True])
+    def test_awkward_texts_copied_in_a_large_batch_are_stored_as_given_and_verify(self, engine, storage, monkeypatch, in_event_row):
+        """COPY's text format escapes a backslash, tab, newline and carriage
+        return; a batch large enough to be copied carries them in its keys,
+        request ids and metadata beside plain ones, in either postings layout."""
+        copies = []
+        copy = postgres._copy
+        monkeypatch.setattr(postgres, "_copy", lambda cursor, sql, text: copies.append(sql) or copy(cursor, sql, text))
+        with engine.begin() as conn:
+            set_postings_in_event_row(conn, in_event_row)
+        count = max(EVENTS_INSERTED_WITH_COMMIT_MAX + 1, 3 * 6)  # every text in every field
+        customer, owner, placed = self._holds(engine, count)
+        # Each special character alone too, and in one field at a time: the
+        # key, the request id, the metadata (the last two inside the payload).
+        awkward = [AWKWARD_TEXT, "tab\tonly", "line\nbreak", "carriage\rreturn", "back\\slash", "\\."]
+        settles = []
+        for i, h in enumerate(placed):
+            text, field = awkward[i // 3 % len(awkward)], i % 3
+            settles.append(cmd.SettleRequest(h.hold_id, owner, USD // 4, f"{text if field == 1 else 'plain'} r{i}",
+                                             f"{text if field == 0 else 'plain'} s{i} " + key("s"),
+                                             {"model": text if field == 2 else "plain"}))
+        before = money_snapshot(engine)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            with conn.begin():
+                storage.begin_durable_batch(conn)
+                results = append_batch(conn, settles, closing_keys_to_the_index=True)
+                storage.commit_and_wait_for_flush(conn)
+        assert copies and [r.status for r in results] == ["created"] * count
+        with engine.connect() as conn:
+            stored = {e.seq: e for e in read_events(conn, results[0].seq - 1, count)}
+            assert verify(conn).ok
+        for settle, result in zip(settles, results):
+            event = stored[result.seq]
+            assert event.idempotency_key == settle.idempotency_key
+            payload = json.loads(event.payload_json)
+            assert (payload["request_id"], payload["meta"]) == (settle.request_id, settle.meta)
+        assert money_snapshot(engine)["balances"][customer] == before["balances"][customer] - count * USD // 4
 
     def test_events_kept_for_the_commit_whose_key_was_taken_are_refused_at_the_next_appends_lock(self, engine, storage):
         """A second append in the same durable batch sends the first one's
