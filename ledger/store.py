@@ -150,7 +150,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
     # Under the lock: each lookup saved counts twice.
-    balances, holds, closing, chained_hash, settled = book.balances, book.holds, book.closing, ev.chained_hash, ev.RequestSettled
+    balances, closing, chained_hash, settled = book.balances, book.closing, ev.chained_hash, ev.RequestSettled
     for drafted_at, (i, (event, postings, columns, hashed)) in enumerate(prepared.items()):
         if type(event) is settled:  # most of any batch: its rules and rows without a loop over its legs
             answer = late.get(i) or cmd.settlement_shortfall(balances[event.customer_account_id], event)
@@ -172,8 +172,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
             balances[owner] += owner_share
             balances[platform] += platform_share
             touched.update((customer, owner, platform))
-            held = holds[event.hold_id].amount_nano_usd  # the whole hold is closed, whatever it captured
-            holds_closed[customer] = holds_closed.get(customer, 0) + held
+            held = _add_hold_closed(holds_closed, book, event)
             limit_id = closing.pop(event.hold_id).spend_limit_id
             if limit_id is not None:
                 spent, closed = limit_usage.get(limit_id, (0, 0))
@@ -405,6 +404,13 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
+def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> int:
+    """Count the whole of the settled hold as closed for its customer, whatever it captured; returns its amount."""
+    held = book.holds[event.hold_id].amount_nano_usd
+    holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
+    return held
+
+
 def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, bool, dict]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
@@ -412,12 +418,11 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     hold (their hold rows locked). Returns (last seq, last hash, whether the
     postings go in the event row, answers for late keys)."""
     account_ids, debited_outside_hold = set(), set()
-    add_account, holds, settled = account_ids.add, book.holds, ev.RequestSettled
+    add_account, settled = account_ids.add, ev.RequestSettled
     holds_closed: dict[int, int] = {}  # if no settlement is refused under the lock
     for event, postings, *_ in prepared:
         if type(event) is settled:  # its debit is its hold's: no customer's holds to lock for it
-            customer = event.customer_account_id
-            holds_closed[customer] = holds_closed.get(customer, 0) + holds[event.hold_id].amount_nano_usd
+            _add_hold_closed(holds_closed, book, event)
             for account_id, _ in postings:
                 add_account(account_id)
             continue
