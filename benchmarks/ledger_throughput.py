@@ -11,6 +11,9 @@ default), and the ratio is what to read: this machine is shared and absolute
 numbers drift. Each round's ratio is to the pgbench windows on either side
 of it; a single window moved by a fifth from one to the next here, so the
 round with the median ratio is reported, with every round's ratio beside it.
+Beside the ratio: the CPU a settlement used in all (the producers' processes
+and PostgreSQL's), and the most it may use for the target ratio with every
+core busy (`cpu_us_per_settlement_budget_at_target`).
 
     python benchmarks/ledger_throughput.py --database-url postgresql://postgres@127.0.0.1:5432/postgres --json
 
@@ -65,6 +68,9 @@ HOLD_NANO_USD = 5_000_000
 # Holds placed before the clock starts (--holds-placed-before), per second of
 # lead time given to place them.
 HOLDS_PLACED_AHEAD_PER_S = 20_000
+# The ratio to pgbench the ledger aims at (closed loop): each run says how much
+# CPU a settlement may use for it, every core busy, beside what it used.
+TARGET_RATIO_TO_PGBENCH = 10
 # Open loop: how often the arrivals due are started (each tick starts every one due by then).
 ARRIVAL_TICK_S = 0.001
 # Open loop: a rate is held when 99% of its requests settle within this many
@@ -435,6 +441,11 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         "postgres_cpu_us_per_settlement_by_role": (
             sampler.cpu_us_per_settlement_by_role(postgres_cpu_s, settled) if postgres_cpu_s is not None else None
         ),
+        # The ledger's whole cost, to hold against the budget the target leaves (main).
+        "cpu_us_per_settlement_in_all": (
+            round((sum(part["cpu_s"] for part in parts) + sum(postgres_cpu_s.values())) / max(settled, 1) * 1e6, 1)
+            if postgres_cpu_s is not None else None
+        ),
         **bytes_per_settlement(disk_started, disk_used, settled),
         "machine_idle_share": round(machine_idle_share, 3),
         "appender_backend_time_shares": appender_time_shares,
@@ -529,6 +540,9 @@ def main() -> None:
         pgbench_tps_after=round(tps[reported + 1], 1),
         ratio_to_pgbench_tps=ratios[reported],
         ratio_to_pgbench_tps_by_round=ratios,
+        cpu_us_per_settlement_budget_at_target=round(
+            (os.cpu_count() or 1) * 1e6 / (TARGET_RATIO_TO_PGBENCH * (tps[reported] + tps[reported + 1]) / 2), 1),
+        target_ratio_to_pgbench=TARGET_RATIO_TO_PGBENCH,
         settlements_per_s_by_round=[part["settlements_per_s"] for part in rounds],
         pgbench_tps_by_window=[round(t, 1) for t in tps],
         reported_round=reported + 1,  # the median ratio (closed loop), or the highest rate held (open loop)
