@@ -407,7 +407,7 @@ class PostgresStorage(Storage):
             # Most texts need no escape: tested here, not in a call per text. A
             # payload is JSON, whose control characters are escaped: a backslash is all it can hold.
             if not (key.isprintable() and "\\" not in payload and "\\" not in key):
-                payload, key = _copy_text(payload), _copy_text(key)
+                payload, key = payload.translate(_COPY_ESCAPES), key.translate(_COPY_ESCAPES)
             drafted.append((f"\t{event_type}\t{payload}\t{key}\t{_COPY_BYTEA_HEX}{digest.hex()}"
                             f"\t{_COPY_NULL if reverses is None else reverses}\t{_COPY_BYTEA_HEX}", legs))
         return drafted
@@ -615,13 +615,6 @@ def _raise_head_refused_or(exc: BaseException, statement: str | None, wrapped: D
     if wrapped is not None:
         raise wrapped
     raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
-
-
-def _copy_text(value: str) -> str:
-    # str.translate looks every character up in Python; most texts need no escape at all.
-    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
-        return value.translate(_COPY_ESCAPES)
-    return value
 
 
 def _postings_columns(postings: list[tuple[int, int]]) -> str:

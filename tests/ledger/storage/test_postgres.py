@@ -37,6 +37,14 @@ class TestPostgresStorage(StorageContract):
     def storage_url(self, request, tmp_path) -> str:
         return migrated_database_url(request, "postgresql", tmp_path)
 
+    @pytest.fixture
+    def copies(self, monkeypatch) -> list[str]:
+        """The COPY statements the storage runs, as they run."""
+        copied = []
+        copy = postgres._copy
+        monkeypatch.setattr(postgres, "_copy", lambda cursor, sql, text: copied.append(sql) or copy(cursor, sql, text))
+        return copied
+
     def test_it_is_the_postgres_storage(self, storage):
         assert isinstance(storage, PostgresStorage) and storage.holds_in_one_statement
 
@@ -145,13 +153,10 @@ class TestPostgresStorage(StorageContract):
 
     @pytest.mark.parametrize("settlements", [1, EVENTS_INSERTED_WITH_COMMIT_MAX, EVENTS_INSERTED_WITH_COMMIT_MAX + 1])
     def test_a_small_durable_batch_sends_its_events_with_its_commit_and_a_larger_one_copies_them(
-            self, engine, storage, monkeypatch, settlements):
+            self, engine, storage, copies, settlements):
         """A COPY costs two round trips: up to EVENTS_INSERTED_WITH_COMMIT_MAX
         events travel as an INSERT in the COMMIT's query instead. Either way
         each settlement is appended once, the balances move and the chain verifies."""
-        copies = []
-        copy = postgres._copy
-        monkeypatch.setattr(postgres, "_copy", lambda cursor, sql, text: copies.append(sql) or copy(cursor, sql, text))
         customer, owner, placed = self._holds(engine, settlements)
         before = money_snapshot(engine)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -169,13 +174,10 @@ class TestPostgresStorage(StorageContract):
             assert verify(conn).ok
 
     @pytest.mark.parametrize("in_event_row", [False, True])
-    def test_awkward_texts_copied_in_a_large_batch_are_stored_as_given_and_verify(self, engine, storage, monkeypatch, in_event_row):
+    def test_awkward_texts_copied_in_a_large_batch_are_stored_as_given_and_verify(self, engine, storage, copies, in_event_row):
         """COPY's text format escapes a backslash, tab, newline and carriage
         return; a batch large enough to be copied carries them in its keys,
         request ids and metadata beside plain ones, in either postings layout."""
-        copies = []
-        copy = postgres._copy
-        monkeypatch.setattr(postgres, "_copy", lambda cursor, sql, text: copies.append(sql) or copy(cursor, sql, text))
         with engine.begin() as conn:
             set_postings_in_event_row(conn, in_event_row)
         count = max(EVENTS_INSERTED_WITH_COMMIT_MAX + 1, 3 * 6)  # every text in every field
