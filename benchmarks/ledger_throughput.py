@@ -21,7 +21,9 @@ With --holds-placed-before N, each producer's first N holds are placed before
 the clock starts: what settlements per second would be if placing a hold cost
 nothing (the most that holds kept off the database could give). With
 --random-request-ids, request ids are random (UUIDv4), as the proxy made them
-before they were ordered by time.
+before they were ordered by time. With --flush-delay-ms MS, each flush
+barrier of the ledger's writers sleeps MS on the server first: the ledger as
+it runs on a disk whose flush is that much slower (pgbench's is not slowed).
 
 The database in the URL is only used to create (and finally drop) scratch
 databases of the benchmark's own.
@@ -54,9 +56,10 @@ from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.hold_commands import settlement_key  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
-from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT  # noqa: E402
+from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, MS_PER_S  # noqa: E402
 from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid, random_request_id  # noqa: E402
 from ledger.service import Ledger  # noqa: E402
+from ledger.storage import postgres as pg_storage  # noqa: E402
 from ledger.store import set_postings_in_event_row  # noqa: E402
 from ledger.verify import verify  # noqa: E402
 from proxy.request_ids import new_request_id  # noqa: E402
@@ -131,10 +134,11 @@ def bytes_per_settlement(before: tuple, after: tuple, settled: int) -> dict:
 # Every other client backend of the scratch database, and what each is doing:
 # the holds' writers are those seen calling paralon_place_holds, the appenders
 # those seen running an append's statements (the close of holds, the head's
-# lock and move, the events' COPY); an appender inside a batch is not idle.
+# lock and move, the events' COPY), the flush waiters those seen running the
+# flush barrier; an appender inside a batch is not idle.
 _BACKENDS = """
 SELECT pid, query LIKE '%%paralon_place_holds%%', query ~ 'DELETE FROM holds|ledger_head|COPY ledger_events',
-       state, wait_event_type, wait_event FROM pg_stat_activity
+       query LIKE '%%paralon-flush%%', state, wait_event_type, wait_event FROM pg_stat_activity
 WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
 """
 APPENDER_STATES = ("waiting_for_append_lock", "flushing_wal", "executing", "client_in_transaction")
@@ -169,9 +173,11 @@ class AppenderSampler(threading.Thread):
     def run(self) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             while not self.stopping.wait(self.interval_s):
-                for pid, places_holds, appends, state, *waits in conn.execute(_BACKENDS):
+                for pid, places_holds, appends, waits_for_flush, state, *waits in conn.execute(_BACKENDS):
                     if places_holds:
                         self.holder_pids.add(pid)
+                    elif waits_for_flush:  # the appenders' flush waiter: its CPU is theirs; it is never inside a batch
+                        self.appender_pids.add(pid)
                     elif appends:
                         self.appender_pids.add(pid)
                         if state != "idle":
@@ -270,7 +276,10 @@ async def open_loop(ledger: Ledger, roles: list[tuple[int, int]], rate_per_s: fl
 
 async def _process_load(url: str, producers: int, customers: list[int], owners: list[int],
                         start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
-                        flush_after_commit: bool, holds_ahead: int, random_ids: bool, rate_per_s: float | None) -> dict:
+                        flush_after_commit: bool, holds_ahead: int, random_ids: bool, rate_per_s: float | None,
+                        flush_delay_ms: float) -> dict:
+    if flush_delay_ms:  # a slower disk's flush: each of this process's flush barriers sleeps on the server first
+        pg_storage._FLUSH_BARRIER = f"SELECT pg_sleep({flush_delay_ms / MS_PER_S});\n{pg_storage._FLUSH_BARRIER}"
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
     latencies_ms: list[float] = []
@@ -283,7 +292,8 @@ async def _process_load(url: str, producers: int, customers: list[int], owners: 
         raise RuntimeError("the holds placed before the clock took longer than their lead time: give fewer")
     await asyncio.sleep(max(0.0, start_at - time.time()))
     threads = {"event_loop": threading.get_native_id(), "appender": ledger.appender.native_thread_id,
-               "holder": ledger.holder.native_thread_id}
+               "holder": ledger.holder.native_thread_id, "flush_waiter": ledger.appender.flush_thread_id}
+    threads = {name: tid for name, tid in threads.items() if tid is not None}  # none where the writer does not wait for the flush after its commit
     thread_cpu_started = {name: thread_cpu_s(tid) for name, tid in threads.items()}
     cpu_started, lock_held_started_s = time.process_time(), ledger.appender.append_lock_held_s
     hold_batches_started = ledger.holder.batches_committed
@@ -352,7 +362,7 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
              postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0,
-             random_ids: bool = False, rate_per_s: float | None = None) -> dict:
+             random_ids: bool = False, rate_per_s: float | None = None, flush_delay_ms: float = 0.0) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be;
     with `rate_per_s`, requests arriving at that rate in all instead."""
     engine = make_engine(url, pool_size=4)
@@ -377,7 +387,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     start_at = time.time() + 3.0 + holds_ahead * producers / HOLDS_PLACED_AHEAD_PER_S
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     jobs = [(url, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
-             holds_ahead, random_ids, None if rate_per_s is None else rate_per_s / processes)] * processes
+             holds_ahead, random_ids, None if rate_per_s is None else rate_per_s / processes, flush_delay_ms)] * processes
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
@@ -420,10 +430,11 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         # Non-zero with --holds-placed-before: producers ran out of the holds placed ahead.
         "holds_placed_in_window": placed_in_window,
         "producer_cpu_us_per_settlement": round(sum(part["cpu_s"] for part in parts) / max(settled, 1) * 1e6, 1),
-        # The same CPU by thread: the callers' event loop, the durable writer, the holds' writer.
+        # The same CPU by thread: the callers' event loop, the durable writer,
+        # the holds' writer, the durable writer's flush waiter.
         "producer_cpu_us_per_settlement_by_thread": {
             name: round(sum(part["thread_cpu_s"][name] for part in parts) / max(settled, 1) * 1e6, 1)
-            for name in ("event_loop", "appender", "holder")
+            for name in parts[0]["thread_cpu_s"]
         },
         # The append lock is held by one process at a time: a share near 1 means
         # the lock, not the cores, is what limits settlements per second.
@@ -491,6 +502,9 @@ def main() -> None:
                         help="place each producer's first N holds before the clock starts (what free holds would give)")
     parser.add_argument("--flush-under-lock", action="store_true",
                         help="the durable writer waits for each batch's flush before it frees the append lock (as before)")
+    parser.add_argument("--flush-delay-ms", type=float, default=0.0, metavar="MS",
+                        help="each flush barrier of the ledger's writers sleeps this long on the server first: "
+                             "a slower disk's flush (pgbench's commits are not slowed)")
     parser.add_argument("--random-request-ids", action="store_true", help="request ids as the proxy made them before: UUIDv4")
     parser.add_argument("--arrivals-per-s", type=float, nargs="+", metavar="RATE",
                         help="open loop: requests arrive at each RATE in turn (one round each, instead of --rounds "
@@ -520,7 +534,8 @@ def main() -> None:
             rounds.append(run_load(scratch.url.render_as_string(hide_password=False), args.processes, args.producers,
                                    args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                                    not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
-                                   flush_after_commit(args), args.holds_placed_before, args.random_request_ids, rate))
+                                   flush_after_commit(args), args.holds_placed_before, args.random_request_ids, rate,
+                                   args.flush_delay_ms))
         log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s, p99 {rounds[-1]['settle_latency_ms_p99']:.0f} ms; pgbench ...")
         tps.append(pgbench_tps(args.database_url, int(args.seconds)))
         if rate is not None and not held(rounds[-1], args.latency_bound_ms):
@@ -560,6 +575,7 @@ def main() -> None:
         flush_after_commit=flush_after_commit(args),
         holds_placed_before=args.holds_placed_before,
         random_request_ids=args.random_request_ids,
+        flush_delay_ms=args.flush_delay_ms,
     )
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -6,6 +6,7 @@ happens there.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from sqlalchemy import Connection, Engine
@@ -21,7 +22,9 @@ from ledger.storage.sqlite import SqliteStorage
 
 __all__ = ["APPEND_MARKS", "CHAINED", "COMMITTED", "LOCK_TAKEN", "WRITTEN", "mark_append", "BadDatabaseUrl", "STORAGES",
            "DATABASE_ERRORS", "normalise_url", "make_engine", "storage_of", "is_postgres", "snapshot_connection",
-           "is_connection_failure"]
+           "is_connection_failure", "discard_connection"]
+
+log = logging.getLogger(__name__)
 
 STORAGES: tuple[Storage, ...] = (PostgresStorage(), SqliteStorage())
 # In a connection's `info`: the moments (`time.perf_counter()`) its append
@@ -60,6 +63,17 @@ def is_connection_failure(exc: BaseException) -> bool:
             return True
         exc = exc.orig
     return any(storage.is_connection_error(exc) for storage in STORAGES)
+
+
+def discard_connection(conn: Connection | None) -> None:
+    """The connection failed: the pool must never hand it out again."""
+    if conn is None:
+        return
+    try:
+        conn.invalidate()
+        conn.close()
+    except Exception:  # it is gone either way
+        log.debug("closing a failed connection", exc_info=True)
 
 
 def storage_of(conn_or_engine: Connection | Engine) -> Storage:

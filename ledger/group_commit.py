@@ -14,6 +14,11 @@ failure is found, not repeated. While the database stays away its callers
 get `DatabaseUnavailable` at once, and the first batch after it comes back
 connects again by itself.
 
+On PostgreSQL a durable writer commits without waiting for the WAL flush and
+hands the batch to its flush waiter (ledger.flush_waiter), which answers the
+callers once a flush barrier vouches for the commit; the writer meanwhile
+runs its next batch.
+
 Async callers are woken with one `call_soon_threadsafe` per batch, not one per
 command: at tens of thousands of commands a second, that is the difference.
 """
@@ -30,8 +35,9 @@ from typing import Callable, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ledger.db import APPEND_MARKS, COMMITTED, is_connection_failure, storage_of
+from ledger.db import APPEND_MARKS, COMMITTED, discard_connection, is_connection_failure, storage_of
 from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, LedgerError, WriterClosed, WriterOverloaded, first_line
+from ledger.flush_waiter import Committed, FlushWaiter
 from ledger.limits import (  # noqa: F401 (the defaults are this module's API too)
     BATCH_QUIET_MS_DEFAULT,
     BATCH_SIZE_MAX_DEFAULT,
@@ -75,9 +81,9 @@ class GroupCommitWriter(Generic[C, R]):
         # trip in all, the statement being its own transaction.
         self._autocommit = autocommit
         self._conn: Connection | None = None  # kept for the thread's life: no pool check-out per batch
-        # Commit without waiting for the WAL flush, then wait for it before
-        # answering: the append lock (a row lock, held to the end of the
-        # commit) is then free for the next batch while this one's flush runs.
+        # Commit without waiting for the WAL flush, and answer once it is
+        # flushed: the append lock (a row lock, held to the end of the commit)
+        # is then free for the next batch while this one's flush runs.
         self._flush_after_commit = flush_after_commit
         self._validate = validate
         self.batch_size_max = batch_size_max
@@ -90,6 +96,13 @@ class GroupCommitWriter(Generic[C, R]):
         self._ready = threading.Condition(self._queue_lock)
         self._closed = False
         self._database_away = False  # the last batch could not reach it: the next one tries once only
+        # Batches whose wait for the flush lost its connection, with how many
+        # times each ran again: run before the queue.
+        self._reruns: deque[tuple[list, int]] = deque()
+        self._in_flush = 0  # batches handed to the flush waiter, not answered nor handed back yet
+        self._flush_connection_suspect = False  # the writer's connection failed: the flush waiter's may have too
+        self._flush_waiter = FlushWaiter(engine, name=f"{name}-flush", flushed=self._flushed, lost=self._flush_lost,
+                                         refused=self._flush_refused) if flush_after_commit and not self._storage.commits_flushed else None
         self.batches_committed = 0
         self.commands_committed = 0
         # Seconds the committed batches held the append lock, by what it was
@@ -110,6 +123,11 @@ class GroupCommitWriter(Generic[C, R]):
     def native_thread_id(self) -> int | None:
         """The writer thread's id in the operating system (for per-thread CPU)."""
         return self._thread.native_id
+
+    @property
+    def flush_thread_id(self) -> int | None:
+        """The flush waiter's thread id in the operating system, if the writer has one."""
+        return self._flush_waiter.native_thread_id if self._flush_waiter is not None else None
 
     def _put(self, command: C, waiter) -> None:
         if self._closed:
@@ -145,40 +163,89 @@ class GroupCommitWriter(Generic[C, R]):
         return future
 
     def close(self, timeout_s: float = WRITER_CLOSE_WAIT_S) -> None:
-        """Finish what is queued, then stop."""
+        """Finish what is queued, answer it, then stop."""
         with self._ready:
             if self._closed:
                 return
             self._closed = True
             self._ready.notify()
         self._thread.join(timeout_s)
+        if self._flush_waiter is not None:
+            self._flush_waiter.close(timeout_s)
 
-    def _take_batch(self) -> list:
+    def _take_batch(self) -> tuple[list, int]:
+        """The next batch and how many times it ran before; none once closed
+        with nothing queued and nothing waiting for its flush."""
         with self._ready:
-            while not self._queue:
-                if self._closed:
-                    return []
+            while not self._queue and not self._reruns:
+                if self._closed and not self._in_flush:
+                    return [], 0
                 self._ready.wait()
+            if self._reruns:
+                return self._reruns.popleft()
             if self.batch_wait_s and len(self._queue) < self.batch_size_max and not self._closed:
                 deadline = time.monotonic() + self.batch_wait_s
                 while len(self._queue) < self.batch_size_max and (remaining := deadline - time.monotonic()) > 0:
                     queued = len(self._queue)
-                    self._ready.wait(min(remaining, self.batch_quiet_s))  # no one notifies a queue already waited on
-                    if len(self._queue) == queued:
+                    # Callers notify an empty queue only; the flush waiter, any time.
+                    if not self._ready.wait(min(remaining, self.batch_quiet_s)) and len(self._queue) == queued:
                         break  # nothing arrived for batch_quiet_ms
             count = min(len(self._queue), self.batch_size_max)
-            return [self._queue.popleft() for _ in range(count)]
+            return [self._queue.popleft() for _ in range(count)], 0
 
     def _run(self) -> None:
         try:
-            while batch := self._take_batch():
-                self._commit(batch)
+            while True:
+                batch, reruns = self._take_batch()
+                if not batch:
+                    break
+                self._commit(batch, reruns)
         finally:
             if self._conn is not None:
                 self._conn.close()
 
-    def _commit(self, batch: list) -> None:
-        _deliver(batch, self._apply_with_retries([command for command, _ in batch]))
+    def _commit(self, batch: list, reruns: int) -> None:
+        if reruns:  # its wait for the flush lost its connection: give the database the time a reconnection would
+            time.sleep(DATABASE_RETRY_WAITS_S[reruns - 1])
+        results, epoch = self._apply_with_retries([command for command, _ in batch], DATABASE_RETRY_WAITS_S[reruns:])
+        if epoch is None or self._flush_waiter is None:
+            _deliver(batch, results)
+            return
+        with self._queue_lock:
+            self._in_flush += 1
+        self._flush_waiter.hand(Committed(batch, results, reruns, epoch))
+
+    # The flush waiter's answers, on its thread. Even a batch that wrote
+    # nothing may answer from another writer's commit not flushed yet: every
+    # committed batch waits for a flush.
+    def _flushed(self, handed: list[Committed]) -> None:
+        for committed in handed:
+            _deliver(committed.batch, committed.results)
+        self._leave_flush(handed, [])
+
+    def _flush_lost(self, handed: list[Committed], exc: BaseException | None) -> None:
+        """Each batch runs again (its keys find what committed), as many times
+        in all as a lost connection would; then its callers hear that the
+        database is unavailable."""
+        again = [(c.batch, c.reruns + 1) for c in handed if c.reruns < len(DATABASE_RETRY_WAITS_S)]
+        why = first_line(exc) if exc is not None else "its connections keep changing"
+        for committed in handed:
+            if committed.reruns >= len(DATABASE_RETRY_WAITS_S):
+                _deliver(committed.batch, [DatabaseUnavailable(f"the database is unavailable: {why}")] * len(committed.batch))
+        self._leave_flush(handed, again)
+
+    def _flush_refused(self, handed: list[Committed], exc: BaseException) -> None:
+        """Committed, perhaps, but not known durable: no caller may be told it
+        is done, nor that it failed; each is told to send it again."""
+        for committed in handed:
+            _deliver(committed.batch, [FlushNotConfirmed()] * len(committed.batch))
+        self._leave_flush(handed, [])
+
+    def _leave_flush(self, handed: list[Committed], again: list[tuple[list, int]]) -> None:
+        with self._ready:
+            self._in_flush -= len(handed)
+            self._reruns.extend(again)
+            self._ready.notify()
 
     def _connection(self) -> Connection:
         if self._conn is None or self._conn.invalidated or self._conn.closed:
@@ -189,8 +256,14 @@ class GroupCommitWriter(Generic[C, R]):
             self._conn = conn.execution_options(isolation_level="AUTOCOMMIT") if autocommit else conn
         return self._conn
 
-    def _apply_once(self, commands: list) -> list:
+    def _apply_once(self, commands: list) -> tuple[list, int]:
+        """The batch's results, and the epoch of the flush waiter's connection
+        open before its commit (0 where there is none)."""
         conn = self._connection()
+        epoch = 0
+        if self._flush_waiter is not None:
+            epoch = self._flush_waiter.epoch_before_commit(renew=self._flush_connection_suspect)
+            self._flush_connection_suspect = False
         if self._autocommit:
             try:
                 results = self._apply_batch(conn, commands)
@@ -198,74 +271,53 @@ class GroupCommitWriter(Generic[C, R]):
                 conn.rollback()
                 raise
             conn.commit()  # ends SQLAlchemy's own bookkeeping; the database committed already
-            return results
+            return results, epoch
         conn.info.pop(APPEND_MARKS, None)
         with conn.begin():  # its own commit finds the transaction committed already, and sends nothing
             if self._flush_after_commit:
                 self._storage.begin_durable_batch(conn)
             results = self._apply_batch(conn, commands)
             if self._flush_after_commit:
-                self._commit_and_wait_for_flush(conn, len(commands))
+                self._storage.commit_durable_batch(conn)
         marks = conn.info.pop(APPEND_MARKS, None)
-        if marks:  # the commit's part ends with the flush where both travel together
+        if marks:
             self._count_lock_held([*marks, (COMMITTED, time.perf_counter())])
-        return results
-
-    def _commit_and_wait_for_flush(self, conn: Connection, commands: int) -> None:
-        """Even a batch that wrote nothing may answer from another writer's
-        commit not flushed yet. A lost connection runs the batch again (its
-        idempotency keys find what committed); a flush that cannot be
-        confirmed leaves the batch perhaps committed but not known durable,
-        which no caller may be told is done, nor that it failed."""
-        try:
-            self._storage.commit_and_wait_for_flush(conn)
-        except FlushNotConfirmed as exc:  # a DatabaseUnavailable: its callers are told to send it again
-            log.error("batch of %d: %s (%s)", commands, exc, first_line(exc.__cause__ or exc))
-            raise
+        return results, epoch
 
     def _count_lock_held(self, marks: list[tuple[str, float]]) -> None:
         for (_, started), (moment, ended) in zip(marks, marks[1:]):
             self.append_lock_parts_s[moment] = self.append_lock_parts_s.get(moment, 0.0) + ended - started
 
-    def _drop_connection(self) -> None:
-        """The connection failed: the pool must never hand it out again."""
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        try:
-            conn.invalidate()
-            conn.close()
-        except Exception:  # it is gone either way
-            log.debug("closing a failed connection", exc_info=True)
-
-    def _apply_with_retries(self, commands: list) -> list:
+    def _apply_with_retries(self, commands: list, waits_s: tuple[float, ...]) -> tuple[list, int | None]:
+        """The batch's results and its flush connection's epoch (`_apply_once`);
+        or, if it could not commit, the error each of its callers is told and None."""
         attempt = 1
-        reconnect_waits_s = iter(() if self._database_away else DATABASE_RETRY_WAITS_S)
+        reconnect_waits_s = iter(() if self._database_away else waits_s)
         while True:
             try:
-                results = self._apply_once(commands)
-            except DatabaseUnavailable as exc:  # committed, not known durable: answered as "try again"
-                return [exc] * len(commands)
+                results, epoch = self._apply_once(commands)
             except Exception as exc:
                 if is_connection_failure(exc):
-                    self._drop_connection()
+                    discard_connection(self._conn)
+                    self._conn = None
+                    self._flush_connection_suspect = True
                     wait_s = next(reconnect_waits_s, None)
                     if wait_s is not None:  # idempotency keys make the retry safe
                         time.sleep(wait_s)
                         continue
                     self._database_away = True
                     log.warning("batch of %d: the database is unavailable (%s)", len(commands), first_line(exc))
-                    return [DatabaseUnavailable(f"the database is unavailable: {first_line(exc)}") for _ in commands]
+                    return [DatabaseUnavailable(f"the database is unavailable: {first_line(exc)}") for _ in commands], None
                 if isinstance(exc, DBAPIError) and attempt < TRANSIENT_ATTEMPTS_MAX and self._storage.is_transient(exc):
                     attempt += 1
                     continue  # idempotency keys make the retry safe
                 # A bug, or the database refused the batch: fail every caller loudly, keep serving.
                 log.exception("batch of %d failed", len(commands))
-                return [exc] * len(commands)
+                return [exc] * len(commands), None
             self._database_away = False
             self.batches_committed += 1
             self.commands_committed += len(commands)
-            return results
+            return results, epoch
 
 
 def _deliver(batch: list, results: list) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import FlushNotConfirmed, LedgerError
+from ledger.errors import LedgerError
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import IN_CLAUSE_VALUES_MAX
 from ledger.schema import account_balances, holds, ledger_event_postings, ledger_events
@@ -128,6 +128,9 @@ class Storage(ABC):
     # The durable writer's connection is in autocommit, and the storage
     # begins each of its transactions itself (`begin_durable_batch`).
     durable_batches_in_autocommit: ClassVar[bool] = False
+    # Every commit is flushed before it returns: the durable writer answers
+    # at once, with no flush waiter.
+    commits_flushed: ClassVar[bool] = False
 
     @abstractmethod
     def skip_flush_wait(self, conn: Connection, *, with_next_statement: bool = False) -> None:
@@ -140,24 +143,17 @@ class Storage(ABC):
 
     def begin_durable_batch(self, conn: Connection) -> None:
         """The durable writer's transaction starts: it skips the flush wait
-        and ends with `commit_and_wait_for_flush`. A storage may send its BEGIN
+        and ends with `commit_durable_batch`. A storage may send its BEGIN
         and the skip with its first statement, and keep `write_appended`'s last
         statement, the head's move, to send with the COMMIT. The connection is
         in autocommit (`durable_batches_in_autocommit`) where the BEGIN is its own."""
         self.skip_flush_wait(conn, with_next_statement=True)
 
-    def commit_and_wait_for_flush(self, conn: Connection) -> None:
-        """Commit the transaction, then `wait_for_flush`; a storage may send
-        them, and the head's move kept for them, as one round trip. Any error
-        but FlushNotConfirmed means nothing committed (or, for a lost
-        connection, that it is not known whether it did)."""
+    def commit_durable_batch(self, conn: Connection) -> None:
+        """Commit the durable writer's transaction, without waiting for its
+        flush; a storage may send the head's move kept for it in the same
+        round trip. Its callers are answered after `wait_for_flush`."""
         conn.connection.dbapi_connection.commit()
-        try:
-            self.wait_for_flush(conn)
-        except Exception as exc:
-            if self.is_connection_error(getattr(exc, "orig", exc)):
-                raise
-            raise FlushNotConfirmed() from exc
 
     @abstractmethod
     def wait_for_flush(self, conn: Connection) -> None:

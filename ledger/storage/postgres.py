@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import BadDatabaseUrl, FlushNotConfirmed, InvariantBroken, LedgerError
+from ledger.errors import BadDatabaseUrl, InvariantBroken, LedgerError
 from ledger.limits import (
     DATABASE_CONNECT_TIMEOUT_S,
     DATABASE_KEEPALIVE_IDLE_S,
@@ -106,7 +106,7 @@ _COPY_BYTEA_HEX = "\\\\x"  # bytea's hex form starts \x; its backslash escaped f
 # it without the append lock. The check fails on the server, not by a count of
 # rows the client reads: a head that may not move is set to NULL, which its
 # NOT NULL refuses, so the statement can travel with the COMMIT after it
-# (`commit_and_wait_for_flush`) and a refusal aborts the transaction before
+# (`commit_durable_batch`) and a refusal aborts the transaction before
 # that COMMIT runs. The head row exists: this transaction's lock holds it.
 _WRITE_APPENDED = """
 UPDATE ledger_head SET last_hash = %(last_hash)s, last_seq = CASE
@@ -290,33 +290,24 @@ class PostgresStorage(Storage):
         self.skip_flush_wait(conn, with_next_statement=True)
         conn.info[_CARRIED_TO_COMMIT] = (transaction, [])
 
-    def commit_and_wait_for_flush(self, conn: Connection) -> None:
+    def commit_durable_batch(self, conn: Connection) -> None:
         """One query of the simple protocol, one round trip: the skip of the
         flush wait if no statement carried it yet, what the appends kept for
-        it (a small batch's events, the head's move), COMMIT,
-        then the flush barrier, which runs after the COMMIT as a transaction
-        of its own. The server stops at the first error: in the transaction,
-        nothing committed (the connection is left in the failed transaction,
-        for the caller's rollback); after it, the transaction committed and
-        only its flush is not known."""
+        it (a small batch's events, the head's move), and COMMIT. The server
+        stops at the first error, and nothing commits (the connection is left
+        in the failed transaction, for the caller's rollback). A transaction
+        in which nothing ran sends nothing."""
         carried = _take_carried(conn)
         conn.info.pop(_CARRIED_TO_COMMIT, None)
-        if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
+        if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit
             conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
-            statements, ending = [], []
-        else:
-            statements = _opening(conn)
-            ending = ["COMMIT"]
-        statements += carried
-        raw = conn.connection.driver_connection
-        query = statements_text([*statements, *((sql, None) for sql in (*ending, _FLUSH_BARRIER))])
+            return
+        query = statements_text([*_opening(conn), *carried, ("COMMIT", None)])
         try:
             _own_cursor(conn).execute(query)
         except psycopg.Error as exc:
-            if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
-                _note_keys_refused(conn, exc)
-                _raise_head_refused_or(exc, query)
-            raise FlushNotConfirmed() from exc
+            _note_keys_refused(conn, exc)
+            _raise_head_refused_or(exc, query)
 
     def wait_for_flush(self, conn: Connection) -> None:
         """One transaction of its own that writes a WAL record and waits for

@@ -72,6 +72,7 @@ class SqliteStorage(Storage):
     dialect = "sqlite"
     url_backends = ("sqlite",)
     holds_in_one_statement = False
+    commits_flushed = True
 
     def engine_url(self, url: URL) -> URL:
         if not url.database or url.database == ":memory:":

@@ -1,12 +1,17 @@
 """The durable writer frees the append lock before its batch's WAL flush, and
-answers its callers only after it: what a caller was told survives a crash.
+its callers are answered only after it: what a caller was told survives a crash.
 
 The batch commits without waiting (`synchronous_commit = off`, so the lock,
-a row lock, is released at once), then a transaction of its own that writes
-WAL waits for the flush, which takes every commit before it along."""
+a row lock, is released at once) and goes to the writer's flush waiter: there
+a transaction of its own that writes WAL waits for the flush, which takes
+every commit before it along, while the writer runs its next batch."""
 from __future__ import annotations
 
+import queue
+import random
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -16,9 +21,10 @@ from sqlalchemy import func, select, text
 from app.anchoring.service import AnchorSettings, read_anchors, write_anchor
 from app.migrate import migrate
 from ledger import commands as cmd
-from ledger.commands import EXISTS
+from ledger.commands import CREATED, EXISTS
 from ledger.db import make_engine, storage_of
 from ledger.errors import DatabaseUnavailable
+from ledger.flush_waiter import Committed, FlushWaiter
 from ledger.anchors import check_anchors
 from ledger.holds import PlaceHold
 from ledger.money import split_charge
@@ -28,6 +34,7 @@ from ledger.store import append_one
 from ledger.storage import postgres as pg_storage
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
+from tests.support.harness import wait_for
 from tests.support.private_postgres import PrivatePostgres, server_binaries
 from tests.support.services import REQUIRE_SERVICES
 
@@ -117,10 +124,10 @@ def counted_barriers(pg_ledger):
 
 
 def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledger, counted_barriers, monkeypatch):
-    """The batch committed; the wait for its flush, sent with the COMMIT,
-    loses its connection. The writer runs it again on a new connection: its
-    key finds the committed settlement, nothing is charged twice, and the
-    caller is answered only after a wait for the flush succeeded."""
+    """The batch committed; the wait for its flush loses its connection. The
+    batch goes back to the writer, which runs it again: its key finds the
+    committed settlement, nothing is charged twice, and the caller is
+    answered only after a wait for the flush succeeded."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
     owner = ledger.create_account(cmd.OWNER, "owner")
@@ -143,6 +150,95 @@ def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledge
         assert conn.execute(select(ledger_events.c.seq).where(ledger_events.c.idempotency_key == request_key)).scalar_one() == result.seq
         assert conn.execute(select(func.count()).select_from(holds)).scalar_one() == 0
         assert verify(conn).ok
+
+
+@contextmanager
+def _flushes_held(postgres_url, monkeypatch):
+    """Every flush barrier waits, before it runs, for an advisory lock the test
+    holds until it calls the `release` yielded (or the block ends)."""
+    lock_key = random.getrandbits(31)
+    with psycopg.connect(postgres_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [lock_key])
+        monkeypatch.setattr(pg_storage, "_FLUSH_BARRIER", f"SELECT pg_advisory_lock({lock_key});\n"
+                            f"SELECT pg_advisory_unlock({lock_key});\n{pg_storage._FLUSH_BARRIER}")
+        yield lambda: holder.execute("SELECT pg_advisory_unlock(%s)", [lock_key])
+
+
+def _committed(engine, idempotency_key: str) -> bool:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(ledger_events)
+                            .where(ledger_events.c.idempotency_key == idempotency_key)).scalar_one() == 1
+
+
+def test_the_writer_commits_its_next_batch_while_the_last_ones_flush_is_awaited_and_answers_neither_before_it(
+        pg_ledger, postgres_url, monkeypatch):
+    """The writer does not wait for a batch's flush before its next batch; no
+    caller hears of a commit before a flush barrier that began after it returned."""
+    ledger = pg_ledger
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    before = money_snapshot(ledger.engine)
+    first, second = (cmd.GrantCredits(customer, amount, "granted during a slow flush", key("grant")) for amount in (1, 2))
+    with _flushes_held(postgres_url, monkeypatch) as release:
+        first_answer = ledger.appender.submit(first)
+        wait_for(lambda: _committed(ledger.engine, first.idempotency_key), timeout_s=30)
+        second_answer = ledger.appender.submit(second)
+        wait_for(lambda: _committed(ledger.engine, second.idempotency_key), timeout_s=30)
+        assert not first_answer.done() and not second_answer.done(), "a caller heard of a commit not known to be flushed"
+        release()
+        assert first_answer.result(timeout=30).status == CREATED
+        assert second_answer.result(timeout=30).status == CREATED
+    after = money_snapshot(ledger.engine)
+    assert after["events"] == before["events"] + 2
+    assert after["balances"][customer] == before["balances"][customer] + 3
+
+
+def test_closing_the_writer_waits_for_the_flush_it_awaits_and_answers_its_callers(pg_ledger, postgres_url, monkeypatch):
+    ledger = pg_ledger
+    customer = customer_with(ledger, CREDITS_NANO_USD)
+    grant = cmd.GrantCredits(customer, 7, "granted as the writer closes", key("grant"))
+    with _flushes_held(postgres_url, monkeypatch) as release:
+        answer = ledger.appender.submit(grant)
+        wait_for(lambda: _committed(ledger.engine, grant.idempotency_key), timeout_s=30)
+        closing = threading.Thread(target=ledger.close)
+        closing.start()
+        closing.join(0.2)
+        assert closing.is_alive() and not answer.done(), "closed before the flush of what it committed was known"
+        release()
+        closing.join(30)
+    assert not closing.is_alive()
+    assert answer.result(timeout=0).status == CREATED
+
+
+def test_a_barrier_vouches_only_for_commits_made_after_its_connection_was_opened(postgres_url):
+    """A restart of the server between a commit and a connection opened after
+    it could lose the commit while a barrier there succeeds: the waiter never
+    opens its own connection, and sends back what was committed before the one
+    it has (`lost`, to run again), answering only the rest (`flushed`)."""
+    engine = make_engine(postgres_url)
+    answers: queue.Queue = queue.Queue()
+    waiter = FlushWaiter(engine, name="flush-waiter-test", flushed=lambda items: answers.put(("flushed", items)),
+                         lost=lambda items, exc: answers.put(("lost", items)),
+                         refused=lambda items, exc: answers.put(("refused", items)))
+    try:
+        def answer_to(committed: Committed) -> str:
+            waiter.hand(committed)
+            kind, items = answers.get(timeout=30)
+            assert items == [committed]
+            return kind
+
+        before_any = Committed([], ["committed before any connection"], 0, epoch=0)
+        assert answer_to(before_any) == "lost"
+        assert engine.pool.checkedout() == 0, "the waiter opened no connection of its own"
+        first = waiter.epoch_before_commit()
+        assert waiter.epoch_before_commit() == first, "the same connection while it is not lost"
+        assert answer_to(Committed([], ["after the first"], 0, first)) == "flushed"
+        renewed = waiter.epoch_before_commit(renew=True)
+        assert renewed != first
+        assert answer_to(Committed([], ["before the renewal"], 0, first)) == "lost"
+        assert answer_to(Committed([], ["after the renewal"], 0, renewed)) == "flushed"
+    finally:
+        waiter.close(30)
+        engine.dispose()
 
 
 @pytest.mark.parametrize("barrier", [_CUT_EACH_TIME, _REFUSED], ids=["connection-lost-each-time", "refused"])
