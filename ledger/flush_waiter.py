@@ -96,11 +96,14 @@ class FlushWaiter:
             if len(self._handed) == 1:
                 self._ready.notify()
 
-    def close(self, timeout_s: float) -> None:
-        """Wait for what was handed, then stop."""
+    def stop(self) -> None:
+        """Answer what was handed, then stop: called by the writer's thread as
+        it ends, when nothing more can be handed."""
         with self._ready:
             self._stopping = True
             self._ready.notify()
+
+    def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
 
     def _take(self) -> tuple[list[Committed], Connection | None, int]:
@@ -125,17 +128,23 @@ class FlushWaiter:
                 handed, conn, epoch = self._take()
                 if not handed:
                     break
-                vouched, earlier = [], []
-                for committed in handed:
-                    (vouched if conn is not None and committed.epoch == epoch else earlier).append(committed)
-                if earlier:  # committed before the connection in use was opened, or it was lost since
-                    self._lost(earlier, None)
-                if vouched:
-                    self._wait_for(vouched, conn)
+                try:
+                    self._answer(handed, conn, epoch)
+                except Exception:  # a bug: this thread must live on, or every later caller would wait for ever
+                    log.exception("answering %d committed batches failed", len(handed))
         finally:
             for conn in (self._conn, self._opened):
                 if conn is not None:
                     conn.close()
+
+    def _answer(self, handed: list[Committed], conn: Connection | None, epoch: int) -> None:
+        vouched, earlier = [], []
+        for committed in handed:
+            (vouched if conn is not None and committed.epoch == epoch else earlier).append(committed)
+        if earlier:  # committed before the connection in use was opened, or it was lost since
+            self._lost(earlier, None)
+        if vouched:
+            self._wait_for(vouched, conn)
 
     def _wait_for(self, handed: list[Committed], conn: Connection) -> None:
         try:

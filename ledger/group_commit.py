@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Callable, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -130,11 +130,11 @@ class GroupCommitWriter(Generic[C, R]):
         return self._flush_waiter.native_thread_id if self._flush_waiter is not None else None
 
     def _put(self, command: C, waiter) -> None:
-        if self._closed:
-            raise WriterClosed("the writer is closed")
         if self._validate is not None:
             self._validate(command)  # bad input fails at once, before it can join a batch
         with self._queue_lock:
+            if self._closed:  # under the lock: the writer's last look at the queue is under it too
+                raise WriterClosed("the writer is closed")
             if len(self._queue) >= self.queue_depth_max:
                 raise WriterOverloaded(f"more than {self.queue_depth_max} commands are waiting")
             self._queue.append((command, waiter))
@@ -171,7 +171,7 @@ class GroupCommitWriter(Generic[C, R]):
             self._ready.notify()
         self._thread.join(timeout_s)
         if self._flush_waiter is not None:
-            self._flush_waiter.close(timeout_s)
+            self._flush_waiter.join(timeout_s)
 
     def _take_batch(self) -> tuple[list, int]:
         """The next batch and how many times it ran before; none once closed
@@ -201,6 +201,8 @@ class GroupCommitWriter(Generic[C, R]):
                     break
                 self._commit(batch, reruns)
         finally:
+            if self._flush_waiter is not None:  # nothing is left for it: the loop ends when nothing is in flush
+                self._flush_waiter.stop()
             if self._conn is not None:
                 self._conn.close()
 
@@ -219,27 +221,35 @@ class GroupCommitWriter(Generic[C, R]):
     # nothing may answer from another writer's commit not flushed yet: every
     # committed batch waits for a flush.
     def _flushed(self, handed: list[Committed]) -> None:
-        for committed in handed:
-            _deliver(committed.batch, committed.results)
-        self._leave_flush(handed, [])
+        try:
+            for committed in handed:
+                _deliver(committed.batch, committed.results)
+        finally:
+            self._leave_flush(handed, [])
 
     def _flush_lost(self, handed: list[Committed], exc: BaseException | None) -> None:
-        """Each batch runs again (its keys find what committed), as many times
-        in all as a lost connection would; then its callers hear that the
-        database is unavailable."""
-        again = [(c.batch, c.reruns + 1) for c in handed if c.reruns < len(DATABASE_RETRY_WAITS_S)]
-        why = first_line(exc) if exc is not None else "its connections keep changing"
-        for committed in handed:
-            if committed.reruns >= len(DATABASE_RETRY_WAITS_S):
-                _deliver(committed.batch, [DatabaseUnavailable(f"the database is unavailable: {why}")] * len(committed.batch))
-        self._leave_flush(handed, again)
+        """The batches run again (their keys find what committed), those run
+        as often as one, as many times in all as a lost connection would;
+        then their callers hear that the database is unavailable."""
+        again: dict[int, list] = {}
+        try:
+            why = first_line(exc) if exc is not None else "its connections keep changing"
+            for committed in handed:
+                if committed.reruns < len(DATABASE_RETRY_WAITS_S):
+                    again.setdefault(committed.reruns + 1, []).extend(committed.batch)
+                else:
+                    _deliver(committed.batch, [DatabaseUnavailable(f"the database is unavailable: {why}")] * len(committed.batch))
+        finally:
+            self._leave_flush(handed, [(batch, reruns) for reruns, batch in again.items()])
 
     def _flush_refused(self, handed: list[Committed], exc: BaseException) -> None:
         """Committed, perhaps, but not known durable: no caller may be told it
         is done, nor that it failed; each is told to send it again."""
-        for committed in handed:
-            _deliver(committed.batch, [FlushNotConfirmed()] * len(committed.batch))
-        self._leave_flush(handed, [])
+        try:
+            for committed in handed:
+                _deliver(committed.batch, [FlushNotConfirmed()] * len(committed.batch))
+        finally:
+            self._leave_flush(handed, [])
 
     def _leave_flush(self, handed: list[Committed], again: list[tuple[list, int]]) -> None:
         with self._ready:
@@ -324,10 +334,13 @@ def _deliver(batch: list, results: list) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for (_, waiter), result in zip(batch, results, strict=True):
         if isinstance(waiter, Future):
-            if isinstance(result, BaseException):
-                waiter.set_exception(result)
-            else:
-                waiter.set_result(result)
+            try:
+                if isinstance(result, BaseException):
+                    waiter.set_exception(result)
+                else:
+                    waiter.set_result(result)
+            except InvalidStateError:  # the caller cancelled it; nobody is waiting
+                pass
         else:
             loop, future = waiter
             by_loop.setdefault(loop, []).append((future, result))

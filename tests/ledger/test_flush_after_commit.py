@@ -23,10 +23,11 @@ from app.migrate import migrate
 from ledger import commands as cmd
 from ledger.commands import CREATED, EXISTS
 from ledger.db import make_engine, storage_of
-from ledger.errors import DatabaseUnavailable
+from ledger.errors import DatabaseUnavailable, FlushNotConfirmed
 from ledger.flush_waiter import Committed, FlushWaiter
 from ledger.anchors import check_anchors
 from ledger.holds import PlaceHold
+from ledger.limits import DATABASE_RETRY_WAITS_S
 from ledger.money import split_charge
 from ledger.schema import holds, ledger_events
 from ledger.service import Ledger
@@ -153,14 +154,14 @@ def test_a_batch_whose_flush_wait_loses_its_connection_is_answered_once(pg_ledge
 
 
 @contextmanager
-def _flushes_held(postgres_url, monkeypatch):
-    """Every flush barrier waits, before it runs, for an advisory lock the test
-    holds until it calls the `release` yielded (or the block ends)."""
+def _flushes_held(postgres_url, monkeypatch, barrier: str = pg_storage._FLUSH_BARRIER):
+    """Every flush barrier (`barrier`) waits, before it runs, for an advisory
+    lock the test holds until it calls the `release` yielded (or the block ends)."""
     lock_key = random.getrandbits(31)
     with psycopg.connect(postgres_url, autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(%s)", [lock_key])
         monkeypatch.setattr(pg_storage, "_FLUSH_BARRIER", f"SELECT pg_advisory_lock({lock_key});\n"
-                            f"SELECT pg_advisory_unlock({lock_key});\n{pg_storage._FLUSH_BARRIER}")
+                            f"SELECT pg_advisory_unlock({lock_key});\n{barrier}")
         yield lambda: holder.execute("SELECT pg_advisory_unlock(%s)", [lock_key])
 
 
@@ -192,11 +193,15 @@ def test_the_writer_commits_its_next_batch_while_the_last_ones_flush_is_awaited_
     assert after["balances"][customer] == before["balances"][customer] + 3
 
 
-def test_closing_the_writer_waits_for_the_flush_it_awaits_and_answers_its_callers(pg_ledger, postgres_url, monkeypatch):
+def test_closing_the_writer_waits_for_the_flush_it_awaits_and_answers_its_callers(pg_ledger, postgres_url, counted_barriers,
+                                                                                  monkeypatch):
+    """Even when that flush's barrier loses its connection: the writer, closing,
+    runs the batch again, and its caller hears what the second run found."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
+    before = money_snapshot(ledger.engine)
     grant = cmd.GrantCredits(customer, 7, "granted as the writer closes", key("grant"))
-    with _flushes_held(postgres_url, monkeypatch) as release:
+    with _flushes_held(postgres_url, monkeypatch, _CUT_THE_FIRST) as release:
         answer = ledger.appender.submit(grant)
         wait_for(lambda: _committed(ledger.engine, grant.idempotency_key), timeout_s=30)
         closing = threading.Thread(target=ledger.close)
@@ -206,7 +211,11 @@ def test_closing_the_writer_waits_for_the_flush_it_awaits_and_answers_its_caller
         release()
         closing.join(30)
     assert not closing.is_alive()
-    assert answer.result(timeout=0).status == CREATED
+    assert answer.result(timeout=0).status == EXISTS, "answered by the second run, the first barrier having lost its connection"
+    assert _barriers_run(ledger.engine) == 2
+    after = money_snapshot(ledger.engine)
+    assert after["events"] == before["events"] + 1
+    assert after["balances"][customer] == before["balances"][customer] + 7
 
 
 def test_a_barrier_vouches_only_for_commits_made_after_its_connection_was_opened(postgres_url):
@@ -237,7 +246,9 @@ def test_a_barrier_vouches_only_for_commits_made_after_its_connection_was_opened
         assert answer_to(Committed([], ["before the renewal"], 0, first)) == "lost"
         assert answer_to(Committed([], ["after the renewal"], 0, renewed)) == "flushed"
     finally:
-        waiter.close(30)
+        waiter.stop()
+        waiter.join(30)
+        assert engine.pool.checkedout() == 0, "its connections went back to the pool"
         engine.dispose()
 
 
@@ -252,10 +263,14 @@ def test_a_flush_wait_that_keeps_failing_announces_nothing_and_a_retry_finds_it_
     before = money_snapshot(ledger.engine)
     grant = cmd.GrantCredits(customer, 5, "announced late", key("grant"))
     monkeypatch.setattr(pg_storage, "_FLUSH_BARRIER", barrier)
-    with pytest.raises(DatabaseUnavailable):
+    with pytest.raises(DatabaseUnavailable) as refused:
         ledger.append(grant)
     monkeypatch.undo()
-    assert _barriers_run(ledger.engine) >= 1, "the barrier ran, after the commit"
+    if barrier == _REFUSED:  # answered at once: run again, the barrier would be refused again
+        assert isinstance(refused.value, FlushNotConfirmed) and _barriers_run(ledger.engine) == 1
+    else:  # each loss runs the batch again, as often as a lost connection is retried, then no more
+        assert not isinstance(refused.value, FlushNotConfirmed)
+        assert _barriers_run(ledger.engine) == len(DATABASE_RETRY_WAITS_S) + 1
     retried = ledger.append(grant)
     after = money_snapshot(ledger.engine)
     assert retried.status == EXISTS
