@@ -21,9 +21,9 @@ The second compares the two postings layouts of this checkout (migration
 0031): this checkout with postings in their event's row, the base with rows.
 The third compares uncommitted changes with both sides in the event-row layout.
 The fourth runs each batch as the durable writer does (its transaction begun
-with its first statement, its head's move with the COMMIT; the wait for the
-flush, on another thread, is not counted), alone, as the proxy's settlements
-are at a few a millisecond. The fifth places holds instead, each batch one call of the hold placement as the
+with its first statement, the COMMIT and the wait for the flush in one
+query), alone, as the proxy's settlements are at a few a millisecond. The
+fifth places holds instead, each batch one call of the hold placement as the
 holds' writer makes it (in autocommit), here of one hold: what a call costs
 before its holds, as the proxy's calls are at a few requests a millisecond.
 
@@ -92,9 +92,9 @@ def worker(root: str, database_url: str, batches: int, batch_size: int, warm_up_
                     return append_batch(conn, prepared[batch], closing_keys_to_the_index=True)
                 storage.begin_durable_batch(conn)
                 results = append_batch(conn, prepared[batch], closing_keys_to_the_index=True)
-                if hasattr(storage, "commit_durable_batch"):  # its flush is waited for on another thread
-                    storage.commit_durable_batch(conn)
-                else:  # a revision whose writer waited for the flush on its own thread, in the commit's query
+                if hasattr(storage, "commit_durable_batch"):
+                    storage.commit_durable_batch(conn, wait_for_flush=True)
+                else:  # a revision before its name
                     storage.commit_and_wait_for_flush(conn)
                 return results
 

@@ -14,10 +14,11 @@ failure is found, not repeated. While the database stays away its callers
 get `DatabaseUnavailable` at once, and the first batch after it comes back
 connects again by itself.
 
-On PostgreSQL a durable writer commits without waiting for the WAL flush and
-hands the batch to its flush waiter (ledger.flush_waiter), which answers the
-callers once a flush barrier vouches for the commit; the writer meanwhile
-runs its next batch.
+A durable writer commits without waiting for the WAL flush. With nothing
+queued behind the batch it waits for the flush itself, in the COMMIT's round
+trip, and answers; otherwise (on PostgreSQL) it hands the batch to its flush
+waiter (ledger.flush_waiter), which answers the callers once a flush barrier
+vouches for the commit, and runs its next batch meanwhile.
 
 Async callers are woken with one `call_soon_threadsafe` per batch, not one per
 command: at tens of thousands of commands a second, that is the difference.
@@ -210,7 +211,7 @@ class GroupCommitWriter(Generic[C, R]):
         if reruns:  # its wait for the flush lost its connection: give the database the time a reconnection would
             time.sleep(DATABASE_RETRY_WAITS_S[reruns - 1])
         results, epoch = self._apply_with_retries([command for command, _ in batch], DATABASE_RETRY_WAITS_S[reruns:])
-        if epoch is None or self._flush_waiter is None:
+        if epoch is None:
             _deliver(batch, results)
             return
         with self._queue_lock:
@@ -266,11 +267,12 @@ class GroupCommitWriter(Generic[C, R]):
             self._conn = conn.execution_options(isolation_level="AUTOCOMMIT") if autocommit else conn
         return self._conn
 
-    def _apply_once(self, commands: list) -> tuple[list, int]:
+    def _apply_once(self, commands: list) -> tuple[list, int | None]:
         """The batch's results, and the epoch of the flush waiter's connection
-        open before its commit (0 where there is none)."""
+        open before its commit if the batch is to wait there for its flush
+        (None: its callers may be answered now)."""
         conn = self._connection()
-        epoch = 0
+        epoch = None
         if self._flush_waiter is not None:
             epoch = self._flush_waiter.epoch_before_commit(renew=self._flush_connection_suspect)
             self._flush_connection_suspect = False
@@ -288,7 +290,10 @@ class GroupCommitWriter(Generic[C, R]):
                 self._storage.begin_durable_batch(conn)
             results = self._apply_batch(conn, commands)
             if self._flush_after_commit:
-                self._storage.commit_durable_batch(conn)
+                # Nothing queued behind it: no batch would run while it waits, and one round trip is the quickest.
+                if self._flush_waiter is None or not self._queue:
+                    epoch = None
+                self._storage.commit_durable_batch(conn, wait_for_flush=epoch is None)
         marks = conn.info.pop(APPEND_MARKS, None)
         if marks:
             self._count_lock_held([*marks, (COMMITTED, time.perf_counter())])
@@ -299,13 +304,16 @@ class GroupCommitWriter(Generic[C, R]):
             self.append_lock_parts_s[moment] = self.append_lock_parts_s.get(moment, 0.0) + ended - started
 
     def _apply_with_retries(self, commands: list, waits_s: tuple[float, ...]) -> tuple[list, int | None]:
-        """The batch's results and its flush connection's epoch (`_apply_once`);
+        """The batch's results and where it waits for its flush (`_apply_once`);
         or, if it could not commit, the error each of its callers is told and None."""
         attempt = 1
         reconnect_waits_s = iter(() if self._database_away else waits_s)
         while True:
             try:
                 results, epoch = self._apply_once(commands)
+            except FlushNotConfirmed as exc:  # committed, not known durable: a DatabaseUnavailable, "send it again"
+                log.error("batch of %d: %s (%s)", len(commands), exc, first_line(exc.__cause__ or exc))
+                return [exc] * len(commands), None
             except Exception as exc:
                 if is_connection_failure(exc):
                     discard_connection(self._conn)

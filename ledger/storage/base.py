@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import LedgerError
+from ledger.errors import FlushNotConfirmed, LedgerError
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import IN_CLAUSE_VALUES_MAX
 from ledger.schema import account_balances, holds, ledger_event_postings, ledger_events
@@ -149,11 +149,21 @@ class Storage(ABC):
         in autocommit (`durable_batches_in_autocommit`) where the BEGIN is its own."""
         self.skip_flush_wait(conn, with_next_statement=True)
 
-    def commit_durable_batch(self, conn: Connection) -> None:
+    def commit_durable_batch(self, conn: Connection, *, wait_for_flush: bool) -> None:
         """Commit the durable writer's transaction, without waiting for its
-        flush; a storage may send the head's move kept for it in the same
-        round trip. Its callers are answered after `wait_for_flush`."""
+        flush, then, with `wait_for_flush`, wait for it; a storage may send
+        the head's move kept for it, the COMMIT and the wait as one round trip.
+        Any error but FlushNotConfirmed means nothing committed (or, for a
+        lost connection, that it is not known whether it did)."""
         conn.connection.dbapi_connection.commit()
+        if not wait_for_flush:
+            return
+        try:
+            self.wait_for_flush(conn)
+        except Exception as exc:
+            if self.is_connection_error(getattr(exc, "orig", exc)):
+                raise
+            raise FlushNotConfirmed() from exc
 
     @abstractmethod
     def wait_for_flush(self, conn: Connection) -> None:

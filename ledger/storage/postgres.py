@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ledger.errors import BadDatabaseUrl, InvariantBroken, LedgerError
+from ledger.errors import BadDatabaseUrl, FlushNotConfirmed, InvariantBroken, LedgerError
 from ledger.limits import (
     DATABASE_CONNECT_TIMEOUT_S,
     DATABASE_KEEPALIVE_IDLE_S,
@@ -290,24 +290,35 @@ class PostgresStorage(Storage):
         self.skip_flush_wait(conn, with_next_statement=True)
         conn.info[_CARRIED_TO_COMMIT] = (transaction, [])
 
-    def commit_durable_batch(self, conn: Connection) -> None:
+    def commit_durable_batch(self, conn: Connection, *, wait_for_flush: bool) -> None:
         """One query of the simple protocol, one round trip: the skip of the
         flush wait if no statement carried it yet, what the appends kept for
-        it (a small batch's events, the head's move), and COMMIT. The server
-        stops at the first error, and nothing commits (the connection is left
-        in the failed transaction, for the caller's rollback). A transaction
-        in which nothing ran sends nothing."""
+        it (a small batch's events, the head's move), COMMIT, and with
+        `wait_for_flush` the flush barrier, which runs after the COMMIT as a
+        transaction of its own. The server stops at the first error: in the
+        transaction, nothing committed (the connection is left in the failed
+        transaction, for the caller's rollback); after it, the transaction
+        committed and only its flush is not known (FlushNotConfirmed)."""
         carried = _take_carried(conn)
         conn.info.pop(_CARRIED_TO_COMMIT, None)
-        if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit
+        if _pending(conn, _BEGIN_PENDING):  # no statement ran: nothing to commit, only earlier commits to wait for
             conn.info.pop(_FLUSH_WAIT_SKIP_PENDING, None)
+            statements = []
+        else:
+            statements = [*_opening(conn), *carried, ("COMMIT", None)]
+        if wait_for_flush:
+            statements.append((_FLUSH_BARRIER, None))
+        if not statements:
             return
-        query = statements_text([*_opening(conn), *carried, ("COMMIT", None)])
+        raw = conn.connection.driver_connection
+        query = statements_text(statements)
         try:
             _own_cursor(conn).execute(query)
         except psycopg.Error as exc:
-            _note_keys_refused(conn, exc)
-            _raise_head_refused_or(exc, query)
+            if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or self.is_connection_error(exc):
+                _note_keys_refused(conn, exc)
+                _raise_head_refused_or(exc, query)
+            raise FlushNotConfirmed() from exc
 
     def wait_for_flush(self, conn: Connection) -> None:
         """One transaction of its own that writes a WAL record and waits for

@@ -165,6 +165,40 @@ def _flushes_held(postgres_url, monkeypatch, barrier: str = pg_storage._FLUSH_BA
         yield lambda: holder.execute("SELECT pg_advisory_unlock(%s)", [lock_key])
 
 
+class _SecondBatchFails(Exception):
+    """A bug in the second batch, made for the test: it fails as a whole, and is answered at once."""
+
+
+@contextmanager
+def _second_queued_behind_the_first(writer, monkeypatch, first, second, *, second_fails: bool = False):
+    """`first` submitted, its batch held before its statements until `second`
+    is queued behind it: the first batch, finding a batch behind it, goes to
+    the flush waiter. Yields both futures once the first committed and the
+    second committed (or, `second_fails`, failed as a whole)."""
+    entered, go = threading.Event(), threading.Event()
+    apply = writer._apply_batch
+
+    def held_once(conn, commands):
+        if not entered.is_set():
+            entered.set()
+            go.wait(30)
+        if second_fails and second in commands:
+            raise _SecondBatchFails()
+        return apply(conn, commands)
+
+    monkeypatch.setattr(writer, "_apply_batch", held_once)
+    answers = [writer.submit(first)]
+    assert entered.wait(30)
+    answers.append(writer.submit(second))
+    go.set()
+    wait_for(lambda: _committed(writer._engine, first.idempotency_key), timeout_s=30)
+    if second_fails:
+        wait_for(answers[1].done, timeout_s=30)
+    else:
+        wait_for(lambda: _committed(writer._engine, second.idempotency_key), timeout_s=30)
+    yield answers
+
+
 def _committed(engine, idempotency_key: str) -> bool:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(ledger_events)
@@ -173,45 +207,43 @@ def _committed(engine, idempotency_key: str) -> bool:
 
 def test_the_writer_commits_its_next_batch_while_the_last_ones_flush_is_awaited_and_answers_neither_before_it(
         pg_ledger, postgres_url, monkeypatch):
-    """The writer does not wait for a batch's flush before its next batch; no
-    caller hears of a commit before a flush barrier that began after it returned."""
+    """The writer does not wait for a batch's flush when another is queued
+    behind it; no caller hears of a commit before a flush barrier vouched for it."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
     before = money_snapshot(ledger.engine)
     first, second = (cmd.GrantCredits(customer, amount, "granted during a slow flush", key("grant")) for amount in (1, 2))
-    with _flushes_held(postgres_url, monkeypatch) as release:
-        first_answer = ledger.appender.submit(first)
-        wait_for(lambda: _committed(ledger.engine, first.idempotency_key), timeout_s=30)
-        second_answer = ledger.appender.submit(second)
-        wait_for(lambda: _committed(ledger.engine, second.idempotency_key), timeout_s=30)
-        assert not first_answer.done() and not second_answer.done(), "a caller heard of a commit not known to be flushed"
+    with (_flushes_held(postgres_url, monkeypatch) as release,
+          _second_queued_behind_the_first(ledger.appender, monkeypatch, first, second) as answers):
+        assert not any(answer.done() for answer in answers), "a caller heard of a commit not known to be flushed"
         release()
-        assert first_answer.result(timeout=30).status == CREATED
-        assert second_answer.result(timeout=30).status == CREATED
+        assert [answer.result(timeout=30).status for answer in answers] == [CREATED, CREATED]
     after = money_snapshot(ledger.engine)
     assert after["events"] == before["events"] + 2
     assert after["balances"][customer] == before["balances"][customer] + 3
 
 
-def test_closing_the_writer_waits_for_the_flush_it_awaits_and_answers_its_callers(pg_ledger, postgres_url, counted_barriers,
+def test_closing_the_writer_waits_for_the_flush_awaited_and_answers_its_callers(pg_ledger, postgres_url, counted_barriers,
                                                                                   monkeypatch):
-    """Even when that flush's barrier loses its connection: the writer, closing,
-    runs the batch again, and its caller hears what the second run found."""
+    """A batch waits for its flush on the flush waiter, whose barrier then
+    loses its connection: the writer, closing, runs it again, and its caller
+    hears what the second run found before close returns."""
     ledger = pg_ledger
     customer = customer_with(ledger, CREDITS_NANO_USD)
     before = money_snapshot(ledger.engine)
-    grant = cmd.GrantCredits(customer, 7, "granted as the writer closes", key("grant"))
-    with _flushes_held(postgres_url, monkeypatch, _CUT_THE_FIRST) as release:
-        answer = ledger.appender.submit(grant)
-        wait_for(lambda: _committed(ledger.engine, grant.idempotency_key), timeout_s=30)
+    first, second = (cmd.GrantCredits(customer, amount, "granted as the writer closes", key("grant")) for amount in (7, 8))
+    with (_flushes_held(postgres_url, monkeypatch, _CUT_THE_FIRST) as release,
+          _second_queued_behind_the_first(ledger.appender, monkeypatch, first, second, second_fails=True) as answers):
+        with pytest.raises(_SecondBatchFails):
+            answers[1].result(timeout=0)
         closing = threading.Thread(target=ledger.close)
         closing.start()
         closing.join(0.2)
-        assert closing.is_alive() and not answer.done(), "closed before the flush of what it committed was known"
+        assert closing.is_alive() and not answers[0].done(), "closed before the flush it awaited was known"
         release()
         closing.join(30)
     assert not closing.is_alive()
-    assert answer.result(timeout=0).status == EXISTS, "answered by the second run, the first barrier having lost its connection"
+    assert answers[0].result(timeout=0).status == EXISTS, "answered by its second run, its first barrier having lost its connection"
     assert _barriers_run(ledger.engine) == 2
     after = money_snapshot(ledger.engine)
     assert after["events"] == before["events"] + 1

@@ -118,11 +118,11 @@ class TestPostgresStorage(StorageContract):
             assert conn.exec_driver_sql("SELECT to_regclass('written_then_undone')").scalar() is None, "one transaction, undone"
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on", "for that transaction only"
 
-    def test_a_durable_batch_that_ran_nothing_commits_nothing(self, engine, storage):
+    def test_a_durable_batch_that_sent_nothing_commits_nothing_and_waits_for_earlier_flushes(self, engine, storage):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             with conn.begin():
                 storage.begin_durable_batch(conn)
-                storage.commit_durable_batch(conn)
+                storage.commit_durable_batch(conn, wait_for_flush=True)
             raw = conn.connection.driver_connection
             assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
@@ -145,7 +145,7 @@ class TestPostgresStorage(StorageContract):
                 for i, hold in enumerate(placed):
                     [result] = append_batch(conn, [cmd.SettleRequest(hold.hold_id, owner, (i + 1) * USD // 4, f"r{i}", f"s{i}")])
                     assert result.status == "created"
-                storage.commit_durable_batch(conn)
+                storage.commit_durable_batch(conn, wait_for_flush=True)
         with engine.connect() as conn:
             limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
             assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (3 * USD // 4, 0), "both settlements spent the limit"
@@ -164,7 +164,7 @@ class TestPostgresStorage(StorageContract):
                 storage.begin_durable_batch(conn)
                 results = append_batch(conn, [cmd.SettleRequest(h.hold_id, owner, USD // 4, f"r{i}", key("s"))
                                               for i, h in enumerate(placed)], closing_keys_to_the_index=True)
-                storage.commit_durable_batch(conn)
+                storage.commit_durable_batch(conn, wait_for_flush=True)
         assert [r.status for r in results] == ["created"] * settlements
         assert bool(copies) == (settlements > EVENTS_INSERTED_WITH_COMMIT_MAX)
         after = money_snapshot(engine)
@@ -196,7 +196,7 @@ class TestPostgresStorage(StorageContract):
             with conn.begin():
                 storage.begin_durable_batch(conn)
                 results = append_batch(conn, settles, closing_keys_to_the_index=True)
-                storage.commit_durable_batch(conn)
+                storage.commit_durable_batch(conn, wait_for_flush=True)
         assert copies and [r.status for r in results] == ["created"] * count
         with engine.connect() as conn:
             stored = {e.seq: e for e in read_events(conn, results[0].seq - 1, count)}
@@ -239,7 +239,7 @@ class TestPostgresStorage(StorageContract):
                 storage.begin_durable_batch(conn)
                 refused, settled = append_batch(conn, [cmd.SettleRequest(placed[0].hold_id, owner, USD // 4, "r0", taken),
                                                        cmd.SettleRequest(placed[1].hold_id, owner, USD // 4, "r1", key("s"))])
-                storage.commit_durable_batch(conn)
+                storage.commit_durable_batch(conn, wait_for_flush=True)
         assert type(refused).__name__ == "IdempotencyConflict" and settled.status == "created"
         after = money_snapshot(engine)
         assert after["events"] == before["events"] + 1
