@@ -273,7 +273,7 @@ class GroupCommitWriter(Generic[C, R]):
         (None: its callers may be answered now)."""
         conn = self._connection()
         epoch = None
-        if self._flush_waiter is not None:
+        if self._flush_waiter is not None:  # before the transaction: a connection it opens must not hold the append lock up
             epoch = self._flush_waiter.epoch_before_commit(renew=self._flush_connection_suspect)
             self._flush_connection_suspect = False
         if self._autocommit:
