@@ -294,27 +294,25 @@ def append_batch_in_bulk(conn, book: BulkBook, commands: list, recorded_at: date
     lock and the database's guards."""
     storage = storage_of(conn)
     head = storage.lock_head_and_read(conn, [], [])
-    seq, prev_hash, at_text = head.last_seq, head.last_hash, ev.format_time(recorded_at)
-    event_rows, posting_rows, touched, placed = [], [], set(), defaultdict(int)
+    seq, at_text = head.last_seq, ev.format_time(recorded_at)
+    events, event_postings, hashes, touched, placed = [], [], [head.last_hash], set(), defaultdict(int)
     for command in commands:
         event, postings = cmd.prepare(command, book)
         cmd.require_covered(book, event, postings)
         seq += 1
         payload_json = ev.canonical_json(ev.event_payload(event))
         event_type = type(event).__name__
-        event_hash = ev.event_hash(prev_hash, seq, event_type, command.idempotency_key, at_text, payload_json, postings)
-        event_rows.append((seq, event_type, payload_json, command.idempotency_key, cmd.command_digest(command), None, prev_hash,
-                           event_hash))
-        for leg, (account_id, amount) in enumerate(postings):
-            posting_rows.append((seq, leg, account_id, amount))
+        hashes.append(ev.event_hash(hashes[-1], seq, event_type, command.idempotency_key, at_text, payload_json, postings))
+        events.append((event_type, payload_json, command.idempotency_key, cmd.command_digest(command), None))
+        event_postings.append(postings)
+        for account_id, amount in postings:
             book.balances[account_id] += amount
             touched.add(account_id)
         if isinstance(event, ev.RequestSettled):
             placed[event.customer_account_id] += book.holds.pop(event.hold_id).amount_nano_usd
-        prev_hash = event_hash
     storage.add_holds_placed(conn, dict(placed))  # placed, then closed by the settlements below
-    storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched}, dict(placed),
-                                               {}, seq, prev_hash, recorded_at))
+    storage.write_appended(conn, AppendedBatch(events, event_postings, hashes, {a: book.balances[a] for a in touched}, dict(placed),
+                                               {}, seq, recorded_at))
     book.last_seq = seq
 
 

@@ -136,17 +136,17 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     drafts = list(prepared.values())
     unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts],
                                          in_event_row=conn.info.get(POSTINGS_IN_EVENT_ROW_SEEN, False))
-    head_seq, head_hash, in_event_row, late = _lock_and_read(conn, book, keyed, drafts)
+    head_seq, head_hash, in_event_row, late, holds_closed = _lock_and_read(conn, book, keyed, drafts)
     if book.others:  # a batch of settlements alone reverses nothing
         reversed_seqs = {commands[i].seq for i in prepared if isinstance(commands[i], cmd.ReverseEvent)}
         if reversed_seqs:
             _load_reversals(conn, book, sorted(reversed_seqs))
 
-    seq, prev_hash, prev_hex = head_seq, head_hash, head_hash.hex()
+    seq, prev_hex = head_seq, head_hash.hex()
     recorded_at = utc_now()
     at_text = ev.format_time(recorded_at)
-    event_rows, posting_rows, hashes_hex, written = [], [], [prev_hex], []
-    holds_closed: dict[int, int] = {}
+    # What is written, as decided: rows are built from these only by a storage that writes rows.
+    events, event_postings, hashes, hashes_hex, written = [], [], [head_hash], [prev_hex], []
     limit_usage: dict[int, tuple[int, int]] = {}  # spend limit: (spent, hold amounts closed)
     touched: set[int] = set()
     # Under the lock: each lookup saved counts twice.
@@ -154,6 +154,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     for drafted_at, (i, (event, postings, columns, hashed)) in enumerate(prepared.items()):
         if type(event) is settled:  # most of any batch: its rules and rows without a loop over its legs
             answer = late.get(i) or cmd.settlement_shortfall(balances[event.customer_account_id], event)
+            if answer is not None:  # its hold stays open: not closed after all
+                _take_hold_closed(holds_closed, book, event)
         else:
             answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
@@ -162,37 +164,35 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         seq += 1
         event_hash = chained_hash(prev_hex, seq, at_text, hashed)
         prev_hex = event_hash.hex()
+        hashes.append(event_hash)
         hashes_hex.append(prev_hex)
         written.append(drafted_at)
-        event_rows.append((seq, *columns, prev_hash, event_hash))
+        events.append(columns)
+        event_postings.append(postings)
         if type(event) is settled:
             (customer, debit), (owner, owner_share), (platform, platform_share) = postings
-            posting_rows += [(seq, leg, *posting) for leg, posting in enumerate(postings)]
             balances[customer] += debit
             balances[owner] += owner_share
             balances[platform] += platform_share
             touched.update((customer, owner, platform))
-            held = _add_hold_closed(holds_closed, book, event)
-            limit_id = closing.pop(event.hold_id).spend_limit_id
-            if limit_id is not None:
-                spent, closed = limit_usage.get(limit_id, (0, 0))
-                limit_usage[limit_id] = (spent + event.charge_nano_usd, closed + held)
+            hold = closing.pop(event.hold_id)
+            if hold.spend_limit_id is not None:
+                spent, closed = limit_usage.get(hold.spend_limit_id, (0, 0))
+                limit_usage[hold.spend_limit_id] = (spent + event.charge_nano_usd, closed + hold.amount_nano_usd)
         else:
-            for leg, (account_id, amount) in enumerate(postings):
-                posting_rows.append((seq, leg, account_id, amount))
+            for account_id, amount in postings:
                 balances[account_id] += amount
                 touched.add(account_id)
             if isinstance(event, ev.EventReversed):
                 book.reversals[event.reversed_seq] = seq
-        prev_hash = event_hash
         results[i] = _append_result_of((CREATED, seq, columns[0]))
 
     mark_append(conn, CHAINED)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
-    if event_rows:
+    if events:
         try:
-            storage.write_appended(conn, AppendedBatch(event_rows, posting_rows, {a: book.balances[a] for a in touched},
-                                                       holds_closed, limit_usage, seq, prev_hash, recorded_at,
+            storage.write_appended(conn, AppendedBatch(events, event_postings, hashes, {a: balances[a] for a in touched},
+                                                       holds_closed, limit_usage, seq, recorded_at,
                                                        None if unchained is None else [unchained[k] for k in written], hashes_hex,
                                                        in_event_row))
         except IntegrityError:
@@ -404,19 +404,29 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
-def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> int:
-    """Count the whole of the settled hold as closed for its customer, whatever it captured; returns its amount."""
+def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> None:
+    """Count the whole of the settled hold as closed for its customer, whatever it captured."""
     held = book.holds[event.hold_id].amount_nano_usd
     holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
-    return held
 
 
-def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]], prepared) -> tuple[int, bytes, bool, dict]:
+def _take_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> None:
+    """`_add_hold_closed` undone, for a settlement refused under the lock: a customer with none left closes none."""
+    left = holds_closed[event.customer_account_id] - book.holds[event.hold_id].amount_nano_usd
+    if left:
+        holds_closed[event.customer_account_id] = left
+    else:
+        del holds_closed[event.customer_account_id]
+
+
+def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]],
+                   prepared) -> tuple[int, bytes, bool, dict, dict[int, int]]:
     """Take the append lock, then (each read after it, so it sees every batch
     committed before) the keys committed meanwhile, the balances of every
     account posted to, and the active holds of customers debited outside a
     hold (their hold rows locked). Returns (last seq, last hash, whether the
-    postings go in the event row, answers for late keys)."""
+    postings go in the event row, answers for late keys, the holds closed per
+    customer if no settlement is refused)."""
     account_ids, debited_outside_hold = set(), set()
     add_account, settled = account_ids.add, ev.RequestSettled
     holds_closed: dict[int, int] = {}  # if no settlement is refused under the lock
@@ -430,13 +440,14 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
             add_account(p.account_id)
             if p.amount_nano_usd < 0 and book.kinds.get(p.account_id) == cmd.CUSTOMER:
                 debited_outside_hold.add(p.account_id)
-    head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids), holds_closed)
+    # The storage keeps what it announced; the batch's own count changes if a settlement is refused under the lock.
+    head = storage_of(conn).lock_head_and_read(conn, _keys_of(keyed), sorted(account_ids), dict(holds_closed))
     mark_append(conn, LOCK_TAKEN)
     book.balances.update(head.balances)
     customers = sorted(debited_outside_hold)
     acc.lock_customer_holds(conn, customers)
     book.held_by_account.update({a: view.held_nano_usd for a, view in acc.read_books(conn, customers).items()})
-    return head.last_seq, head.last_hash, head.postings_in_event_row, _answers(keyed, head.known_keys)
+    return head.last_seq, head.last_hash, head.postings_in_event_row, _answers(keyed, head.known_keys), holds_closed
 
 
 def _load_reversal_targets(conn: Connection, book: _BatchBook, seqs: list[int]) -> None:

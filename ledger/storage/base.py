@@ -74,23 +74,45 @@ class HeadRead(NamedTuple):
 
 
 class AppendedBatch(NamedTuple):
-    """Everything a decided batch writes."""
+    """Everything a decided batch writes. Its events are kept as the append
+    decided them (columns, legs, hashes), and their rows are built only by a
+    storage that writes rows: the append builds them under the lock, where
+    every microsecond is every process's."""
 
-    event_rows: list[tuple]  # EVENT_COLUMNS
-    posting_rows: list[tuple]  # POSTING_COLUMNS
+    events: list[tuple]  # each event's EVENT_COLUMNS from event_type to reverses_seq
+    postings: list[list[tuple[int, int]]]  # each event's legs: (account id, amount)
+    hashes: list[bytes]  # the chain's hash before the batch, then each event's
     balances: dict[int, int]  # account id -> its new balance
     holds_closed: dict[int, int]  # customer -> the full amount of the holds the batch settled
     limit_usage: dict[int, tuple[int, int]]  # spend limit -> (spent, hold amounts closed)
     last_seq: int
-    last_hash: bytes
     recorded_at: datetime
     # What `encode_unchained` drafted before the lock of each event written, in
-    # event_rows' order, and the chain's hashes in hex, the one before the
-    # batch first: as the append computed them, so they are not made again.
-    # None: the storage drafts nothing, or the rows were not drafted.
+    # events' order, and the chain's hashes in hex: as the append computed
+    # them, so they are not made again. None: the storage drafts nothing, or
+    # the rows were not drafted.
     drafted: list | None = None
     hashes_hex: list[str] | None = None
     postings_in_event_row: bool = False  # as the head said under the lock
+
+    @property
+    def first_seq(self) -> int:
+        return self.last_seq - len(self.events) + 1
+
+    @property
+    def last_hash(self) -> bytes:
+        return self.hashes[-1]
+
+    def event_rows(self) -> list[tuple]:
+        """EVENT_COLUMNS, one row per event."""
+        first, hashes = self.first_seq, self.hashes
+        return [(first + k, *columns, hashes[k], hashes[k + 1]) for k, columns in enumerate(self.events)]
+
+    def posting_rows(self) -> list[tuple]:
+        """POSTING_COLUMNS, each event's legs numbered from 0."""
+        first = self.first_seq
+        return [(first + k, leg, account_id, amount)
+                for k, legs in enumerate(self.postings) for leg, (account_id, amount) in enumerate(legs)]
 
 
 def in_chunks(values: list, size: int = IN_CLAUSE_VALUES_MAX) -> Iterator[list]:

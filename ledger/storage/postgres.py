@@ -421,7 +421,7 @@ class PostgresStorage(Storage):
             self._copy_rows(conn, batch)
             _move_head(conn, head)
             return
-        if len(batch.event_rows) > EVENTS_INSERTED_WITH_COMMIT_MAX:
+        if len(batch.events) > EVENTS_INSERTED_WITH_COMMIT_MAX:
             self._copy_rows(conn, batch)
             _carry(conn, [head])
             return
@@ -431,41 +431,26 @@ class PostgresStorage(Storage):
 
     def _copy_rows(self, conn: Connection, batch: AppendedBatch) -> None:
         """The batch's events (and postings) by COPY, now: two round trips each."""
-        rows, in_event_row = batch.event_rows, batch.postings_in_event_row
-        drafted = batch.drafted
+        in_event_row, drafted, hexes = batch.postings_in_event_row, batch.drafted, batch.hashes_hex
         if drafted is None or (drafted and isinstance(drafted[0][1], str) != in_event_row):  # drafted the other way
-            drafted = self._draft_rows(rows, batch.posting_rows, in_event_row)
-        hexes = batch.hashes_hex
+            drafted = self.encode_unchained(batch.events, batch.postings, in_event_row=in_event_row)
         if hexes is None:
-            chain = [(prev_hash.hex(), event_hash.hex()) for *_, prev_hash, event_hash in rows]
-        elif hexes[-1] == batch.last_hash.hex():
-            chain = zip(hexes, hexes[1:])
-        else:
-            raise InvariantBroken("the batch's hashes in hex do not end at its last hash")
-        at = batch.recorded_at.isoformat()
+            hexes = [h.hex() for h in batch.hashes]
+        elif len(hexes) != len(batch.hashes) or hexes[-1] != batch.last_hash.hex():
+            raise InvariantBroken("the batch's hashes in hex are not its hashes")
+        seqs, chain, at = range(batch.first_seq, batch.last_seq + 1), zip(hexes, hexes[1:]), batch.recorded_at.isoformat()
         with _raw_cursor(conn) as cursor:
             if _announced(conn) != batch.holds_closed:  # a settlement refused under the lock, or no lock announced
                 cursor.execute(_ANNOUNCE_HOLDS_CLOSED, _closes(batch.holds_closed))
             if in_event_row:
                 _copy(cursor, _COPY_EVENTS_WITH_POSTINGS, "".join([
-                    f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}{legs}\n"
-                    for row, (middle, legs), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
-            else:
-                _copy(cursor, _COPY_EVENTS, "".join([f"{row[0]}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
-                                                     for row, (middle, _), (prev_hex, hash_hex) in zip(rows, drafted, chain, strict=True)]))
-            if batch.posting_rows and not in_event_row:
-                _copy(cursor, _COPY_POSTINGS, "".join([str(row[0]).join(legs) for row, (_, legs) in zip(rows, drafted, strict=True)]))
-
-    def _draft_rows(self, event_rows: list[tuple], posting_rows: list[tuple], in_event_row: bool) -> list:
-        """`encode_unchained` of rows built whole (a caller that drafted nothing):
-        each posting after its event's others, its legs numbered from 0."""
-        legs: dict[int, list[tuple[int, int]]] = {row[0]: [] for row in event_rows}
-        for seq, leg, account_id, amount in posting_rows:
-            postings = legs.get(seq)
-            if postings is None or leg != len(postings):
-                raise InvariantBroken(f"posting {seq}/{leg} does not follow its event's legs in order")
-            postings.append((account_id, amount))
-        return self.encode_unchained([row[1:6] for row in event_rows], list(legs.values()), in_event_row=in_event_row)
+                    f"{seq}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}{legs}\n"
+                    for seq, (middle, legs), (prev_hex, hash_hex) in zip(seqs, drafted, chain, strict=True)]))
+                return
+            _copy(cursor, _COPY_EVENTS, "".join([f"{seq}{middle}{prev_hex}\t{_COPY_BYTEA_HEX}{hash_hex}\t{at}\n"
+                                                 for seq, (middle, _), (prev_hex, hash_hex) in zip(seqs, drafted, chain, strict=True)]))
+            if any(batch.postings):
+                _copy(cursor, _COPY_POSTINGS, "".join([str(seq).join(legs) for seq, (_, legs) in zip(seqs, drafted, strict=True)]))
 
     def place_holds(self, conn: Connection, requests: list[PlaceHold], rules: HoldRules) -> list[HoldResult | LedgerError]:
         """The server runs the rules (migration 0015's function): `rules` is not needed."""
@@ -542,16 +527,13 @@ def _head_statement(batch: AppendedBatch) -> tuple[str, dict]:
 def _inserts(batch: AppendedBatch) -> list[tuple[str, tuple]]:
     """A small batch's events (and postings) as INSERT statements, their
     values bound by psycopg: they travel with the COMMIT."""
-    at = batch.recorded_at
+    at, rows = batch.recorded_at, batch.event_rows()
     if not batch.postings_in_event_row:
-        statements = [_values(_INSERT_EVENTS, [(*row, at) for row in batch.event_rows])]
-        if batch.posting_rows:
-            statements.append(_values(_INSERT_POSTINGS, batch.posting_rows))
+        statements = [_values(_INSERT_EVENTS, [(*row, at) for row in rows])]
+        if posting_rows := batch.posting_rows():
+            statements.append(_values(_INSERT_POSTINGS, posting_rows))
         return statements
-    legs: dict[int, list[tuple]] = {row[0]: [] for row in batch.event_rows}
-    for seq, _, account_id, amount in batch.posting_rows:
-        legs[seq].append((account_id, amount))
-    return [_values(_INSERT_EVENTS_WITH_POSTINGS, [(*row, at, *_posting_arrays(legs[row[0]])) for row in batch.event_rows])]
+    return [_values(_INSERT_EVENTS_WITH_POSTINGS, [(*row, at, *_posting_arrays(legs)) for row, legs in zip(rows, batch.postings, strict=True)])]
 
 
 def _values(insert: str, rows: list[tuple]) -> tuple[str, tuple]:

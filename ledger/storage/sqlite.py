@@ -109,9 +109,9 @@ class SqliteStorage(Storage):
 
     def write_appended(self, conn: Connection, batch: AppendedBatch) -> None:
         conn.execute(ledger_events.insert(), [{**dict(zip(EVENT_COLUMNS, row)), "recorded_at": batch.recorded_at}
-                                              for row in batch.event_rows])
-        if batch.posting_rows:
-            conn.execute(ledger_postings.insert(), [dict(zip(POSTING_COLUMNS, row)) for row in batch.posting_rows])
+                                              for row in batch.event_rows()])
+        if posting_rows := batch.posting_rows():
+            conn.execute(ledger_postings.insert(), [dict(zip(POSTING_COLUMNS, row)) for row in posting_rows])
         if batch.balances:  # a batch of events that move no money has none
             conn.execute(_SET_BALANCE, [{"b_account_id": a, "b_balance": batch.balances[a], "b_seq": batch.last_seq,
                                          "b_closed": batch.holds_closed.get(a, 0)} for a in sorted(batch.balances)])

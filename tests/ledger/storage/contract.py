@@ -126,9 +126,9 @@ class StorageContract:
     def _batch(account: int, counter: int, *, seq: int, key_: str, amount: int) -> AppendedBatch:
         """One event moving `amount` into `account` from `counter`, both balances starting at zero
         (the storage checks no rule; on PostgreSQL the postings themselves move the balances)."""
-        event = (seq, "CreditsGranted", '{"x":1}', key_, b"d" * 32, None, GENESIS_HASH, b"h" * 32)
-        postings = [(seq, 0, account, amount), (seq, 1, counter, -amount)]
-        return AppendedBatch([event], postings, {account: amount, counter: -amount}, {}, {}, seq, b"h" * 32, utc_now())
+        event = ("CreditsGranted", '{"x":1}', key_, b"d" * 32, None)
+        postings = [(account, amount), (counter, -amount)]
+        return AppendedBatch([event], [postings], [GENESIS_HASH, b"h" * 32], {account: amount, counter: -amount}, {}, {}, seq, utc_now())
 
     # Holds
     def test_placement_answers_alike_on_every_storage(self, engine, customer):
