@@ -101,16 +101,24 @@ class AdjustBalance:
     idempotency_key: str
 
 
-@dataclass(frozen=True, slots=True)
-class SettleRequest:
-    """Capture `charge_nano_usd` from a hold, split it, release the rest of the hold."""
+# A settlement's metadata when it has none: one dict for all of them, which
+# nothing writes (a settlement's event takes a copy).
+_NO_META: dict = {}
+
+
+class SettleRequest(NamedTuple):
+    """Capture `charge_nano_usd` from a hold, split it, release the rest of the hold.
+
+    A tuple, as PlaceHold and the events are: one is built per request, and a
+    frozen dataclass sets each field through `object.__setattr__` (1.9 µs
+    against 0.7). Its metadata is read, never changed: the default is shared."""
 
     hold_id: int
     owner_account_id: int
     charge_nano_usd: int
     request_id: str
     idempotency_key: str
-    meta: dict = field(default_factory=dict)
+    meta: dict = _NO_META
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +260,8 @@ def command_fields(command: Command) -> dict:
     kind = type(command)
     names = _CONTENT_FIELDS.get(kind)
     if names is None:
-        names = _CONTENT_FIELDS[kind] = tuple(k for k in kind.__slots__ if k != "idempotency_key")
+        fields = getattr(kind, "_fields", None) or kind.__slots__  # a named tuple's, or a dataclass's
+        names = _CONTENT_FIELDS[kind] = tuple(k for k in fields if k != "idempotency_key")
     return {k: getattr(command, k) for k in names}
 
 
@@ -265,7 +274,7 @@ def command_digest(command: Command) -> bytes:
 
 def require_text(value: object, what: str, length_max: int) -> None:
     """Text every store keeps as given: no NUL (PostgreSQL refuses it), no lone surrogates."""
-    if not isinstance(value, str) or len(value) > length_max or not value.strip():
+    if not isinstance(value, str) or len(value) > length_max or not value or value.isspace():  # isspace: no copy, as strip() makes
         raise InvalidInput(f"{what} must be 1 to {length_max} characters")
     if "\x00" in value:
         raise InvalidInput(f"{what} must not contain NUL characters")
@@ -362,7 +371,9 @@ def _validate_meta(meta: object) -> None:
     if type(meta) is not dict or len(meta) > META_ENTRIES_MAX:
         raise InvalidInput(f"settlement metadata is a mapping of at most {META_ENTRIES_MAX} entries")
     for name, value in meta.items():
-        require_text(name, "a metadata name", IDEMPOTENCY_KEY_CHARS_MAX)
+        # A name that is an identifier (prompt_tokens) is text of the kind asked: checked without a call.
+        if not (type(name) is str and name.isidentifier() and len(name) <= IDEMPOTENCY_KEY_CHARS_MAX):
+            require_text(name, "a metadata name", IDEMPOTENCY_KEY_CHARS_MAX)
         if type(value) is int:
             if abs(value) > INT64_MAX:
                 raise InvalidInput(f"metadata {name!r} does not fit in 64 bits")
