@@ -452,26 +452,25 @@ def _prepare_other(command: Command, book: BookView) -> tuple[object, list[ev.Po
 
 def prepare_settlement(command: SettleRequest, book: BookView) -> tuple[ev.RequestSettled, list[ev.Posting]]:
     """`prepare` of a settlement, which a batch calls for most of its commands."""
-    hold = book.hold(command.hold_id)
+    hold_id, owner, charge, request_id, _, meta = command  # a tuple: unpacked once, not read field by field
+    hold = book.hold(hold_id)
     if not hold.active:
         raise HoldNotActive(f"hold {hold.hold_id} is no longer active")
-    charge = command.charge_nano_usd
     if charge > hold.amount_nano_usd:
         raise CaptureExceedsHold(f"charge {charge} exceeds hold {hold.hold_id} of {hold.amount_nano_usd}")
-    if book.kind(command.owner_account_id) != OWNER:
-        _require_kind(book, command.owner_account_id, OWNER)
+    if book.kind(owner) != OWNER:
+        _require_kind(book, owner, OWNER)
     platform = book.system_account(PLATFORM_REVENUE_ACCOUNT)
     owner_nano_usd, platform_nano_usd = split_charge(charge)
     if owner_nano_usd + platform_nano_usd != charge:  # the postings' sum, as `prepare` checks any event's
         raise InvariantBroken("RequestSettled postings do not sum to zero")
     # hold_id, customer_account_id, owner_account_id, charge_nano_usd, owner_nano_usd,
     # platform_nano_usd, released_nano_usd, request_id, meta: by position, once per request
-    event = ev.settled_of((hold.hold_id, hold.account_id, command.owner_account_id, command.charge_nano_usd,
-                           owner_nano_usd, platform_nano_usd, hold.amount_nano_usd - command.charge_nano_usd,
-                           command.request_id, dict(command.meta)))
+    event = ev.settled_of((hold.hold_id, hold.account_id, owner, charge, owner_nano_usd, platform_nano_usd,
+                           hold.amount_nano_usd - charge, request_id, dict(meta)))
     postings = [
-        ev.posting_of((hold.account_id, -command.charge_nano_usd)),
-        ev.posting_of((command.owner_account_id, owner_nano_usd)),
+        ev.posting_of((hold.account_id, -charge)),
+        ev.posting_of((owner, owner_nano_usd)),
         ev.posting_of((platform, platform_nano_usd)),
     ]
     return event, postings

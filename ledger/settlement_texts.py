@@ -40,17 +40,17 @@ _texts_of = partial(tuple.__new__, SettleTexts)  # from a 4-tuple, as ev.posting
 def settle_texts(command: cmd.SettleRequest) -> SettleTexts | None:
     """The command's digest and the JSON of its text values, or None: then
     the generic functions write it."""
-    hold_id, owner, charge = command.hold_id, command.owner_account_id, command.charge_nano_usd
+    hold_id, owner, charge, request_id, key, meta = command  # a tuple: unpacked once, not read field by field
     # Integers that both str() and orjson write as their digits (a bool is no int here).
     if not (type(hold_id) is int and type(owner) is int and type(charge) is int
             and 0 <= hold_id <= INT64_MAX and 0 <= owner <= INT64_MAX and 0 <= charge <= INT64_MAX):
         return None
     # orjson as `ev.canonical_json` calls it, without its two frames: three values per settlement
-    meta_json = _dumps(command.meta, option=_SORTED).decode()
-    request_id_json = _dumps(command.request_id).decode()
+    meta_json = _dumps(meta, option=_SORTED).decode()
+    request_id_json = _dumps(request_id).decode()
     content = (f'SettleRequest\n{{"charge_nano_usd":{charge},"hold_id":{hold_id},"meta":{meta_json},'
                f'"owner_account_id":{owner},"request_id":{request_id_json}}}')
-    return _texts_of((_sha256(content.encode()).digest(), meta_json, request_id_json, _dumps(command.idempotency_key).decode()))
+    return _texts_of((_sha256(content.encode()).digest(), meta_json, request_id_json, _dumps(key).decode()))
 
 
 def settled_texts(event: ev.RequestSettled, postings: list[ev.Posting], texts: SettleTexts) -> tuple[str, tuple[str, str]]:
