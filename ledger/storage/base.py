@@ -75,9 +75,9 @@ class HeadRead(NamedTuple):
 
 class AppendedBatch(NamedTuple):
     """Everything a decided batch writes. Its events are kept as the append
-    decided them (columns, legs, hashes), and their rows are built only by a
-    storage that writes rows: the append builds them under the lock, where
-    every microsecond is every process's."""
+    decided them under the lock (columns, legs, hashes), where every
+    microsecond is every process's; only a storage that writes rows builds
+    them (`event_rows`, `posting_rows`)."""
 
     events: list[tuple]  # each event's EVENT_COLUMNS from event_type to reverses_seq
     postings: list[list[tuple[int, int]]]  # each event's legs: (account id, amount)
