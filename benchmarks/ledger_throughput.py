@@ -55,6 +55,7 @@ from app.runtime import run_on_service_loop, tune_garbage_collector  # noqa: E40
 from ledger import commands as cmd  # noqa: E402
 from ledger.db import CHAINED, COMMITTED, WRITTEN, make_engine, normalise_url  # noqa: E402
 from ledger.hold_commands import settlement_key  # noqa: E402
+from ledger.hold_pool import HoldPool  # noqa: E402
 from ledger.holds import HOLD_TTL_S_MAX, PlaceHold  # noqa: E402
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, MS_PER_S  # noqa: E402
 from scratch import ScratchDatabase, funded_accounts, log, postgres_cpu_s_by_pid, random_request_id  # noqa: E402
@@ -228,6 +229,20 @@ def settlement(hold_id: int, owner: int, request_id: str, n: int) -> cmd.SettleR
                              {"model": "bench", "prompt_tokens": 900 + n % 97})
 
 
+async def pooled_producer(pool: HoldPool, customer: int, owner: int, deadline: float, latencies_ms: list[float], new_id) -> int:
+    """`producer`, each request reserved from its replica's pooled hold and captured from it (not finally)."""
+    done = 0
+    while time.time() < deadline:
+        request_id = new_id("chatcmpl-")
+        reservation = await pool.reserve(customer, HOLD_NANO_USD)
+        command = settlement(reservation.hold_id, owner, request_id, done)
+        started = time.perf_counter()
+        await pool.settle(reservation, owner, command.charge_nano_usd, request_id, command.idempotency_key, command.meta)
+        latencies_ms.append((time.perf_counter() - started) * 1000)
+        done += 1
+    return done
+
+
 async def producer(ledger: Ledger, customer: int, owner: int, deadline: float, latencies_ms: list[float],
                    placed_ahead: list, new_id) -> int:
     done = 0
@@ -277,11 +292,12 @@ async def open_loop(ledger: Ledger, roles: list[tuple[int, int]], rate_per_s: fl
 async def _process_load(url: str, producers: int, customers: list[int], owners: list[int],
                         start_at: float, seconds: float, batch_size_max: int, batch_wait_ms: float,
                         flush_after_commit: bool, holds_ahead: int, random_ids: bool, rate_per_s: float | None,
-                        flush_delay_ms: float) -> dict:
+                        flush_delay_ms: float, pooled_holds: bool) -> dict:
     if flush_delay_ms:  # a slower disk's flush: each of this process's flush barriers sleeps on the server first
         pg_storage._FLUSH_BARRIER = f"SELECT pg_sleep({flush_delay_ms / MS_PER_S});\n{pg_storage._FLUSH_BARRIER}"
     engine = make_engine(url, pool_size=4)
     ledger = Ledger(engine, batch_size_max=batch_size_max, batch_wait_ms=batch_wait_ms, flush_after_commit=flush_after_commit)
+    pool = HoldPool(ledger) if pooled_holds else None
     latencies_ms: list[float] = []
     new_id = random_request_id if random_ids else new_request_id
     # Producer i's customer and owner.
@@ -301,7 +317,10 @@ async def _process_load(url: str, producers: int, customers: list[int], owners: 
     per_second: list[int] = []
     sampler = asyncio.create_task(_sample_per_second(ledger, per_second))
     hold_latencies_ms: list[float] = []
-    if rate_per_s is None:
+    if pool is not None:
+        counts = await asyncio.gather(*(pooled_producer(pool, customer, owner, start_at + seconds, latencies_ms, new_id)
+                                        for customer, owner in roles))
+    elif rate_per_s is None:
         counts = await asyncio.gather(*(
             producer(ledger, customer, owner, start_at + seconds, latencies_ms, ahead, new_id)
             for (customer, owner), ahead in zip(roles, placed_ahead)
@@ -315,12 +334,14 @@ async def _process_load(url: str, producers: int, customers: list[int], owners: 
     thread_cpu_used = {name: thread_cpu_s(tid) - thread_cpu_started[name] for name, tid in threads.items()}
     sampler.cancel()
     batches, hold_batches = ledger.appender.batches_committed, ledger.holder.batches_committed - hold_batches_started
+    if pool is not None:
+        await pool.close()
     ledger.close()
     engine.dispose()
     return {"settlements": sum(counts), "latencies_ms": latencies_ms, "hold_latencies_ms": hold_latencies_ms, "cpu_s": cpu_s, "thread_cpu_s": thread_cpu_used,
             "lock_held_s": lock_held_s, "lock_parts_s": lock_parts_s,
             "batches": batches, "hold_batches": hold_batches, "per_second": per_second,
-            "holds_placed_in_window": sum(counts) - (holds_ahead * producers - unused_ahead)}
+            "holds_placed_in_window": pool.pools_placed if pool is not None else sum(counts) - (holds_ahead * producers - unused_ahead)}
 
 
 async def _sample_per_second(ledger: Ledger, out: list[int]) -> None:
@@ -362,7 +383,8 @@ def warm_up(ledger: Ledger, customers: list[int], owners: list[int], rounds: int
 def run_load(url: str, processes: int, producers: int, seconds: float, batch_size_max: int, batch_wait_ms: float,
              balance_guard: bool = True, postings_guard: bool = True, flush_wait: bool = True,
              postings_in_event_row: bool = False, flush_after_commit: bool = True, holds_ahead: int = 0,
-             random_ids: bool = False, rate_per_s: float | None = None, flush_delay_ms: float = 0.0) -> dict:
+             random_ids: bool = False, rate_per_s: float | None = None, flush_delay_ms: float = 0.0,
+             pooled_holds: bool = False) -> dict:
     """Producers spread over `processes` processes, as proxy replicas would be;
     with `rate_per_s`, requests arriving at that rate in all instead."""
     engine = make_engine(url, pool_size=4)
@@ -387,7 +409,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
     start_at = time.time() + 3.0 + holds_ahead * producers / HOLDS_PLACED_AHEAD_PER_S
     libpq_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     jobs = [(url, producers // processes, customers, owners, start_at, seconds, batch_size_max, batch_wait_ms, flush_after_commit,
-             holds_ahead, random_ids, None if rate_per_s is None else rate_per_s / processes, flush_delay_ms)] * processes
+             holds_ahead, random_ids, None if rate_per_s is None else rate_per_s / processes, flush_delay_ms, pooled_holds)] * processes
     with multiprocessing.get_context("spawn").Pool(processes) as pool, engine.connect() as watcher:
         pending = pool.map_async(process_load, jobs)
         time.sleep(max(0.0, start_at - time.time()))
@@ -425,7 +447,7 @@ def run_load(url: str, processes: int, producers: int, seconds: float, batch_siz
         }),
         "settle_batch_size_mean": round(settled / max(sum(part["batches"] for part in parts), 1), 1),
         # Holds placed in the window (one per settlement, unless placed before
-        # the clock) per batch, each batch one call of the hold function.
+        # the clock or pooled) per batch, each batch one call of the hold function.
         "hold_batch_size_mean": round(placed_in_window / max(sum(part["hold_batches"] for part in parts), 1), 1),
         # Non-zero with --holds-placed-before: producers ran out of the holds placed ahead.
         "holds_placed_in_window": placed_in_window,
@@ -505,6 +527,9 @@ def main() -> None:
     parser.add_argument("--flush-delay-ms", type=float, default=0.0, metavar="MS",
                         help="each flush barrier of the ledger's writers sleeps this long on the server first: "
                              "a slower disk's flush (pgbench's commits are not slowed)")
+    parser.add_argument("--pooled-holds", action="store_true",
+                        help="each process's requests reserve from pooled holds (ledger.hold_pool) and capture from them "
+                             "not finally: no hold row per request")
     parser.add_argument("--random-request-ids", action="store_true", help="request ids as the proxy made them before: UUIDv4")
     parser.add_argument("--arrivals-per-s", type=float, nargs="+", metavar="RATE",
                         help="open loop: requests arrive at each RATE in turn (one round each, instead of --rounds "
@@ -516,6 +541,8 @@ def main() -> None:
         raise SystemExit("--rounds must be at least 1")
     if args.holds_placed_before < 0:
         raise SystemExit("--holds-placed-before must be 0 or more")
+    if args.pooled_holds and (args.holds_placed_before or args.arrivals_per_s):
+        raise SystemExit("--pooled-holds runs closed-loop producers, with no holds placed before the clock")
     if args.arrivals_per_s and (args.holds_placed_before or min(args.arrivals_per_s) <= 0 or args.latency_bound_ms <= 0):
         raise SystemExit("--arrivals-per-s takes rates above 0, a --latency-bound-ms above 0, and no --holds-placed-before")
     if normalise_url(args.database_url).get_backend_name() != "postgresql":
@@ -535,7 +562,7 @@ def main() -> None:
                                    args.seconds, args.batch_size_max, args.batch_wait_ms, not args.without_balance_guard,
                                    not args.without_postings_guard, not args.without_flush_wait, args.postings_in_event_row,
                                    flush_after_commit(args), args.holds_placed_before, args.random_request_ids, rate,
-                                   args.flush_delay_ms))
+                                   args.flush_delay_ms, args.pooled_holds))
         log(f"  {rounds[-1]['settlements_per_s']:.0f} settlements/s, p99 {rounds[-1]['settle_latency_ms_p99']:.0f} ms; pgbench ...")
         tps.append(pgbench_tps(args.database_url, int(args.seconds)))
         if rate is not None and not held(rounds[-1], args.latency_bound_ms):
@@ -574,6 +601,7 @@ def main() -> None:
         postings_in_event_row=args.postings_in_event_row,
         flush_after_commit=flush_after_commit(args),
         holds_placed_before=args.holds_placed_before,
+        pooled_holds=args.pooled_holds,
         random_request_ids=args.random_request_ids,
         flush_delay_ms=args.flush_delay_ms,
     )

@@ -40,6 +40,8 @@ EVIDENCE_REQUEST_IDS_MAX = 100
 # before its running requests' holds are settled under them.
 # The proxy serves with this default (PARALON_HOLD_TTL_S overrides it).
 HOLD_TTL_S_DEFAULT = 30
+# A replica's pooled hold (ledger.hold_pool) is placed for this many requests' amounts, or what is available if less.
+HOLD_POOL_REQUESTS = 64
 HOLD_TTL_S_MAX = 24 * 3600
 HOLDS_EXPIRED_PER_SWEEP_MAX = 1000
 REPLICA_ID_CHARS_MAX = 200  # who placed a hold (PARALON_REPLICA_ID)

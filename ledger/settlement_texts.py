@@ -24,6 +24,7 @@ from ledger import events as ev
 from ledger.limits import INT64_MAX
 
 _SETTLED_TYPE_JSON = '"RequestSettled"'
+_NOT_FINAL = '"final_capture":false,'
 _dumps, _SORTED, _sha256 = orjson.dumps, orjson.OPT_SORT_KEYS, hashlib.sha256
 
 
@@ -40,16 +41,18 @@ _texts_of = partial(tuple.__new__, SettleTexts)  # from a 4-tuple, as ev.posting
 def settle_texts(command: cmd.SettleRequest) -> SettleTexts | None:
     """The command's digest and the JSON of its text values, or None: then
     the generic functions write it."""
-    hold_id, owner, charge, request_id, key, meta = command  # a tuple: unpacked once, not read field by field
+    hold_id, owner, charge, request_id, key, meta, final = command  # a tuple: unpacked once, not read field by field
     # Integers that both str() and orjson write as their digits (a bool is no int here).
     if not (type(hold_id) is int and type(owner) is int and type(charge) is int
-            and 0 <= hold_id <= INT64_MAX and 0 <= owner <= INT64_MAX and 0 <= charge <= INT64_MAX):
+            and 0 <= hold_id <= INT64_MAX and 0 <= owner <= INT64_MAX and 0 <= charge <= INT64_MAX
+            and type(final) is bool):
         return None
     # orjson as `ev.canonical_json` calls it, without its two frames: three values per settlement
     meta_json = _dumps(meta, option=_SORTED).decode()
     request_id_json = _dumps(request_id).decode()
-    content = (f'SettleRequest\n{{"charge_nano_usd":{charge},"hold_id":{hold_id},"meta":{meta_json},'
-               f'"owner_account_id":{owner},"request_id":{request_id_json}}}')
+    # `command_fields` leaves a final capture's flag out (the default), and sorts it between charge and hold.
+    content = (f'SettleRequest\n{{"charge_nano_usd":{charge},{"" if final else _NOT_FINAL}"hold_id":{hold_id},'
+               f'"meta":{meta_json},"owner_account_id":{owner},"request_id":{request_id_json}}}')
     return _texts_of((_sha256(content.encode()).digest(), meta_json, request_id_json, _dumps(key).decode()))
 
 

@@ -53,6 +53,9 @@ class _BatchBook:
         self.held_by_account: dict[int, int] = {}
         self.holds: dict[int, cmd.HoldView] = {}
         self.closing: dict[int, ClosedHold] = {}  # holds this batch closed, until their settlement is written
+        # Holds this batch took from for captures that are not final: what was taken, and what is not yet written.
+        self.taken: dict[int, list] = {}  # hold id: [ClosedHold of the amount taken, amount not yet written]
+        self.closed_finally_too: set[int] = set()  # holds both captured finally and not in this batch: only the final one counts
         self.events: dict[int, tuple[str, list[ev.Posting]]] = {}
         self.reversals: dict[int, int] = {}
         self.system: dict[str, int] = {}
@@ -77,7 +80,8 @@ class _BatchBook:
         try:
             return self.holds[hold_id]
         except KeyError:
-            raise HoldNotActive(f"hold {hold_id} is not active: settled, released, expired, or never placed") from None
+            raise HoldNotActive(f"hold {hold_id} is not active: settled, released, expired, never placed, "
+                                "or with less left than this batch's captures from it") from None
 
     def event_postings(self, seq: int) -> tuple[str, list[ev.Posting]]:
         try:
@@ -155,7 +159,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
         if type(event) is settled:  # most of any batch: its rules and rows without a loop over its legs
             answer = late.get(i) or cmd.settlement_shortfall(balances[event.customer_account_id], event)
             if answer is not None:  # its hold stays open: not closed after all
-                _take_hold_closed(holds_closed, book, event)
+                _take_hold_closed(holds_closed, event)
         else:
             answer = late.get(i) or _refusal(book, event, postings)
         if answer is not None:
@@ -175,10 +179,11 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
             balances[owner] += owner_share
             balances[platform] += platform_share
             touched.update((customer, owner, platform))
-            hold = closing.pop(event.hold_id)
+            hold = closing.pop(event.hold_id, None) or _written_from_taken(book.taken, event)
             if hold.spend_limit_id is not None:
                 spent, closed = limit_usage.get(hold.spend_limit_id, (0, 0))
-                limit_usage[hold.spend_limit_id] = (spent + event.charge_nano_usd, closed + hold.amount_nano_usd)
+                limit_usage[hold.spend_limit_id] = (spent + event.charge_nano_usd,
+                                                    closed + event.charge_nano_usd + event.released_nano_usd)
         else:
             for account_id, amount in postings:
                 balances[account_id] += amount
@@ -189,6 +194,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
 
     mark_append(conn, CHAINED)
     storage.reopen_holds(conn, [book.closing[h] for h in sorted(book.closing)])  # closed for a command that then failed
+    storage.give_back_to_holds(conn, {h: left for h, (_, left) in book.taken.items() if left})  # taken for one
     if events:
         try:
             storage.write_appended(conn, AppendedBatch(events, event_postings, hashes, {a: balances[a] for a in touched},
@@ -218,7 +224,7 @@ def append_one(conn: Connection, command: cmd.Command) -> AppendResult:
 def _closing_holds(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
     """The indexes of the settlements whose holds this batch closed."""
     closing, settle_type = book.closing, cmd.SettleRequest
-    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and c.hold_id in closing}
+    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and c.hold_id in closing and c.final_capture}
 
 
 def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> LedgerError | None:
@@ -254,6 +260,7 @@ def _prepare(commands, digests, texts, pending, book, results):
     first_by_key: dict[str, int] = {}
     same_batch: dict[int, int] = {}
     holds, hold_view_of, prepare_settlement = book.holds, cmd.hold_view_of, cmd.prepare_settlement
+    taken, closed_finally = book.taken, book.closed_finally_too
     for i in pending:
         command, settle = commands[i], texts[i]
         key = command.idempotency_key
@@ -261,6 +268,9 @@ def _prepare(commands, digests, texts, pending, book, results):
             same_batch[i] = first_by_key[key]
             continue
         first_by_key[key] = i
+        if closed_finally and settle is not None and command.hold_id in closed_finally and not command.final_capture:
+            results[i] = HoldNotActive(f"hold {command.hold_id} is captured finally in the same batch")
+            continue
         try:
             event, postings = cmd.prepare(command, book) if settle is None else prepare_settlement(command, book)
         except LedgerError as exc:
@@ -273,8 +283,11 @@ def _prepare(commands, digests, texts, pending, book, results):
         else:
             payload_json, hashed = settled_texts(event, postings, settle)
             prepared[i] = _draft_of((event, postings, (_SETTLED, payload_json, key, settle.digest, None), hashed))
-        hold = holds[event.hold_id]  # a second settlement of it in this batch must fail
-        holds[event.hold_id] = hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd, False))
+        hold = holds[event.hold_id]  # a second settlement of it in this batch must fail, unless it only took its charge
+        if event.hold_id in taken:  # a capture that is not final: the next may take from what this one left
+            holds[event.hold_id] = hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd - event.charge_nano_usd, True))
+        else:
+            holds[event.hold_id] = hold_view_of((hold.hold_id, hold.account_id, hold.amount_nano_usd, False))
     return prepared, same_batch
 
 
@@ -386,37 +399,60 @@ def _facts_of(conn: Connection) -> _Facts:
 
 
 def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleRequest]) -> None:
-    """Close, in one statement, every hold a settlement here may capture; read the rest as they are.
+    """Close, in one statement, every hold a final capture here may settle;
+    take from the others, in one more, what the captures that are not final
+    charge; read the rest as they are.
 
-    A hold closed for a command that then fails (charge above the hold, a key
-    another process used meanwhile) is put back before the batch commits."""
+    A hold closed (or taken from) for a command that then fails (charge above
+    the hold, a key another process used meanwhile) is put back before the
+    batch commits."""
     kinds, owner, hold_view_of = book.kinds, cmd.OWNER, cmd.hold_view_of
-    closable = sorted({c.hold_id for c in settles if kinds.get(c.owner_account_id) == owner})
+    owned = [c for c in settles if kinds.get(c.owner_account_id) == owner]
+    closable = {c.hold_id for c in owned if c.final_capture}
+    takes: dict[int, int] = {}
+    for c in owned:
+        if not c.final_capture:
+            takes[c.hold_id] = takes.get(c.hold_id, 0) + c.charge_nano_usd
+    if takes:
+        book.closed_finally_too = closable.intersection(takes)
+        for hold_id in book.closed_finally_too:
+            del takes[hold_id]
     storage = storage_of(conn)
-    closed = storage.close_holds(conn, closable)
-    book.holds.update({h.hold_id: hold_view_of((h.hold_id, h.account_id, h.amount_nano_usd, True)) for h in closed})
-    kinds.update(dict.fromkeys([h.account_id for h in closed], cmd.CUSTOMER))  # holds are only ever placed on customers
+    closed = storage.close_holds(conn, sorted(closable))
+    taken = storage.take_from_holds(conn, takes) if takes else []
+    book.holds.update({h.hold_id: hold_view_of((h.hold_id, h.account_id, h.amount_nano_usd, True)) for h in closed + taken})
+    kinds.update(dict.fromkeys([h.account_id for h in closed + taken], cmd.CUSTOMER))  # holds are only ever placed on customers
     book.closing.update({h.hold_id: h for h in closed})
-    unclosed = sorted({c.hold_id for c in settles}.difference(book.closing))
+    book.taken.update({h.hold_id: [h, h.amount_nano_usd] for h in taken})
+    # Those whose owner is no owner: the rules will say so. A hold that had less left than its captures is not active for them.
+    unclosed = sorted({c.hold_id for c in settles}.difference(book.closing, takes))
     for chunk in in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
         for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(storage.one_of(holds.c.id, chunk))):
             book.holds[r.id] = cmd.HoldView(r.id, r.account_id, r.amount_nano_usd, True)
             book.kinds.setdefault(r.account_id, cmd.CUSTOMER)
 
 
-def _add_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> None:
-    """Count the whole of the settled hold as closed for its customer, whatever it captured."""
-    held = book.holds[event.hold_id].amount_nano_usd
-    holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + held
+def _add_hold_closed(holds_closed: dict[int, int], event: ev.RequestSettled) -> None:
+    """Count what the settlement closes of its hold as closed for its customer:
+    what it captured and released (a final capture: the whole hold)."""
+    closed = event.charge_nano_usd + event.released_nano_usd
+    holds_closed[event.customer_account_id] = holds_closed.get(event.customer_account_id, 0) + closed
 
 
-def _take_hold_closed(holds_closed: dict[int, int], book: _BatchBook, event: ev.RequestSettled) -> None:
+def _take_hold_closed(holds_closed: dict[int, int], event: ev.RequestSettled) -> None:
     """`_add_hold_closed` undone, for a settlement refused under the lock: a customer with none left closes none."""
-    left = holds_closed[event.customer_account_id] - book.holds[event.hold_id].amount_nano_usd
+    left = holds_closed[event.customer_account_id] - event.charge_nano_usd - event.released_nano_usd
     if left:
         holds_closed[event.customer_account_id] = left
     else:
         del holds_closed[event.customer_account_id]
+
+
+def _written_from_taken(taken: dict[int, list], event: ev.RequestSettled) -> ClosedHold:
+    """A capture that is not final, written: its charge is no longer left to give back."""
+    entry = taken[event.hold_id]
+    entry[1] -= event.charge_nano_usd
+    return entry[0]
 
 
 def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cmd.Command, bytes]],
@@ -432,7 +468,7 @@ def _lock_and_read(conn: Connection, book: _BatchBook, keyed: list[tuple[int, cm
     holds_closed: dict[int, int] = {}  # if no settlement is refused under the lock
     for event, postings, *_ in prepared:
         if type(event) is settled:  # its debit is its hold's: no customer's holds to lock for it
-            _add_hold_closed(holds_closed, book, event)
+            _add_hold_closed(holds_closed, event)
             for account_id, _ in postings:
                 add_account(account_id)
             continue

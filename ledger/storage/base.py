@@ -17,7 +17,7 @@ from datetime import datetime
 from functools import partial
 from typing import Callable, ClassVar, Iterator, NamedTuple
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
@@ -302,6 +302,24 @@ class Storage(ABC):
         Here `row` is a HOLD_ROW tuple."""
         if closed:
             conn.execute(holds.insert(), [dict(zip(HOLD_ROW, c.row)) for c in closed])
+
+    def take_from_holds(self, conn: Connection, takes: dict[int, int]) -> list[ClosedHold]:
+        """Take each amount from its hold, which stays open with the rest (the
+        captures that are not final); returns a ClosedHold of the amount taken
+        for each hold that had that much left. The holds are taken in id order."""
+        taken = []
+        for hold_id, amount in sorted(takes.items()):
+            row = conn.execute(update(holds).where(holds.c.id == hold_id, holds.c.amount_nano_usd >= amount)
+                               .values(amount_nano_usd=holds.c.amount_nano_usd - amount)
+                               .returning(holds.c.account_id, holds.c.spend_limit_id)).first()
+            if row is not None:
+                taken.append(closed_hold_of((hold_id, row.account_id, amount, row.spend_limit_id, None)))
+        return taken
+
+    def give_back_to_holds(self, conn: Connection, amounts: dict[int, int]) -> None:
+        """`take_from_holds` undone for captures refused under the append lock (rare)."""
+        for hold_id, amount in sorted(amounts.items()):
+            conn.execute(update(holds).where(holds.c.id == hold_id).values(amount_nano_usd=holds.c.amount_nano_usd + amount))
 
     # Reservation counters: customer -> amount, spend limit -> amount
     @abstractmethod

@@ -203,6 +203,18 @@ _CLOSE_HOLDS = """
 DELETE FROM holds WHERE id = ANY(%(id)s::bigint[])
 RETURNING id, account_id, amount_nano_usd, spend_limit_id, NULL
 """
+# Captures that are not final: each hold keeps the rest (a replica's pooled hold).
+_TAKE_FROM_HOLDS = """
+UPDATE holds AS h SET amount_nano_usd = h.amount_nano_usd - t.amount
+FROM unnest(%(id)s::bigint[], %(amount)s::bigint[]) AS t(id, amount)
+WHERE h.id = t.id AND h.amount_nano_usd >= t.amount
+RETURNING h.id, h.account_id, t.amount, h.spend_limit_id, NULL
+"""
+_GIVE_BACK_TO_HOLDS = """
+UPDATE holds AS h SET amount_nano_usd = h.amount_nano_usd + t.amount
+FROM unnest(%(id)s::bigint[], %(amount)s::bigint[]) AS t(id, amount)
+WHERE h.id = t.id
+"""
 _HOLD_ROWS = "SELECT holds::text FROM holds WHERE id = ANY(%(id)s::bigint[])"
 _REOPEN_HOLDS = "INSERT INTO holds SELECT * FROM unnest(%(row)s::text[]::holds[])"
 _ADD_PLACED = """
@@ -472,6 +484,15 @@ class PostgresStorage(Storage):
 
     def close_holds(self, conn: Connection, hold_ids: list[int]) -> list[ClosedHold]:
         return list(map(closed_hold_of, _rows(conn, _CLOSE_HOLDS, {"id": ints(hold_ids)}))) if hold_ids else []
+
+    def take_from_holds(self, conn: Connection, takes: dict[int, int]) -> list[ClosedHold]:
+        if not takes:
+            return []
+        ids = sorted(takes)
+        return list(map(closed_hold_of, _rows(conn, _TAKE_FROM_HOLDS, {"id": ints(ids), "amount": ints([takes[i] for i in ids])})))
+
+    def give_back_to_holds(self, conn: Connection, amounts: dict[int, int]) -> None:
+        _add(conn, _GIVE_BACK_TO_HOLDS, amounts)
 
     def reopen_holds(self, conn: Connection, closed: list[ClosedHold]) -> None:
         """The rows as another connection sees them (`_CLOSE_HOLDS`), inserted again in this transaction."""

@@ -1,0 +1,142 @@
+"""A replica's requests reserved in memory against pooled holds: no hold row per request.
+
+One hold per customer (and spend limit) serves many requests. It is placed
+like any hold, checked against the customer's available balance and the
+key's spend limit in the transaction that places it, so every replica sees
+it as reserved at once. Each request then reserves its amount from the
+pool's hold in this process; its settlement is a capture that is not final
+(`SettleRequest.final_capture=False`), which takes only its charge from the
+hold and leaves the rest for the next request; a request that ends with no
+charge gives its amount back in memory. A pool whose hold has too little
+left is retired, and released once its last request is settled; a new one
+is placed. The durable path then writes no hold row, and closes none, per
+request: one hold's row is updated per batch.
+
+What the pools' holds reserve and nobody uses is credit a customer cannot
+spend through another replica for a moment (as a settled request's hold
+is, until its release): a pool is at most `HOLD_POOL_REQUESTS` requests' amounts,
+and never more than what the customer has available.
+
+Runs on one event loop: the reservations are plain arithmetic between awaits.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import NamedTuple
+
+from ledger import commands as cmd
+from ledger.errors import LedgerError
+from ledger.hold_commands import PlaceHold
+from ledger.limits import HOLD_POOL_REQUESTS, HOLD_TTL_S_DEFAULT
+from ledger.service import Ledger
+
+
+class _Pool:
+    __slots__ = ("hold_id", "free_nano_usd", "in_flight", "retired")
+
+    def __init__(self, hold_id: int, amount_nano_usd: int) -> None:
+        self.hold_id = hold_id
+        self.free_nano_usd = amount_nano_usd  # the hold's amount less what this process's requests reserve
+        self.in_flight = 0
+        self.retired = False
+
+
+class Reservation(NamedTuple):
+    """One request's share of a pooled hold."""
+
+    pool: _Pool
+    amount_nano_usd: int
+
+    @property
+    def hold_id(self) -> int:
+        return self.pool.hold_id
+
+
+class HoldPool:
+    def __init__(self, ledger: Ledger, *, replica_id: str | None = None, ttl_s: int = HOLD_TTL_S_DEFAULT,
+                 pool_requests: int = HOLD_POOL_REQUESTS) -> None:
+        self.ledger = ledger
+        self.replica_id = replica_id
+        self.ttl_s = ttl_s
+        self.pool_requests = pool_requests
+        self._pools: dict[tuple[int, int | None], _Pool] = {}  # (customer, spend limit): the pool requests reserve from
+        self._placing: dict[tuple[int, int | None], asyncio.Future] = {}  # a pool being placed: the others wait for it
+        self._retired: set[_Pool] = set()  # retired, with requests still in flight
+        self.pools_placed = 0
+
+    async def reserve(self, account_id: int, amount_nano_usd: int, *, minimum_nano_usd: int | None = None,
+                      spend_limit_id: int | None = None) -> Reservation:
+        """Reserve `amount_nano_usd` (or, given a minimum, at least that much)
+        for one request; raises the hold's typed error when even a new pool
+        cannot be placed."""
+        lowest = minimum_nano_usd or amount_nano_usd
+        pool_key = (account_id, spend_limit_id)
+        while True:
+            pool = self._pools.get(pool_key)
+            if pool is not None and pool.free_nano_usd >= lowest:
+                granted = min(amount_nano_usd, pool.free_nano_usd)
+                pool.free_nano_usd -= granted
+                pool.in_flight += 1
+                return Reservation(pool, granted)
+            placing = self._placing.get(pool_key)
+            if placing is not None:
+                await placing  # its error is its placer's; this request tries again
+                continue
+            await self._replace(pool_key, pool, amount_nano_usd, lowest)
+
+    async def _replace(self, pool_key: tuple[int, int | None], old: _Pool | None, amount_nano_usd: int, lowest: int) -> None:
+        """Retire the pool that has too little left and place its successor."""
+        placing = self._placing[pool_key] = asyncio.get_running_loop().create_future()
+        try:
+            if old is not None:
+                await self._retire(pool_key, old)
+            account_id, spend_limit_id = pool_key
+            hold = await self.ledger.place_hold_async(PlaceHold(
+                account_id, amount_nano_usd * self.pool_requests, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
+                self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
+            self._pools[pool_key] = _Pool(hold.hold_id, hold.amount_nano_usd)
+            self.pools_placed += 1
+        finally:
+            del self._placing[pool_key]
+            placing.set_result(None)
+
+    async def _retire(self, pool_key: tuple[int, int | None], pool: _Pool) -> None:
+        """No new request reserves from it; released now if nothing is in flight, else by its last settlement."""
+        pool.retired = True
+        del self._pools[pool_key]
+        if pool.in_flight:
+            self._retired.add(pool)
+        else:
+            await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
+
+    async def settle(self, reservation: Reservation, owner_account_id: int, charge_nano_usd: int, request_id: str,
+                     idempotency_key: str, meta: dict | None = None):
+        """Capture the request's charge from its pool's hold (not finally): the rest
+        of its reservation is free for the next. Returns the AppendResult."""
+        try:
+            result = await self.ledger.append_async(cmd.SettleRequest(
+                reservation.hold_id, owner_account_id, charge_nano_usd, request_id, idempotency_key,
+                meta or {}, False))
+        except LedgerError:
+            await self.give_back(reservation)
+            raise
+        await self._done(reservation, reservation.amount_nano_usd - charge_nano_usd)
+        return result
+
+    async def give_back(self, reservation: Reservation) -> None:
+        """A request that ends with nothing charged: its whole reservation is free again."""
+        await self._done(reservation, reservation.amount_nano_usd)
+
+    async def _done(self, reservation: Reservation, freed_nano_usd: int) -> None:
+        pool = reservation.pool
+        pool.free_nano_usd += freed_nano_usd
+        pool.in_flight -= 1
+        if pool.retired and not pool.in_flight:
+            self._retired.discard(pool)
+            await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
+
+    async def close(self) -> None:
+        """Release every pool with nothing in flight (as a replica shuts down)."""
+        for pool_key, pool in list(self._pools.items()):
+            await self._retire(pool_key, pool)
