@@ -26,20 +26,21 @@ import uuid
 from typing import NamedTuple
 
 from ledger import commands as cmd
-from ledger.errors import LedgerError
-from ledger.hold_commands import PlaceHold
+from ledger.errors import HoldNotActive, InsufficientFunds, LedgerError, SpendLimitReached
+from ledger.hold_commands import HoldRenewal, PlaceHold
 from ledger.limits import HOLD_POOL_REQUESTS, HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
 
 
 class _Pool:
-    __slots__ = ("hold_id", "free_nano_usd", "in_flight", "retired")
+    __slots__ = ("hold_id", "free_nano_usd", "in_flight", "retired", "gone")
 
     def __init__(self, hold_id: int, amount_nano_usd: int) -> None:
         self.hold_id = hold_id
         self.free_nano_usd = amount_nano_usd  # the hold's amount less what this process's requests reserve
         self.in_flight = 0
         self.retired = False
+        self.gone = False  # its hold was closed elsewhere (the sweeper): nothing to release
 
 
 class Reservation(NamedTuple):
@@ -86,25 +87,39 @@ class HoldPool:
             await self._replace(pool_key, pool, amount_nano_usd, lowest)
 
     async def _replace(self, pool_key: tuple[int, int | None], old: _Pool | None, amount_nano_usd: int, lowest: int) -> None:
-        """Retire the pool that has too little left and place its successor."""
+        """Place a pool for `pool_key` and retire the one that had too little
+        left. Refused, the old one stays (its requests may settle, and those
+        that fit may still reserve from it) unless nothing is in flight in it:
+        then it is released, and the new one is asked for once more."""
         placing = self._placing[pool_key] = asyncio.get_running_loop().create_future()
         try:
+            try:
+                hold = await self._place(pool_key, amount_nano_usd, lowest)
+            except (InsufficientFunds, SpendLimitReached):
+                if old is None or old.in_flight:
+                    raise
+                await self._retire(pool_key, old)
+                old = None
+                hold = await self._place(pool_key, amount_nano_usd, lowest)
             if old is not None:
                 await self._retire(pool_key, old)
-            account_id, spend_limit_id = pool_key
-            hold = await self.ledger.place_hold_async(PlaceHold(
-                account_id, amount_nano_usd * self.pool_requests, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
-                self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
             self._pools[pool_key] = _Pool(hold.hold_id, hold.amount_nano_usd)
             self.pools_placed += 1
         finally:
             del self._placing[pool_key]
             placing.set_result(None)
 
+    async def _place(self, pool_key: tuple[int, int | None], amount_nano_usd: int, lowest: int):
+        account_id, spend_limit_id = pool_key
+        return await self.ledger.place_hold_async(PlaceHold(
+            account_id, amount_nano_usd * self.pool_requests, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
+            self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
+
     async def _retire(self, pool_key: tuple[int, int | None], pool: _Pool) -> None:
         """No new request reserves from it; released now if nothing is in flight, else by its last settlement."""
         pool.retired = True
-        del self._pools[pool_key]
+        if self._pools.get(pool_key) is pool:
+            del self._pools[pool_key]
         if pool.in_flight:
             self._retired.add(pool)
         else:
@@ -118,7 +133,9 @@ class HoldPool:
             result = await self.ledger.append_async(cmd.SettleRequest(
                 reservation.hold_id, owner_account_id, charge_nano_usd, request_id, idempotency_key,
                 meta or {}, False))
-        except LedgerError:
+        except LedgerError as exc:
+            if isinstance(exc, HoldNotActive):  # gone (expired, released) or short: no request reserves from it again
+                self._drop(reservation.pool)
             await self.give_back(reservation)
             raise
         await self._done(reservation, reservation.amount_nano_usd - charge_nano_usd)
@@ -132,9 +149,30 @@ class HoldPool:
         pool = reservation.pool
         pool.free_nano_usd += freed_nano_usd
         pool.in_flight -= 1
-        if pool.retired and not pool.in_flight:
+        if pool.retired and not pool.in_flight and not pool.gone:
             self._retired.discard(pool)
             await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
+
+    async def renew(self) -> None:
+        """Push back the expiry of every pool's hold (the proxy's renewal loop
+        calls this with its requests' renewals); a pool whose hold is gone
+        (taken by the sweeper) is dropped, and the next request places a new one."""
+        pools = [*self._pools.values(), *self._retired]
+        if not pools:
+            return
+        active = await asyncio.to_thread(self.ledger.renew_holds, [HoldRenewal(p.hold_id, self.ttl_s) for p in pools])
+        for pool in pools:
+            if pool.hold_id not in active:
+                self._drop(pool)
+
+    def _drop(self, pool: _Pool) -> None:
+        """A pool whose hold is gone: nothing to release, no request reserves from it."""
+        pool.retired = True
+        self._retired.discard(pool)
+        for pool_key, current in list(self._pools.items()):
+            if current is pool:
+                del self._pools[pool_key]
+        pool.gone = True
 
     async def close(self) -> None:
         """Release every pool with nothing in flight (as a replica shuts down)."""

@@ -312,3 +312,33 @@ def test_the_postings_layout_flips_while_two_writers_append_and_every_event_keep
 def _last_seq(engine) -> int:
     with engine.connect() as conn:
         return conn.execute(text("SELECT last_seq FROM ledger_head")).scalar_one()
+
+
+def test_a_release_racing_captures_that_are_not_final_frees_exactly_what_they_left(pg_engine):
+    """A pooled hold released while a batch's captures from it wait for their
+    commit: the release waits for the row, then frees what the captures left,
+    never what they took. Released first, the captures find no hold and move nothing."""
+    ledger = Ledger(pg_engine)
+    customer = customer_with(ledger, 10 * HOLD)
+    owner = ledger.create_account(cmd.OWNER, "gpu owner")
+    pool = ledger.place_hold(PlaceHold(customer, 4 * HOLD, key("pool")))
+    capturing = pg_engine.connect()
+    transaction = capturing.begin()
+    captures = [cmd.SettleRequest(pool.hold_id, owner, HOLD // 4, key("r"), key(), {}, False) for _ in range(2)]
+    assert all(r.status == "created" for r in append_batch(capturing, captures))
+    with ThreadPoolExecutor(1) as pool_thread:
+        released = pool_thread.submit(ledger.release_hold, pool.hold_id)
+        wait_until_a_session_waits_for_a_lock(pg_engine)
+        transaction.commit()
+        capturing.close()
+        assert released.result(timeout=30)
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd, view.available_nano_usd) == (10 * HOLD - HOLD // 2, 0, 10 * HOLD - HOLD // 2)
+
+    second = ledger.place_hold(PlaceHold(customer, 2 * HOLD, key("pool")))
+    assert ledger.release_hold(second.hold_id)
+    before = money_snapshot(pg_engine)
+    with pg_engine.begin() as conn:
+        [late] = append_batch(conn, [cmd.SettleRequest(second.hold_id, owner, HOLD // 4, key("r"), key(), {}, False)])
+    assert late.code == "hold_not_active" and money_snapshot(pg_engine) == before
+    ledger.close()

@@ -1,0 +1,201 @@
+"""A replica's requests reserved against pooled holds (ledger.hold_pool): one
+hold row serves many requests, and no request ever has more reserved for it
+than its customer, its spend limit and its pool's hold allow. Shared suite:
+SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from ledger import commands as cmd
+from ledger import spend_limits
+from ledger.errors import InsufficientFunds, SpendLimitReached, WrongAccountKind
+from ledger.hold_pool import HoldPool
+from ledger.holds import expire_holds, settlement_key
+from ledger.schema import holds, utc_now
+from ledger.verify import verify
+from tests.ledger.helpers import customer_with, key, money_snapshot
+
+USD = 1_000_000_000
+REQUEST_NANO_USD = 100_000_000  # what one request reserves
+LIMIT_ID = 79
+
+
+def _active_holds(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(holds)).scalar_one()
+
+
+async def _request(pool: HoldPool, customer: int, owner: int, charge: int, **reserve) -> int:
+    """One request: reserve, then settle at `charge`; returns the charge."""
+    reservation = await pool.reserve(customer, REQUEST_NANO_USD, **reserve)
+    request_id = key("req")
+    await pool.settle(reservation, owner, charge, request_id, settlement_key(request_id), {"model": "m"})
+    return charge
+
+
+@pytest.fixture
+def owner(ledger) -> int:
+    return ledger.create_account(cmd.OWNER, "gpu owner")
+
+
+def test_many_requests_share_one_hold_and_pay_exactly_their_charges(ledger, engine, owner):
+    customer = customer_with(ledger, 100 * USD)
+
+    async def run() -> list[int]:
+        pool = HoldPool(ledger, pool_requests=8)
+        charges = await asyncio.gather(*(_request(pool, customer, owner, 1_000_000 + i) for i in range(6)))
+        assert pool.pools_placed == 1 and _active_holds(engine) == 1, "six requests in flight fit in one pool of eight"
+        view = ledger.balance(customer)
+        assert view.held_nano_usd == 8 * REQUEST_NANO_USD - sum(charges), "the pool's hold keeps what was not charged"
+        await pool.close()
+        return charges
+
+    charges = asyncio.run(run())
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd, view.available_nano_usd) == (100 * USD - sum(charges), 0, 100 * USD - sum(charges))
+    assert ledger.balance(owner).balance_nano_usd == sum(c * 80 // 100 for c in charges)
+    assert _active_holds(engine) == 0, "closing the pool released its hold"
+    with engine.connect() as conn:
+        assert verify(conn).ok
+
+
+def test_more_requests_in_flight_than_a_pool_holds_place_another_and_release_the_first_when_done(ledger, engine, owner):
+    customer = customer_with(ledger, 100 * USD)
+
+    async def run() -> tuple[int, list[int]]:
+        pool = HoldPool(ledger, pool_requests=4)
+        reservations = [await pool.reserve(customer, REQUEST_NANO_USD) for _ in range(10)]
+        held = ledger.balance(customer).held_nano_usd
+        charges = []
+        for r in reservations:
+            request_id = key("req")
+            await pool.settle(r, owner, 2_000_000, request_id, settlement_key(request_id))
+            charges.append(2_000_000)
+        await pool.close()
+        return pool.pools_placed, held, charges
+
+    placed, held_in_flight, charges = asyncio.run(run())
+    assert placed == 3 and held_in_flight == 12 * REQUEST_NANO_USD, "ten requests of four a pool: three pools"
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (100 * USD - sum(charges), 0)
+    assert _active_holds(engine) == 0, "every pool released once its last request settled"
+
+
+def test_a_pool_is_never_more_than_the_customer_has_and_a_request_beyond_it_moves_nothing(ledger, engine, owner):
+    customer = customer_with(ledger, 250_000_000)  # two and a half requests' amounts
+
+    async def run() -> None:
+        pool = HoldPool(ledger, pool_requests=64)
+        first, second = await pool.reserve(customer, REQUEST_NANO_USD), await pool.reserve(customer, REQUEST_NANO_USD)
+        assert ledger.balance(customer).held_nano_usd == 250_000_000, "the pool took what was available, not 64 requests' worth"
+        before = money_snapshot(engine)
+        with pytest.raises(InsufficientFunds):
+            await pool.reserve(customer, REQUEST_NANO_USD)
+        assert money_snapshot(engine) == before
+        clamped = await pool.reserve(customer, REQUEST_NANO_USD, minimum_nano_usd=10_000_000)
+        assert clamped.amount_nano_usd == 50_000_000, "given a minimum, what the pool has left"
+        for r in (first, second, clamped):
+            await pool.give_back(r)
+        await pool.close()
+
+    asyncio.run(run())
+    assert ledger.balance(customer).available_nano_usd == 250_000_000 and _active_holds(engine) == 0
+
+
+def test_two_replicas_pools_never_reserve_more_than_the_customer_has(ledger, engine, owner):
+    customer = customer_with(ledger, 500_000_000)
+
+    async def run() -> None:
+        one, other = HoldPool(ledger, replica_id="one"), HoldPool(ledger, replica_id="other")
+        granted = [await one.reserve(customer, REQUEST_NANO_USD)]
+        with pytest.raises(InsufficientFunds):  # the first replica's pool holds all of it, for the moment
+            await other.reserve(customer, REQUEST_NANO_USD)
+        assert ledger.balance(customer).available_nano_usd == 0
+        await one.give_back(granted[0])
+        await one.close()
+        granted.append(await other.reserve(customer, REQUEST_NANO_USD))  # released: the other replica gets it
+        await other.give_back(granted[1])
+        await other.close()
+
+    asyncio.run(run())
+    assert ledger.balance(customer).held_nano_usd == 0
+
+
+def test_a_pool_on_a_spend_limit_is_bound_by_the_limit(ledger, engine, owner):
+    customer = customer_with(ledger, 100 * USD)
+    with engine.begin() as conn:
+        spend_limits.create_limit(conn, LIMIT_ID, 300_000_000)
+
+    async def run() -> None:
+        pool = HoldPool(ledger)
+        await _request(pool, customer, owner, 150_000_000, spend_limit_id=LIMIT_ID)
+        assert ledger.balance(customer).held_nano_usd == 150_000_000, "the pool took what the limit allowed, then the charge"
+        first = await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
+        with pytest.raises(SpendLimitReached):  # 50 left in the pool, nothing in the limit: a new pool cannot be placed
+            await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
+        await pool.give_back(first)
+        await pool.close()
+
+    asyncio.run(run())
+    with engine.connect() as conn:
+        limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
+    assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (150_000_000, 0)
+
+
+def test_a_settlement_refused_gives_the_reservation_back(ledger, engine, owner):
+    customer = customer_with(ledger, 10 * USD)
+    not_an_owner = customer_with(ledger, 0)
+
+    async def run() -> int:
+        pool = HoldPool(ledger, pool_requests=2)
+        reservation = await pool.reserve(customer, REQUEST_NANO_USD)
+        before = money_snapshot(engine)
+        with pytest.raises(WrongAccountKind):
+            await pool.settle(reservation, not_an_owner, 1_000, "r", settlement_key(key("r")))
+        assert money_snapshot(engine) == before
+        again = [await pool.reserve(customer, REQUEST_NANO_USD) for _ in range(2)]
+        for r in again:
+            await pool.give_back(r)
+        await pool.close()
+        return pool.pools_placed
+
+    assert asyncio.run(run()) == 1, "both requests fit in the first pool again"
+
+
+def test_a_pool_whose_hold_expired_is_dropped_and_the_next_request_places_another(ledger, engine, owner):
+    customer = customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger, ttl_s=1)
+        await _request(pool, customer, owner, 1_000)
+        with engine.begin() as conn:
+            assert expire_holds(conn, now=utc_now() + timedelta(days=1)) == 1
+        await pool.renew()
+        await _request(pool, customer, owner, 1_000)
+        assert pool.pools_placed == 2, "the expired pool was dropped and another placed"
+        await pool.close()
+
+    asyncio.run(run())
+    assert ledger.balance(customer).balance_nano_usd == 10 * USD - 2_000 and _active_holds(engine) == 0
+
+
+def test_a_replica_that_died_with_requests_in_flight_leaves_a_pool_its_restart_releases(ledger, engine, owner):
+    """The requests it had in flight had recorded nothing: nothing is charged, everything is freed."""
+    customer = customer_with(ledger, 10 * USD)
+
+    async def crashed_run() -> None:
+        pool = HoldPool(ledger, replica_id="replica-a")
+        await _request(pool, customer, owner, 5_000)
+        await pool.reserve(customer, REQUEST_NANO_USD)  # in flight when the process dies: never settled, never closed
+
+    asyncio.run(crashed_run())
+    assert ledger.balance(customer).held_nano_usd == 64 * REQUEST_NANO_USD - 5_000
+    seen = ledger.holds_of_replica("replica-a")  # as the replica restarted reads them
+    assert len(seen) == 1
+    assert ledger.settle_orphaned_holds(seen).released == 1
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10 * USD - 5_000, 0)
