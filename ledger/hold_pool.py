@@ -22,25 +22,28 @@ Runs on one event loop: the reservations are plain arithmetic between awaits.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import NamedTuple
 
 from ledger import commands as cmd
 from ledger.errors import HoldNotActive, InsufficientFunds, LedgerError, SpendLimitReached
-from ledger.hold_commands import HoldRenewal, PlaceHold
+from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import HOLD_POOL_REQUESTS, HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
 
 
 class _Pool:
-    __slots__ = ("hold_id", "free_nano_usd", "in_flight", "retired", "gone")
+    __slots__ = ("key", "hold_id", "free_nano_usd", "in_flight", "retired", "gone", "used_at_s")
 
-    def __init__(self, hold_id: int, amount_nano_usd: int) -> None:
+    def __init__(self, key: tuple[int, int | None], hold_id: int, amount_nano_usd: int) -> None:
+        self.key = key  # (customer, spend limit)
         self.hold_id = hold_id
         self.free_nano_usd = amount_nano_usd  # the hold's amount less what this process's requests reserve
         self.in_flight = 0
         self.retired = False
         self.gone = False  # its hold was closed elsewhere (the sweeper): nothing to release
+        self.used_at_s = time.monotonic()  # when a request last reserved from it or ended
 
 
 class Reservation(NamedTuple):
@@ -52,6 +55,11 @@ class Reservation(NamedTuple):
     @property
     def hold_id(self) -> int:
         return self.pool.hold_id
+
+    @property
+    def lost(self) -> bool:
+        """Its pool's hold was closed elsewhere (the sweeper): nothing reserves for it any more."""
+        return self.pool.gone
 
 
 class HoldPool:
@@ -79,6 +87,7 @@ class HoldPool:
                 granted = min(amount_nano_usd, pool.free_nano_usd)
                 pool.free_nano_usd -= granted
                 pool.in_flight += 1
+                pool.used_at_s = time.monotonic()
                 return Reservation(pool, granted)
             placing = self._placing.get(pool_key)
             if placing is not None:
@@ -103,7 +112,7 @@ class HoldPool:
                 hold = await self._place(pool_key, amount_nano_usd, lowest)
             if old is not None:
                 await self._retire(pool_key, old)
-            self._pools[pool_key] = _Pool(hold.hold_id, hold.amount_nano_usd)
+            self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd)
             self.pools_placed += 1
         finally:
             del self._placing[pool_key]
@@ -127,28 +136,61 @@ class HoldPool:
 
     async def settle(self, reservation: Reservation, owner_account_id: int, charge_nano_usd: int, request_id: str,
                      idempotency_key: str, meta: dict | None = None):
-        """Capture the request's charge from its pool's hold (not finally): the rest
-        of its reservation is free for the next. Returns the AppendResult."""
+        """Capture the request's charge from its pool's hold (not finally) and
+        tell the pool (`captured`, `refused`). Returns the AppendResult."""
         try:
             result = await self.ledger.append_async(cmd.SettleRequest(
-                reservation.hold_id, owner_account_id, charge_nano_usd, request_id, idempotency_key,
-                meta or {}, False))
+                reservation.hold_id, owner_account_id, charge_nano_usd, request_id, idempotency_key, meta or {}, False))
         except LedgerError as exc:
-            if isinstance(exc, HoldNotActive):  # gone (expired, released) or short: no request reserves from it again
-                self._drop(reservation.pool)
-            await self.give_back(reservation)
+            await self.refused(reservation, exc)
             raise
-        await self._done(reservation, reservation.amount_nano_usd - charge_nano_usd)
+        await self.captured(reservation, charge_nano_usd)
         return result
+
+    async def captured(self, reservation: Reservation, charge_nano_usd: int) -> None:
+        """The request's charge was captured from the pool's hold: the rest of its reservation is free for the next."""
+        await self._done(reservation, reservation.amount_nano_usd - charge_nano_usd)
+
+    async def refused(self, reservation: Reservation, error: LedgerError) -> None:
+        """The capture was refused: nothing was taken. A hold that is gone (or
+        short) is dropped: no request reserves from it again."""
+        if isinstance(error, HoldNotActive):
+            self._drop(reservation.pool)
+        await self.give_back(reservation)
+
+    async def forget(self, reservation: Reservation) -> None:
+        """A reservation whose amount may or may not have left the pool's hold
+        (a move to a hold of its own whose outcome is not known): no longer in
+        flight, and not counted free, so the pool never counts more free than its hold has."""
+        await self._done(reservation, 0)
 
     async def give_back(self, reservation: Reservation) -> None:
         """A request that ends with nothing charged: its whole reservation is free again."""
         await self._done(reservation, reservation.amount_nano_usd)
 
+    async def split(self, reservation: Reservation, idempotency_key: str) -> HoldResult:
+        """Move a request that runs long enough to record what it delivers
+        (renewals) out of its pool into a hold of its own (`Ledger.split_hold`),
+        which it then renews, settles finally, or releases like any. Raises
+        HoldNotActive when the pool's hold is gone: the reservation is given back."""
+        pool = reservation.pool
+        account_id, spend_limit_id = pool.key
+        try:
+            hold = await asyncio.to_thread(self.ledger.split_hold, pool.hold_id, PlaceHold(
+                account_id, reservation.amount_nano_usd, idempotency_key, self.ttl_s, spend_limit_id=spend_limit_id,
+                replica_id=self.replica_id))
+        except HoldNotActive:
+            self._drop(pool)
+            await self.give_back(reservation)
+            raise
+        await self._done(reservation, 0)  # its amount left the pool's hold with it
+        return hold
+
     async def _done(self, reservation: Reservation, freed_nano_usd: int) -> None:
         pool = reservation.pool
         pool.free_nano_usd += freed_nano_usd
         pool.in_flight -= 1
+        pool.used_at_s = time.monotonic()
         if pool.retired and not pool.in_flight and not pool.gone:
             self._retired.discard(pool)
             await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
@@ -165,14 +207,22 @@ class HoldPool:
             if pool.hold_id not in active:
                 self._drop(pool)
 
+    async def release_idle(self, idle_s: float) -> int:
+        """Release the pools nothing has reserved from or ended in for `idle_s`:
+        what they hold is the customer's to spend through any replica again.
+        Returns how many."""
+        now_s = time.monotonic()
+        idle = [p for p in self._pools.values() if not p.in_flight and now_s - p.used_at_s >= idle_s]
+        for pool in idle:
+            await self._retire(pool.key, pool)
+        return len(idle)
+
     def _drop(self, pool: _Pool) -> None:
         """A pool whose hold is gone: nothing to release, no request reserves from it."""
-        pool.retired = True
+        pool.retired = pool.gone = True
         self._retired.discard(pool)
-        for pool_key, current in list(self._pools.items()):
-            if current is pool:
-                del self._pools[pool_key]
-        pool.gone = True
+        if self._pools.get(pool.key) is pool:
+            del self._pools[pool.key]
 
     async def close(self) -> None:
         """Release every pool with nothing in flight (as a replica shuts down)."""

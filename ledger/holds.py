@@ -10,14 +10,14 @@ import logging
 from datetime import datetime, timedelta
 
 import orjson
-from sqlalchemy import Connection, delete, select
+from sqlalchemy import Connection, delete, select, update
 
 from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import events as ev
 from ledger import spend_limits
 from ledger.db import storage_of
-from ledger.errors import InsufficientFunds, InvalidInput, LedgerError, UnknownAccount, WrongAccountKind, a_or_an
+from ledger.errors import HoldNotActive, InsufficientFunds, InvalidInput, LedgerError, UnknownAccount, WrongAccountKind, a_or_an
 from ledger.hold_commands import (  # noqa: F401 (HoldRenewal, settlement_key and the validators: this module's API)
     CREATED,
     EXISTS,
@@ -132,6 +132,40 @@ def _answer_stored_keys(conn: Connection, requests: list[PlaceHold], results: li
         else:
             results[i] = key_conflict(request)
     return to_place
+
+
+def split_hold(conn: Connection, pooled_hold_id: int, request: PlaceHold) -> HoldResult:
+    """Move `request`'s amount out of a pooled hold (ledger.hold_pool) into a
+    hold of its own, keyed by `request`: a request that runs long enough to
+    record what it has delivered (renewals) records it there, and settles or
+    is released alone. The customer's and the spend limit's held sums do not
+    change. A key split before answers `exists` (or a conflict); a pooled
+    hold that is gone, has less left, or belongs to another customer or
+    limit refuses with HoldNotActive and moves nothing."""
+    validate_place_hold(request)
+    storage = storage_of(conn)
+    storage.skip_flush_wait(conn)
+    stored = conn.execute(select(holds).where(holds.c.idempotency_key == request.idempotency_key)).first()
+    if stored is not None:
+        if not matches_stored(stored, request):
+            raise key_conflict(request)
+        return HoldResult(EXISTS, stored.id, stored.amount_nano_usd, stored.expires_at)
+    limit = holds.c.spend_limit_id
+    taken = conn.execute(
+        update(holds)
+        .where(holds.c.id == pooled_hold_id, holds.c.amount_nano_usd >= request.amount_nano_usd,
+               holds.c.account_id == request.account_id,
+               limit.is_(None) if request.spend_limit_id is None else limit == request.spend_limit_id)
+        .values(amount_nano_usd=holds.c.amount_nano_usd - request.amount_nano_usd)
+        .returning(holds.c.id)
+    ).first()
+    if taken is None:
+        raise HoldNotActive(f"hold {pooled_hold_id} has not {request.amount_nano_usd} nano-USD left for account "
+                            f"{request.account_id} and spend limit {request.spend_limit_id}")
+    now = utc_now()
+    ids = storage.insert_holds(conn, [(request.account_id, request.amount_nano_usd, request.idempotency_key, request.ttl_s,
+                                       request.spend_limit_id, request.replica_id)], now)
+    return HoldResult(CREATED, ids[request.idempotency_key], request.amount_nano_usd, now + timedelta(seconds=request.ttl_s))
 
 
 def _valid_or_plain(renewal: HoldRenewal) -> HoldRenewal:

@@ -8,6 +8,7 @@ from functools import partial
 from typing import NamedTuple
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
 
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -84,6 +85,18 @@ class Ledger:
     def release_hold(self, hold_id: int) -> bool:
         with self.engine.begin() as conn:
             return hl.release_hold(conn, hold_id)
+
+    def split_hold(self, pooled_hold_id: int, request: hl.PlaceHold) -> hl.HoldResult:
+        """`holds.split_hold` in a transaction of its own; a key split by
+        another caller meanwhile (the unique index refused it) is answered as stored."""
+        try:
+            return self._split_hold(pooled_hold_id, request)
+        except IntegrityError:
+            return self._split_hold(pooled_hold_id, request)
+
+    def _split_hold(self, pooled_hold_id: int, request: hl.PlaceHold) -> hl.HoldResult:
+        with self.engine.begin() as conn:
+            return hl.split_hold(conn, pooled_hold_id, request)
 
     def renew_holds(self, renewals: list[hl.HoldRenewal]) -> set[int]:
         with self.engine.begin() as conn:

@@ -369,7 +369,7 @@ class Embeddings:
         except Exception as exc:  # withheld; a settlement whose outcome is unknown is reversed once the database is back
             await self.settler._settle_later(held, None, database_away=_database_away(exc))
         finally:
-            self.settler._live.pop(held.hold_id, None)
+            self.settler._live.pop(held.request_id, None)
 
     async def _record_discrepancy(self, request_id: str, attempted: _Attempted, grant: KeyGrant, billed: Billed) -> None:
         """A prompt reported above its bound, as chat records it (a strike only across accounts)."""

@@ -21,6 +21,7 @@ from datetime import datetime
 
 import orjson
 
+from ledger.hold_pool import Reservation
 from ledger.money import nano_usd_to_usd_text
 from proxy import answer, metering, sse
 from proxy import workers as registry
@@ -102,6 +103,10 @@ class Generation:
     # Its hold (accept_hold)
     hold_id: int = field(default=0, init=False)
     hold_nano_usd: int = field(default=0, init=False)
+    # Its share of this replica's pooled hold (PARALON_HOLD_POOLS) until it settles, releases, or moves to a hold of its own.
+    reservation: Reservation | None = field(default=None, init=False)
+    split_pending: bool = field(default=False, init=False)  # its move to a hold of its own may or may not have happened
+    hold_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)  # one use of its hold at a time
     # The upstream attempt (use_worker, attach, read_to_first_token; forget_attempt undoes them)
     worker: registry.WorkerView | None = field(default=None, init=False)
     upstream_body: dict | None = field(default=None, init=False)

@@ -15,6 +15,9 @@ from ledger.limits import HOLD_TTL_S_DEFAULT, NAME_CHARS_MAX  # noqa: F401
 HOLD_RENEW_INTERVAL_S_MAX = 1.0
 # At least this many renewals per TTL, so a renewal can be late without losing a hold.
 HOLD_RENEWALS_PER_TTL_MIN = 4
+# A replica's pooled hold (PARALON_HOLD_POOLS) that no request used for this long is released:
+# what it reserved is the customer's to spend through any replica again.
+HOLD_POOL_IDLE_S = 2.0
 # How long a hold granted in full lets the next request of the same customer
 # start upstream before its own hold is confirmed.
 SOLVENT_FOR_S = 30.0

@@ -16,6 +16,7 @@ import time
 
 import orjson
 
+from ledger.hold_pool import HoldPool, Reservation
 from ledger.holds import PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
@@ -60,14 +61,17 @@ class _TooLong(_Retry):
 
 class InferenceProxy:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
-                 replica_id: str | None = None, journal: WithheldJournal | None = None) -> None:
+                 replica_id: str | None = None, journal: WithheldJournal | None = None, hold_pools: bool = False) -> None:
         self.ledger = ledger
         self.directory = directory
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id  # written on every hold this process places
         self.counter = tokenize.PromptCounter(upstream)
-        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id, journal=journal)
+        # With hold pools, a request reserves from this replica's pooled hold of its customer (ledger.hold_pool).
+        self.pool = HoldPool(ledger, replica_id=replica_id, ttl_s=hold_ttl_s) if hold_pools else None
+        self.settler = Settler(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id, journal=journal,
+                               pool=self.pool)
         self._solvent_until: dict[int, float] = {}  # account: monotonic time its last full hold vouches until
 
     # Before the first token
@@ -82,7 +86,7 @@ class InferenceProxy:
             prepared = self._prepare(kind, body, grant, await self._count(kind, body), counted_asked=True)
         generation, candidates, hold_request = prepared
         generation.started_s = opened_s  # its time to first token counts the counting too
-        placing = self.ledger.hold_placed(hold_request)  # queued now, not a loop turn later
+        placing = self._hold(hold_request)  # queued now, not a loop turn later
         upstream_task = None
         if self._solvent_until.get(grant.account_id, 0.0) > time.monotonic():
             upstream_task = asyncio.ensure_future(self._start_upstream(generation, body, candidates))
@@ -102,6 +106,8 @@ class InferenceProxy:
             raise
         asked_max_tokens = generation.max_tokens
         generation.accept_hold(hold.hold_id, hold.amount_nano_usd)
+        if isinstance(hold, Reservation):
+            generation.reservation = hold
         self.settler.track(generation)
         try:
             if generation.max_tokens < asked_max_tokens:  # clamped: ask again for what the hold pays for
@@ -116,6 +122,14 @@ class InferenceProxy:
             await self.settler.release(generation)
             raise
         return generation
+
+    def _hold(self, request: PlaceHold) -> asyncio.Future:
+        """The request's hold: a hold of its own, or a share of its customer's pooled hold."""
+        if self.pool is None:
+            return self.ledger.hold_placed(request)
+        return asyncio.ensure_future(self.pool.reserve(request.account_id, request.amount_nano_usd,
+                                                       minimum_nano_usd=request.minimum_nano_usd,
+                                                       spend_limit_id=request.spend_limit_id))
 
     def _prepare(self, kind: str, body: object, grant: KeyGrant, counted: int | None = None, *,
                  counted_asked: bool = False) -> tuple[Generation, list[registry.WorkerView], PlaceHold] | None:

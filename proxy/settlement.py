@@ -17,6 +17,7 @@ import orjson
 from ledger import commands as cmd
 from ledger.db import is_connection_failure
 from ledger.errors import DatabaseUnavailable, HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
+from ledger.hold_pool import HoldPool, Reservation
 from ledger.holds import HoldRenewal, PlaceHold, settlement_key
 from ledger.service import Ledger
 from proxy import generations, metering
@@ -26,6 +27,7 @@ from proxy import unbilled
 from proxy.generation import CANCELLED, FAILED_MID_STREAM, Generation
 from proxy.generations import rest_key, withheld_key
 from proxy.limits import (
+    HOLD_POOL_IDLE_S,
     HOLD_RENEW_INTERVAL_S_MAX,
     HOLD_RENEWALS_PER_TTL_MIN,
     SETTLE_ATTEMPTS_MAX,
@@ -47,14 +49,15 @@ def hold_key(request_id: str) -> str:
 
 class Settler:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int,
-                 replica_id: str | None = None, journal: WithheldJournal | None = None) -> None:
+                 replica_id: str | None = None, journal: WithheldJournal | None = None, pool: HoldPool | None = None) -> None:
         self.ledger = ledger
+        self.pool = pool  # PARALON_HOLD_POOLS: requests reserved from this replica's pooled holds
         self.directory = directory  # its loads: what this process has in flight per worker
         self.upstream = upstream
         self.hold_ttl_s = hold_ttl_s
         self.replica_id = replica_id
         self._background: set[asyncio.Task] = set()
-        self._live: dict[int, Generation] = {}  # hold id: its request, until it settles or releases
+        self._live: dict[str, Generation] = {}  # request id: its request, until it settles or releases
         self.journal = journal  # withheld answers whose reversal is owed, kept across restarts
         self._stop_at_s: float | None = None  # set once shutdown starts: every wait ends by then
         self.unbilled = unbilled.UnbilledLog(ledger.engine)  # requests that ended with nothing charged
@@ -66,7 +69,7 @@ class Settler:
 
     def track(self, generation: Generation) -> None:
         """Its hold is placed: renew it while the request runs."""
-        self._live[generation.hold_id] = generation
+        self._live[generation.request_id] = generation
 
     # After the last token
     async def finish(self, generation: Generation) -> None:
@@ -92,7 +95,7 @@ class Settler:
             if generation.settle_failed:
                 self.unbilled.note(generation, unbilled.FAILED, unbilled.WITHHELD)
         finally:
-            self._live.pop(generation.hold_id, None)
+            self._live.pop(generation.request_id, None)
         if billed.discrepant:  # evidence is recorded off the path to [DONE]
             self.in_background(self._record_discrepancy(generation, billed))
 
@@ -105,14 +108,21 @@ class Settler:
         self.unbilled.note(generation, unbilled.FAILED, unbilled.WORKER_FAILED)
 
     async def release(self, generation: Generation) -> None:
-        self._live.pop(generation.hold_id, None)
+        self._live.pop(generation.request_id, None)
+        if getattr(generation, "reservation", None) is not None and await self._give_back(generation):
+            return
         # Shielded: a caller leaving must not stop the release once it is due.
         await asyncio.shield(asyncio.to_thread(self.ledger.release_hold, generation.hold_id))
 
     def release_when_placed(self, placing: asyncio.Future) -> None:
         """A done-callback for a hold whose caller left before it was placed."""
-        if not placing.cancelled() and placing.exception() is None:
-            self.in_background(asyncio.to_thread(self.ledger.release_hold, placing.result().hold_id))
+        if placing.cancelled() or placing.exception() is not None:
+            return
+        held = placing.result()
+        if isinstance(held, Reservation):
+            self.in_background(self.pool.give_back(held))
+        else:
+            self.in_background(asyncio.to_thread(self.ledger.release_hold, held.hold_id))
 
     async def _settle_later(self, generation: Generation, billed: metering.BilledUsage, *, database_away: bool) -> None:
         """The settlement could not be written (the database or the writer is
@@ -136,9 +146,9 @@ class Settler:
                 self.in_background(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
-        final = self.renewal(generation, billed)
         try:
-            await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [final]))
+            await self._split(generation)  # a pooled request records what it delivered on a hold of its own
+            await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
@@ -201,14 +211,24 @@ class Settler:
         worker whose count sized the hold."""
         meta = _settlement_meta(generation, billed)
         covered = _covered_by_hold(generation, billed)
-        try:
-            await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id,
-                                                 generation.price.charge_nano_usd(covered.prompt_tokens, covered.completion_tokens),
-                                                 generation.request_id, settlement_key(generation.request_id),
-                                                 _settlement_meta(generation, covered)))
-        except (HoldNotActive, IdempotencyConflict):
-            await self._settle_rest(generation, meta)
-            return
+        charge = generation.price.charge_nano_usd(covered.prompt_tokens, covered.completion_tokens)
+        async with generation.hold_lock:  # not while its move to a hold of its own is on its way
+            if generation.split_pending:
+                await self._split_held(generation)
+            reservation = generation.reservation  # pooled: a capture that is not final, the rest left in the pool's hold
+            try:
+                await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id, charge,
+                                                     generation.request_id, settlement_key(generation.request_id),
+                                                     _settlement_meta(generation, covered), reservation is None))
+            except (HoldNotActive, IdempotencyConflict) as exc:
+                if reservation is not None:
+                    generation.reservation = None
+                    await self.pool.refused(reservation, exc)
+                await self._settle_rest(generation, meta)
+                return
+            if reservation is not None:
+                generation.reservation = None
+                await self.pool.captured(reservation, charge)
         if covered != billed:
             await self._settle_rest(generation, meta)
 
@@ -298,6 +318,9 @@ class Settler:
         live = [g for g in list(self._live.values()) if not g.finished]
         for generation in live:
             self._book_relayed(generation)
+        if self.pool is not None:
+            await self._renew_pools(live)
+            live = [g for g in live if getattr(g, "reservation", None) is None and not g.finished]
         renewals = [self.renewal(g) for g in live]
         if not renewals:
             return
@@ -310,8 +333,78 @@ class Settler:
             # Gone: the sweeper took it, and the stream stops (the rest is charged at the
             # end); or the request settled, and closed it, while this renewal was on its way.
             if renewal.hold_id not in active and not generation.finished:
-                self._live.pop(renewal.hold_id, None)
+                self._live.pop(generation.request_id, None)
                 generation.lose_hold()
+
+    async def _renew_pools(self, live: list[Generation]) -> None:
+        """A pooled stream that has delivered something moves to a hold of its
+        own, which records it from now on; the pools' holds are renewed, and
+        those idle released. A request whose pool's hold is gone loses its hold."""
+        delivering = [g for g in live if getattr(g, "reservation", None) is not None and _records_delivery(g)]
+        for generation, outcome in zip(delivering, await asyncio.gather(*(self._split(g) for g in delivering), return_exceptions=True)):
+            if isinstance(outcome, Exception) and not isinstance(outcome, HoldNotActive):  # the database away: next round
+                log.warning("request %s: could not move to a hold of its own: %r", generation.request_id, outcome)
+        try:
+            await self.pool.renew()
+            await self.pool.release_idle(HOLD_POOL_IDLE_S)
+        except Exception:  # the database is away: the next round tries again
+            log.warning("could not renew the pooled holds", exc_info=True)
+        for generation in live:
+            reservation = getattr(generation, "reservation", None)
+            if reservation is not None and reservation.lost and not generation.finished:
+                self._live.pop(generation.request_id, None)
+                generation.reservation = None
+                generation.lose_hold()
+
+    async def _give_back(self, generation: Generation) -> bool:
+        """A pooled request released: its reservation back to the pool, nothing
+        written. False when it has moved to a hold of its own, to be released.
+        A move whose outcome is not known is done again first; if the database
+        is away, the reservation is forgotten, not given back (its pool then
+        counts less free than it has, never more)."""
+        async with generation.hold_lock:
+            if generation.split_pending:
+                try:
+                    await self._split_held(generation)
+                except HoldNotActive:
+                    return True
+                except Exception:
+                    reservation, generation.reservation, generation.split_pending = generation.reservation, None, False
+                    await self.pool.forget(reservation)
+                    return True
+            reservation = generation.reservation
+            if reservation is None:
+                return False
+            generation.reservation = None
+            await self.pool.give_back(reservation)
+            return True
+
+    async def _split(self, generation: Generation) -> None:
+        """A pooled request's reservation moved to a hold of its own (`HoldPool.split`)."""
+        if getattr(generation, "reservation", None) is None:
+            return
+        async with generation.hold_lock:  # not while it settles or releases
+            await self._split_held(generation)
+
+    async def _split_held(self, generation: Generation) -> None:
+        """`_split` under the request's hold lock. A move whose outcome is not
+        known (the database away) is done again, by its key, before the
+        reservation is used otherwise (`split_pending`)."""
+        reservation = generation.reservation
+        if reservation is None:
+            return
+        try:
+            hold = await self.pool.split(reservation, hold_key(generation.request_id))
+        except HoldNotActive:  # its pool's hold is gone: it has none
+            generation.reservation, generation.split_pending = None, False
+            if not generation.finished:
+                self._live.pop(generation.request_id, None)
+                generation.lose_hold()
+            raise
+        except Exception:
+            generation.split_pending = True
+            raise
+        generation.reservation, generation.split_pending, generation.hold_id = None, False, hold.hold_id
 
     def _book_relayed(self, generation: Generation) -> None:
         """What a request relayed since it was last booked counts as its
@@ -327,7 +420,7 @@ class Settler:
         written only when it changed; a prompt the worker has not reported yet
         (llama.cpp) is not charged on a crash rather than charged at its bound."""
         renewal = HoldRenewal(generation.hold_id, self.hold_ttl_s)
-        if not (generation.streaming and generation.worker is not None and generation.counted_tokens):
+        if not _records_delivery(generation):
             return renewal
         billed = billed or generation.delivered_usage()
         if generation.reported_prompt is None:
@@ -365,6 +458,16 @@ class Settler:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
         await self.unbilled.flush()
+        if self.pool is not None:
+            try:
+                await self.pool.close()
+            except Exception:  # its holds expire, or this replica's next start releases them
+                log.warning("could not release the pooled holds at shutdown", exc_info=True)
+
+
+def _records_delivery(generation: Generation) -> bool:
+    """Whether its renewals record delivered usage: a stream that has relayed something."""
+    return generation.streaming and generation.worker is not None and generation.counted_tokens > 0
 
 
 def _database_away(exc: BaseException) -> bool:

@@ -71,7 +71,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                invoice_settings: InvoiceSettings | None = None, embedded_beat: bool = False,
                worker_ca_bundle_path: str | None = None, replica_id: str | None = None,
                withheld_journal_path: str | None = None, capacity_period_s: float = CAPACITY_PERIOD_S,
-               routing_policy: str = AFFINITY, console_settings: ConsoleSettings | None = None) -> Litestar:
+               routing_policy: str = AFFINITY, console_settings: ConsoleSettings | None = None,
+               hold_pools: bool = False) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py). The
     holds this replica places carry `replica_id`; as it starts, it settles those
     its crashed run left under it (none when None)."""
@@ -89,7 +90,8 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
         await checker.check_all()
         app.state.directory = directory
         app.state.proxy = ResponsesProxy(ledger, directory, upstream, hold_ttl_s=hold_ttl_s, replica_id=replica_id,
-                                         journal=WithheldJournal(withheld_journal_path) if withheld_journal_path else None)
+                                         journal=WithheldJournal(withheld_journal_path) if withheld_journal_path else None,
+                                         hold_pools=hold_pools)
         app.state.proxy.settler.resume_withheld()
         background = (directory.run(), checker.run(), _sweep_holds(ledger, hold_sweep_interval_s), app.state.proxy.keep_holds(),
                       app.state.proxy.record_unbilled(), _settle_orphans(ledger, replica_id, orphans))

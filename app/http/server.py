@@ -57,6 +57,7 @@ def run_server(settings: Settings, host: str, port: int, *, embedded_beat: bool 
                      health_interval_s=proxy.health_interval_ms / MS_PER_S, hold_ttl_s=proxy.hold_ttl_s,
                      capacity_period_s=proxy.capacity_period_ms / MS_PER_S, routing_policy=proxy.routing_policy,
                      hold_sweep_interval_s=proxy.hold_sweep_interval_ms / MS_PER_S, worker_ca_bundle_path=proxy.worker_ca_bundle,
+                     hold_pools=proxy.hold_pools,
                      stripe_settings=wiring.stripe_settings(settings), crypto_settings=wiring.crypto_settings(settings),
                      invoice_settings=wiring.invoice_settings(settings), embedded_beat=embedded_beat,
                      replica_id=replica_id(settings, port),

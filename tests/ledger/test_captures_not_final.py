@@ -188,3 +188,14 @@ def test_captures_racing_from_many_threads_never_take_more_than_the_hold(ledger,
     assert ledger.balance(customer).balance_nano_usd == 10 * USD - sum(written)
     with engine.connect() as conn:
         assert verify(conn).ok
+
+
+def test_captures_may_take_all_a_hold_has_and_it_stays_open_holding_nothing(ledger, engine, books):
+    customer, owner, _ = books
+    hold = ledger.place_hold(PlaceHold(customer, 2 * USD, key("pool")))
+    assert all(isinstance(r, AppendResult) for r in _in_one_batch(engine, [_capture(hold.hold_id, owner, USD) for _ in range(2)]))
+    assert _hold_left(engine, hold.hold_id) == 0
+    assert isinstance(_in_one_batch(engine, [_capture(hold.hold_id, owner, 1)])[0], HoldNotActive)
+    assert ledger.release_hold(hold.hold_id)
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (8 * USD, 0)

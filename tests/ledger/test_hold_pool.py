@@ -12,9 +12,9 @@ from sqlalchemy import func, select
 
 from ledger import commands as cmd
 from ledger import spend_limits
-from ledger.errors import InsufficientFunds, SpendLimitReached, WrongAccountKind
+from ledger.errors import HoldNotActive, InsufficientFunds, SpendLimitReached, WrongAccountKind
 from ledger.hold_pool import HoldPool
-from ledger.holds import expire_holds, settlement_key
+from ledger.holds import HoldRenewal, expire_holds, settlement_key
 from ledger.schema import holds, utc_now
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
@@ -199,3 +199,76 @@ def test_a_replica_that_died_with_requests_in_flight_leaves_a_pool_its_restart_r
     assert ledger.settle_orphaned_holds(seen).released == 1
     view = ledger.balance(customer)
     assert (view.balance_nano_usd, view.held_nano_usd) == (10 * USD - 5_000, 0)
+
+
+def test_a_request_that_runs_long_moves_to_a_hold_of_its_own_and_settles_at_its_recorded_usage_after_a_crash(ledger, engine, owner):
+    """Split out of its pool, it records what it delivered like any request's
+    hold; the replica dies; its restart settles that and releases the pool."""
+    customer = customer_with(ledger, 10 * USD)
+    request_id = key("req")
+
+    async def crashed_run() -> int:
+        pool = HoldPool(ledger, replica_id="replica-b", pool_requests=4)
+        reservation = await pool.reserve(customer, REQUEST_NANO_USD)
+        own = await pool.split(reservation, f"hold:{request_id}")
+        again = await pool.split(await pool.reserve(customer, REQUEST_NANO_USD), f"hold:{request_id}")
+        assert (again.status, again.hold_id) == ("exists", own.hold_id), "a split retried finds the first"
+        assert ledger.balance(customer).held_nano_usd == 4 * REQUEST_NANO_USD, "splitting moves what is held, adds none"
+        assert ledger.renew_holds([HoldRenewal(own.hold_id, 30, 7_000_000, owner, request_id, {"model": "m"})]) == {own.hold_id}
+        return own.hold_id
+
+    asyncio.run(crashed_run())
+    result = ledger.settle_orphaned_holds(ledger.holds_of_replica("replica-b"))
+    assert (result.settled, result.released) == (1, 1)
+    view = ledger.balance(customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10 * USD - 7_000_000, 0)
+    assert ledger.balance(owner).balance_nano_usd == 5_600_000
+
+
+def test_a_split_from_a_pool_that_is_gone_moves_nothing(ledger, engine, owner):
+    customer = customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger)
+        reservation = await pool.reserve(customer, REQUEST_NANO_USD)
+        assert ledger.release_hold(reservation.hold_id)  # as the sweeper would, had the replica stopped renewing it
+        before = money_snapshot(engine)
+        with pytest.raises(HoldNotActive):
+            await pool.split(reservation, key("hold"))
+        assert money_snapshot(engine) == before
+        await _request(pool, customer, owner, 1_000)  # the next request places a new pool
+        assert pool.pools_placed == 2
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_idle_pools_are_released_and_busy_ones_kept(ledger, engine, owner):
+    quiet, busy = customer_with(ledger, 10 * USD), customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger)
+        await _request(pool, quiet, owner, 1_000)
+        in_flight = await pool.reserve(busy, REQUEST_NANO_USD)
+        assert await pool.release_idle(0.0) == 1
+        assert (ledger.balance(quiet).held_nano_usd, _active_holds(engine)) == (0, 1)
+        await pool.give_back(in_flight)
+        assert await pool.release_idle(3600.0) == 0, "used a moment ago"
+        await pool.close()
+
+    asyncio.run(run())
+    assert _active_holds(engine) == 0
+
+
+def test_the_last_request_moved_out_of_a_pool_may_leave_it_holding_nothing(ledger, engine, owner):
+    customer = customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger, pool_requests=1)
+        own = await pool.split(await pool.reserve(customer, REQUEST_NANO_USD), key("hold"))
+        assert ledger.balance(customer).held_nano_usd == REQUEST_NANO_USD
+        assert ledger.release_hold(own.hold_id)
+        await pool.close()
+
+    asyncio.run(run())
+    assert ledger.balance(customer).held_nano_usd == 0 and _active_holds(engine) == 0
