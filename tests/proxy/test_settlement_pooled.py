@@ -1,0 +1,165 @@
+"""The Settler with pooled holds, without servers (as test_settlement.py):
+a request's share of its replica's pooled hold is captured (not finally),
+given back, or moved to a hold of its own, and never two of these at once."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from ledger.hold_pool import HoldPool
+from ledger.schema import holds
+from proxy import metering
+from proxy.generation import CHAT, Generation
+from proxy.keys import KeyGrant
+from proxy.settlement import Settler
+from proxy.upstream import UpstreamPool
+from ledger.schema import utc_now
+from proxy.limits import HOLD_TTL_S_DEFAULT
+from tests.proxy.test_settlement import MAX_TOKENS, PRICE, PROMPT_BOUND, Books, relay
+
+POOL_REQUESTS = 4
+
+
+class PooledBooks(Books):
+    def __init__(self, database_path) -> None:
+        super().__init__(database_path)
+        self.pool = HoldPool(self.ledger, ttl_s=HOLD_TTL_S_DEFAULT, pool_requests=POOL_REQUESTS)
+        self.settler = Settler(self.ledger, self.directory, UpstreamPool(), hold_ttl_s=HOLD_TTL_S_DEFAULT, pool=self.pool)
+
+    async def open_pooled(self) -> Generation:
+        """A request reserved from the pool, as the proxy leaves it with PARALON_HOLD_POOLS=1."""
+        self.requests += 1
+        generation = Generation(
+            kind=CHAT, request_id=f"chatcmpl-{self.requests}", model="m", price=PRICE,
+            grant=KeyGrant(1, self.customer, None), prompt_bound=PROMPT_BOUND, max_tokens=MAX_TOKENS,
+            wants_usage=True, wants_continuous_usage=False, started_at=utc_now(), streaming=True,
+            settle=self.settler.settle)
+        plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
+        reservation = await self.pool.reserve(self.customer, plan.amount_nano_usd, minimum_nano_usd=plan.minimum_nano_usd)
+        generation.accept_hold(reservation.hold_id, reservation.amount_nano_usd)
+        generation.reservation = reservation
+        self.settler.track(generation)
+        generation.use_worker(self.worker, {"messages": []})
+        self.load.in_flight += 1
+        return generation
+
+    def hold_amounts(self) -> dict[int, int]:
+        with self.engine.connect() as conn:
+            return dict(conn.execute(select(holds.c.id, holds.c.amount_nano_usd)).all())
+
+
+@pytest.fixture
+def books(tmp_path):
+    books = PooledBooks(tmp_path / "pooled.db")
+    yield books
+    books.close()
+
+
+def _held(books) -> int:
+    return books.balance(books.customer).held_nano_usd
+
+
+def test_a_pooled_request_is_captured_not_finally_and_a_released_one_writes_nothing(books):
+    async def run() -> tuple[Generation, int, dict]:
+        charged, released = await books.open_pooled(), await books.open_pooled()
+        pool_hold = charged.hold_id
+        relay(charged, 10, usage=(12, 10))
+        await charged.settle_once(charge=True)
+        after_capture = books.hold_amounts()
+        await released.settle_once(charge=False)
+        await books.settler.drain_background()
+        return charged, pool_hold, after_capture
+
+    charged, pool_hold, after_capture = asyncio.run(run())
+    plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
+    charge = 12 * 150 + 10 * 600
+    [settled] = books.settlements().values()
+    assert (settled["hold_id"], settled["charge_nano_usd"], settled["released_nano_usd"]) == (pool_hold, charge, 0)
+    assert after_capture == {pool_hold: POOL_REQUESTS * plan.amount_nano_usd - charge}
+    assert books.hold_amounts() == {}, "released at shutdown, the give-back written nowhere before it"
+    view = books.balance(books.customer)
+    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge)
+
+
+def test_a_settlement_waits_for_a_move_to_its_own_hold_on_its_way_and_settles_that_hold_finally(books):
+    """The move and the capture would each take the request's amount from the
+    pool's hold; one at a time, the pool loses the amount once."""
+    plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
+    real_split, go = books.pool.split, None
+
+    async def held_back_split(reservation, key):
+        await go.wait()
+        return await real_split(reservation, key)
+
+    async def run() -> Generation:
+        nonlocal go
+        go = asyncio.Event()
+        books.pool.split = held_back_split
+        generation = await books.open_pooled()
+        relay(generation, 10, usage=(12, 10))
+        moving = asyncio.ensure_future(books.settler._split(generation))
+        await asyncio.sleep(0)  # the move holds the request's hold lock, waiting to go
+        settling = asyncio.ensure_future(generation.settle_once(charge=True))
+        await asyncio.sleep(0.05)
+        assert not settling.done(), "the settlement waits for the move"
+        go.set()
+        await moving
+        await settling
+        await books.settler.drain_background()
+        return generation
+
+    generation = asyncio.run(run())
+    charge = 12 * 150 + 10 * 600
+    [settled] = books.settlements().values()
+    assert settled["hold_id"] == generation.hold_id and settled["released_nano_usd"] == plan.amount_nano_usd - charge
+    view = books.balance(books.customer)
+    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge)
+
+
+def test_a_move_whose_outcome_is_unknown_is_done_again_by_its_key_before_the_settlement(books):
+    real_split = books.ledger.split_hold
+    plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
+
+    def split_then_lose_the_answer(pooled_hold_id, request):
+        real_split(pooled_hold_id, request)  # committed, then the connection drops before the answer
+        books.ledger.split_hold = real_split
+        raise OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
+
+    async def run() -> Generation:
+        books.ledger.split_hold = split_then_lose_the_answer
+        generation = await books.open_pooled()
+        relay(generation, 10, usage=(12, 10))
+        with pytest.raises(OperationalError):
+            await books.settler._split(generation)
+        assert generation.split_pending and generation.reservation is not None
+        await generation.settle_once(charge=True)
+        await books.settler.drain_background()
+        return generation
+
+    generation = asyncio.run(run())
+    charge = 12 * 150 + 10 * 600
+    [settled] = books.settlements().values()
+    assert settled["hold_id"] == generation.hold_id and settled["released_nano_usd"] == plan.amount_nano_usd - charge
+    view = books.balance(books.customer)
+    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge), "the pool lost the amount once"
+
+
+def test_a_released_request_whose_move_cannot_be_confirmed_is_forgotten_not_given_back(books):
+    def database_away(pooled_hold_id, request):
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    async def run() -> tuple[int, int]:
+        generation = await books.open_pooled()
+        pool = generation.reservation.pool
+        free_before_release = pool.free_nano_usd
+        books.ledger.split_hold = database_away
+        with pytest.raises(OperationalError):
+            await books.settler._split(generation)
+        await generation.settle_once(charge=False)
+        return free_before_release, pool.free_nano_usd, pool.in_flight
+
+    free_before, free_after, in_flight = asyncio.run(run())
+    assert (free_after, in_flight) == (free_before, 0), "never counted free again: it may have left the pool"
