@@ -22,6 +22,7 @@ Runs on one event loop: the reservations are plain arithmetic between awaits.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from ledger.errors import HoldNotActive, InsufficientFunds, LedgerError, SpendLi
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import HOLD_POOL_REQUESTS, HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
+
+log = logging.getLogger(__name__)
 
 
 class _Pool:
@@ -132,7 +135,16 @@ class HoldPool:
         if pool.in_flight:
             self._retired.add(pool)
         else:
+            await self._release(pool)
+
+    async def _release(self, pool: _Pool) -> None:
+        """Its hold released. Should the database be away, the hold expires
+        untouched (it records nothing) and the sweeper, or this replica's next
+        start, releases it: no request waits for that."""
+        try:
             await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
+        except Exception:
+            log.warning("pooled hold %s is left to expire: it could not be released now", pool.hold_id, exc_info=True)
 
     async def settle(self, reservation: Reservation, owner_account_id: int, charge_nano_usd: int, request_id: str,
                      idempotency_key: str, meta: dict | None = None):
@@ -193,7 +205,7 @@ class HoldPool:
         pool.used_at_s = time.monotonic()
         if pool.retired and not pool.in_flight and not pool.gone:
             self._retired.discard(pool)
-            await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
+            await self._release(pool)
 
     async def renew(self) -> None:
         """Push back the expiry of every pool's hold (the proxy's renewal loop

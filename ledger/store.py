@@ -424,7 +424,7 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
     kinds.update(dict.fromkeys([h.account_id for h in closed + taken], cmd.CUSTOMER))  # holds are only ever placed on customers
     book.closing.update({h.hold_id: h for h in closed})
     book.taken.update({h.hold_id: [h, h.amount_nano_usd] for h in taken})
-    # Those whose owner is no owner: the rules will say so. A hold that had less left than its captures is not active for them.
+    # A hold that had less left than its captures is not active for them (book.hold says so).
     unclosed = sorted({c.hold_id for c in settles}.difference(book.closing, takes))
     for chunk in in_chunks(unclosed):  # those whose owner is no owner: the rules will say so
         for r in conn.execute(select(holds.c.id, holds.c.account_id, holds.c.amount_nano_usd).where(storage.one_of(holds.c.id, chunk))):

@@ -7,7 +7,6 @@ and a replica killed mid-stream is settled at what its callers received."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ from sqlalchemy import func, select
 
 from ledger.schema import holds
 from proxy.limits import HOLD_POOL_IDLE_S
-from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, lowest_available_watched, make_fleet, serving, sim_worker, wait_for
 
 POOLED = {"PARALON_HOLD_POOLS": "1"}
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -75,20 +74,9 @@ def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(datab
 def test_200_pooled_streams_against_credits_for_about_20_never_overspend(database_url):
     worker = sim_worker("h200", time_scale=4.0)
     fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
-    stop, lowest = threading.Event(), []
-
-    def watch():
-        while not stop.is_set():
-            lowest.append(fleet.balance(fleet.customer_id).available_nano_usd)
-
-    watcher = threading.Thread(target=watch)
     with serving(database_url, **POOLED) as proxy:
-        watcher.start()
-        try:
+        with lowest_available_watched(fleet) as lowest:
             results = asyncio.run(_streams(proxy.url, fleet.key, 200, 40))
-        finally:
-            stop.set()
-            watcher.join()
         wait_for(lambda: _hold_rows(fleet) == 0, timeout_s=HOLD_POOL_IDLE_S + 10)
     worker.stop()
     completed = {rid: usage for rid, usage in results if rid is not None}

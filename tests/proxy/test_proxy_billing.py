@@ -3,7 +3,6 @@ leave, workers that fail or inflate their usage, spend limits."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from datetime import timedelta
 
@@ -17,7 +16,7 @@ from ledger.holds import expired_captures
 from ledger.schema import holds, utc_now
 from ledger.store import append_batch
 from proxy.schema import workers
-from tests.support.harness import MODEL, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, lowest_available_watched, make_fleet, serving, sim_worker, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
@@ -33,13 +32,6 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
     worker = sim_worker("h200", time_scale=4.0)
     # A request: prompt bound 53 tokens at 150 + 40 tokens at 600 = 31,950 nano-USD held.
     fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
-    stop, lowest = threading.Event(), []
-
-    def watch():
-        while not stop.is_set():
-            lowest.append(fleet.balance(fleet.customer_id).available_nano_usd)
-
-    watcher = threading.Thread(target=watch)
     with serving(database_url) as proxy:
         async def main():
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=fleet.key, max_retries=0, timeout=120)
@@ -58,12 +50,8 @@ def test_200_concurrent_streams_against_credits_for_about_20(database_url):
             await client.close()
             return results
 
-        watcher.start()
-        try:
+        with lowest_available_watched(fleet) as lowest:
             results = asyncio.run(main())
-        finally:
-            stop.set()
-            watcher.join()
     worker.stop()
 
     completed = {rid: usage for rid, usage in results if rid is not None}

@@ -84,10 +84,18 @@ def test_a_pooled_request_is_captured_not_finally_and_a_released_one_writes_noth
     assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge)
 
 
+def _settled_once_on_its_own_hold(books, generation: Generation) -> None:
+    """Charged once, finally, on the hold it moved to; the pool lost its amount once (nothing is left held)."""
+    plan, charge = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS), 12 * 150 + 10 * 600
+    [settled] = books.settlements().values()
+    assert settled["hold_id"] == generation.hold_id and settled["released_nano_usd"] == plan.amount_nano_usd - charge
+    view = books.balance(books.customer)
+    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge)
+
+
 def test_a_settlement_waits_for_a_move_to_its_own_hold_on_its_way_and_settles_that_hold_finally(books):
     """The move and the capture would each take the request's amount from the
     pool's hold; one at a time, the pool loses the amount once."""
-    plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
     real_split, go = books.pool.split, None
 
     async def held_back_split(reservation, key):
@@ -111,17 +119,11 @@ def test_a_settlement_waits_for_a_move_to_its_own_hold_on_its_way_and_settles_th
         await books.settler.drain_background()
         return generation
 
-    generation = asyncio.run(run())
-    charge = 12 * 150 + 10 * 600
-    [settled] = books.settlements().values()
-    assert settled["hold_id"] == generation.hold_id and settled["released_nano_usd"] == plan.amount_nano_usd - charge
-    view = books.balance(books.customer)
-    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge)
+    _settled_once_on_its_own_hold(books, asyncio.run(run()))
 
 
 def test_a_move_whose_outcome_is_unknown_is_done_again_by_its_key_before_the_settlement(books):
     real_split = books.ledger.split_hold
-    plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
 
     def split_then_lose_the_answer(pooled_hold_id, request):
         real_split(pooled_hold_id, request)  # committed, then the connection drops before the answer
@@ -139,12 +141,7 @@ def test_a_move_whose_outcome_is_unknown_is_done_again_by_its_key_before_the_set
         await books.settler.drain_background()
         return generation
 
-    generation = asyncio.run(run())
-    charge = 12 * 150 + 10 * 600
-    [settled] = books.settlements().values()
-    assert settled["hold_id"] == generation.hold_id and settled["released_nano_usd"] == plan.amount_nano_usd - charge
-    view = books.balance(books.customer)
-    assert (view.held_nano_usd, view.balance_nano_usd) == (0, 10**9 - charge), "the pool lost the amount once"
+    _settled_once_on_its_own_hold(books, asyncio.run(run()))
 
 
 def test_a_released_request_whose_move_cannot_be_confirmed_is_forgotten_not_given_back(books):

@@ -304,6 +304,25 @@ def print_log_tail(proc: ServeProcess) -> None:
         print(f"--- the last lines of paralon serve on port {proc.port} ---", *lines, sep="\n", file=sys.stderr)
 
 
+@contextmanager
+def lowest_available_watched(fleet: "Fleet"):
+    """The customer's available balance read again and again in a thread while
+    the block runs: yields the list of readings (its minimum is what matters)."""
+    stop, readings = threading.Event(), []
+
+    def watch() -> None:
+        while not stop.is_set():
+            readings.append(fleet.balance(fleet.customer_id).available_nano_usd)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield readings
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
