@@ -181,22 +181,33 @@ class HoldPool:
         await self._done(reservation, reservation.amount_nano_usd)
 
     async def split(self, reservation: Reservation, idempotency_key: str) -> HoldResult:
-        """Move a request that runs long enough to record what it delivers
-        (renewals) out of its pool into a hold of its own (`Ledger.split_hold`),
-        which it then renews, settles finally, or releases like any. Raises
-        HoldNotActive when the pool's hold is gone: the reservation is given back."""
-        pool = reservation.pool
-        account_id, spend_limit_id = pool.key
-        try:
-            hold = await asyncio.to_thread(self.ledger.split_hold, pool.hold_id, PlaceHold(
-                account_id, reservation.amount_nano_usd, idempotency_key, self.ttl_s, spend_limit_id=spend_limit_id,
-                replica_id=self.replica_id))
-        except HoldNotActive:
-            self._drop(pool)
-            await self.give_back(reservation)
-            raise
-        await self._done(reservation, 0)  # its amount left the pool's hold with it
-        return hold
+        """`split_many` of one: its HoldResult, or its error raised."""
+        [result] = await self.split_many([(reservation, idempotency_key)])
+        if isinstance(result, LedgerError):
+            raise result
+        return result
+
+    async def split_many(self, moves: list[tuple[Reservation, str]]) -> list[HoldResult | LedgerError]:
+        """Move requests that run long enough to record what they deliver
+        (renewals) out of their pools, each into a hold of its own keyed by
+        `idempotency_key` (`Ledger.split_holds`, one transaction for all),
+        which it then renews, settles finally, or releases like any. One result
+        per move: a pool whose hold is gone refuses its requests with
+        HoldNotActive, and their reservations are given back. A failure of the
+        database is raised for all: whether they moved is not known (a move
+        done again by its key answers `exists`)."""
+        if not moves:
+            return []
+        results = await asyncio.to_thread(self.ledger.split_holds, [
+            (r.hold_id, PlaceHold(r.pool.key[0], r.amount_nano_usd, key, self.ttl_s, spend_limit_id=r.pool.key[1],
+                                  replica_id=self.replica_id)) for r, key in moves])
+        for (reservation, _), result in zip(moves, results, strict=True):
+            if isinstance(result, HoldNotActive):
+                self._drop(reservation.pool)
+                await self.give_back(reservation)
+            elif not isinstance(result, LedgerError):
+                await self._done(reservation, 0)  # its amount left the pool's hold with it
+        return results
 
     async def _done(self, reservation: Reservation, freed_nano_usd: int) -> None:
         pool = reservation.pool

@@ -10,7 +10,7 @@ import logging
 from datetime import datetime, timedelta
 
 import orjson
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, delete, select
 
 from ledger import accounts as acc
 from ledger import commands as cmd
@@ -134,38 +134,58 @@ def _answer_stored_keys(conn: Connection, requests: list[PlaceHold], results: li
     return to_place
 
 
-def split_hold(conn: Connection, pooled_hold_id: int, request: PlaceHold) -> HoldResult:
-    """Move `request`'s amount out of a pooled hold (ledger.hold_pool) into a
-    hold of its own, keyed by `request`: a request that runs long enough to
-    record what it has delivered (renewals) records it there, and settles or
-    is released alone. The customer's and the spend limit's held sums do not
-    change. A key split before answers `exists` (or a conflict); a pooled
-    hold that is gone, has less left, or belongs to another customer or
-    limit refuses with HoldNotActive and moves nothing."""
-    validate_place_hold(request)
+def split_holds(conn: Connection, splits: list[tuple[int, PlaceHold]]) -> list[HoldResult | LedgerError]:
+    """Move each request's amount out of its pooled hold (ledger.hold_pool)
+    into a hold of its own, keyed by the request, in a few statements for all
+    of them: a request that runs long enough to record what it has delivered
+    (renewals) records it there, and settles or is released alone. The
+    customer's and the spend limit's held sums do not change.
+
+    A key moved before answers `exists` (or a conflict). The requests of a
+    pooled hold that is gone, has less left than they ask, or belongs to
+    another customer or limit are refused with HoldNotActive, and nothing
+    moves for them. One result per split, in order."""
+    for _, request in splits:
+        validate_place_hold(request)
     storage = storage_of(conn)
     storage.skip_flush_wait(conn)
-    stored = conn.execute(select(holds).where(holds.c.idempotency_key == request.idempotency_key)).first()
-    if stored is not None:
-        if not matches_stored(stored, request):
-            raise key_conflict(request)
-        return HoldResult(EXISTS, stored.id, stored.amount_nano_usd, stored.expires_at)
-    limit = holds.c.spend_limit_id
-    taken = conn.execute(
-        update(holds)
-        .where(holds.c.id == pooled_hold_id, holds.c.amount_nano_usd >= request.amount_nano_usd,
-               holds.c.account_id == request.account_id,
-               limit.is_(None) if request.spend_limit_id is None else limit == request.spend_limit_id)
-        .values(amount_nano_usd=holds.c.amount_nano_usd - request.amount_nano_usd)
-        .returning(holds.c.id)
-    ).first()
-    if taken is None:
-        raise HoldNotActive(f"hold {pooled_hold_id} has not {request.amount_nano_usd} nano-USD left for account "
-                            f"{request.account_id} and spend limit {request.spend_limit_id}")
+    results: list[HoldResult | LedgerError | None] = [None] * len(splits)
+    stored = {}
+    for chunk in in_chunks(sorted({r.idempotency_key for _, r in splits})):
+        stored.update({row.idempotency_key: row for row in conn.execute(select(holds).where(storage.one_of(holds.c.idempotency_key, chunk)))})
+    wanted: dict[int, list[int]] = {}  # pooled hold: the indexes of its requests still to move
+    for i, (pooled_hold_id, request) in enumerate(splits):
+        row = stored.get(request.idempotency_key)
+        if row is not None:
+            results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at) if matches_stored(row, request) \
+                else key_conflict(request)
+        else:
+            wanted.setdefault(pooled_hold_id, []).append(i)
+    pools = {}
+    for chunk in in_chunks(sorted(wanted)):
+        pools.update({row.id: row for row in conn.execute(
+            select(holds.c.id, holds.c.account_id, holds.c.spend_limit_id, holds.c.amount_nano_usd)
+            .where(storage.one_of(holds.c.id, chunk)).with_for_update())})
+    takes, moving = {}, []
+    for pooled_hold_id, indexes in wanted.items():
+        pool, asked = pools.get(pooled_hold_id), [splits[i][1] for i in indexes]
+        total = sum(r.amount_nano_usd for r in asked)
+        if pool is None or pool.amount_nano_usd < total or any(
+                (r.account_id, r.spend_limit_id) != (pool.account_id, pool.spend_limit_id) for r in asked):
+            for i in indexes:
+                results[i] = HoldNotActive(f"hold {pooled_hold_id} has not {total} nano-USD left for the requests of "
+                                           f"account {splits[i][1].account_id} and spend limit {splits[i][1].spend_limit_id}")
+            continue
+        takes[pooled_hold_id] = total
+        moving.extend(indexes)
+    storage.take_from_holds(conn, takes)
     now = utc_now()
-    ids = storage.insert_holds(conn, [(request.account_id, request.amount_nano_usd, request.idempotency_key, request.ttl_s,
-                                       request.spend_limit_id, request.replica_id)], now)
-    return HoldResult(CREATED, ids[request.idempotency_key], request.amount_nano_usd, now + timedelta(seconds=request.ttl_s))
+    ids = storage.insert_holds(conn, [(r.account_id, r.amount_nano_usd, r.idempotency_key, r.ttl_s, r.spend_limit_id, r.replica_id)
+                                      for r in (splits[i][1] for i in moving)], now)
+    for i in moving:
+        request = splits[i][1]
+        results[i] = HoldResult(CREATED, ids[request.idempotency_key], request.amount_nano_usd, now + timedelta(seconds=request.ttl_s))
+    return results  # type: ignore[return-value]
 
 
 def _valid_or_plain(renewal: HoldRenewal) -> HoldRenewal:

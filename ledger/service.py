@@ -14,7 +14,7 @@ from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger import holds as hl
 from ledger.db import storage_of
-from ledger.errors import HoldNotActive
+from ledger.errors import HoldNotActive, LedgerError
 from ledger.group_commit import GroupCommitWriter
 from ledger.limits import BATCH_SIZE_MAX_DEFAULT, BATCH_WAIT_MS_DEFAULT, HOLD_BATCH_WAIT_MS_DEFAULT
 from ledger.storage.base import in_chunks
@@ -86,17 +86,17 @@ class Ledger:
         with self.engine.begin() as conn:
             return hl.release_hold(conn, hold_id)
 
-    def split_hold(self, pooled_hold_id: int, request: hl.PlaceHold) -> hl.HoldResult:
-        """`holds.split_hold` in a transaction of its own; a key split by
+    def split_holds(self, splits: list[tuple[int, hl.PlaceHold]]) -> list[hl.HoldResult | LedgerError]:
+        """`holds.split_holds` in a transaction of its own; a key moved by
         another caller meanwhile (the unique index refused it) is answered as stored."""
         try:
-            return self._split_hold(pooled_hold_id, request)
+            return self._split_holds(splits)
         except IntegrityError:
-            return self._split_hold(pooled_hold_id, request)
+            return self._split_holds(splits)
 
-    def _split_hold(self, pooled_hold_id: int, request: hl.PlaceHold) -> hl.HoldResult:
+    def _split_holds(self, splits: list[tuple[int, hl.PlaceHold]]) -> list[hl.HoldResult | LedgerError]:
         with self.engine.begin() as conn:
-            return hl.split_hold(conn, pooled_hold_id, request)
+            return hl.split_holds(conn, splits)
 
     def renew_holds(self, renewals: list[hl.HoldRenewal]) -> set[int]:
         with self.engine.begin() as conn:

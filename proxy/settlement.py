@@ -18,7 +18,7 @@ from ledger import commands as cmd
 from ledger.db import is_connection_failure
 from ledger.errors import DatabaseUnavailable, HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached, WriterOverloaded
 from ledger.hold_pool import HoldPool, Reservation
-from ledger.holds import HoldRenewal, PlaceHold, settlement_key
+from ledger.holds import HoldRenewal, HoldResult, PlaceHold, settlement_key
 from ledger.service import Ledger
 from proxy import generations, metering
 from proxy import workers as registry
@@ -340,10 +340,8 @@ class Settler:
         """A pooled stream that has delivered something moves to a hold of its
         own, which records it from now on; the pools' holds are renewed, and
         those idle released. A request whose pool's hold is gone loses its hold."""
-        delivering = [g for g in live if getattr(g, "reservation", None) is not None and _records_delivery(g)]
-        for generation, outcome in zip(delivering, await asyncio.gather(*(self._split(g) for g in delivering), return_exceptions=True)):
-            if isinstance(outcome, Exception) and not isinstance(outcome, HoldNotActive):  # the database away: next round
-                log.warning("request %s: could not move to a hold of its own: %r", generation.request_id, outcome)
+        await self._move_delivering([g for g in live if getattr(g, "reservation", None) is not None and _records_delivery(g)
+                                     and not g.hold_lock.locked()])  # one that is settling or releasing needs no hold of its own
         try:
             await self.pool.renew()
             await self.pool.release_idle(HOLD_POOL_IDLE_S)
@@ -355,6 +353,37 @@ class Settler:
                 self._live.pop(generation.request_id, None)
                 generation.reservation = None
                 generation.lose_hold()
+
+    async def _move_delivering(self, delivering: list[Generation]) -> None:
+        """Every pooled stream that has delivered something moves to a hold of
+        its own, in one transaction (`HoldPool.split_many`), each under its hold lock."""
+        if not delivering:
+            return
+        for generation in delivering:
+            await generation.hold_lock.acquire()  # free (checked just before): taken without a wait
+        try:
+            try:
+                results = await self.pool.split_many([(g.reservation, hold_key(g.request_id)) for g in delivering])
+            except Exception as exc:  # the database away: whether they moved is not known; the next use moves them again
+                log.warning("could not move %d request(s) to holds of their own: %r", len(delivering), exc)
+                for generation in delivering:
+                    generation.split_pending = True
+                return
+            for generation, result in zip(delivering, results, strict=True):
+                self._moved(generation, result)
+        finally:
+            for generation in delivering:
+                generation.hold_lock.release()
+
+    def _moved(self, generation: Generation, result: HoldResult | LedgerError) -> None:
+        """A move's outcome: its own hold from now on, or none (its pool's hold is gone)."""
+        if isinstance(result, LedgerError):
+            generation.reservation, generation.split_pending = None, False
+            if not generation.finished:
+                self._live.pop(generation.request_id, None)
+                generation.lose_hold()
+            return
+        generation.reservation, generation.split_pending, generation.hold_id = None, False, result.hold_id
 
     async def _give_back(self, generation: Generation) -> bool:
         """A pooled request released: its reservation back to the pool, nothing
@@ -394,17 +423,13 @@ class Settler:
         if reservation is None:
             return
         try:
-            hold = await self.pool.split(reservation, hold_key(generation.request_id))
-        except HoldNotActive:  # its pool's hold is gone: it has none
-            generation.reservation, generation.split_pending = None, False
-            if not generation.finished:
-                self._live.pop(generation.request_id, None)
-                generation.lose_hold()
-            raise
+            [result] = await self.pool.split_many([(reservation, hold_key(generation.request_id))])
         except Exception:
             generation.split_pending = True
             raise
-        generation.reservation, generation.split_pending, generation.hold_id = None, False, hold.hold_id
+        self._moved(generation, result)
+        if isinstance(result, LedgerError):  # its pool's hold is gone: it has none
+            raise result
 
     def _book_relayed(self, generation: Generation) -> None:
         """What a request relayed since it was last booked counts as its

@@ -14,7 +14,7 @@ from ledger import commands as cmd
 from ledger import spend_limits
 from ledger.errors import HoldNotActive, InsufficientFunds, SpendLimitReached, WrongAccountKind
 from ledger.hold_pool import HoldPool
-from ledger.holds import HoldRenewal, expire_holds, settlement_key
+from ledger.holds import HoldRenewal, PlaceHold, expire_holds, settlement_key
 from ledger.schema import holds, utc_now
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
@@ -27,6 +27,11 @@ LIMIT_ID = 79
 def _active_holds(engine) -> int:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(holds)).scalar_one()
+
+
+def _hold_amounts(engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(select(holds.c.id, holds.c.amount_nano_usd)).all())
 
 
 async def _request(pool: HoldPool, customer: int, owner: int, charge: int, **reserve) -> int:
@@ -210,10 +215,13 @@ def test_a_request_that_runs_long_moves_to_a_hold_of_its_own_and_settles_at_its_
     async def crashed_run() -> int:
         pool = HoldPool(ledger, replica_id="replica-b", pool_requests=4)
         reservation = await pool.reserve(customer, REQUEST_NANO_USD)
-        own = await pool.split(reservation, f"hold:{request_id}")
-        again = await pool.split(await pool.reserve(customer, REQUEST_NANO_USD), f"hold:{request_id}")
-        assert (again.status, again.hold_id) == ("exists", own.hold_id), "a split retried finds the first"
-        assert ledger.balance(customer).held_nano_usd == 4 * REQUEST_NANO_USD, "splitting moves what is held, adds none"
+        [lost_answer] = ledger.split_holds([(reservation.hold_id, PlaceHold(customer, REQUEST_NANO_USD, f"hold:{request_id}",
+                                                                            replica_id="replica-b"))])
+        own = await pool.split(reservation, f"hold:{request_id}")  # done again: the first move's answer was lost
+        assert (own.status, own.hold_id) == ("exists", lost_answer.hold_id), "a move done again by its key finds the first"
+        assert ledger.balance(customer).held_nano_usd == 4 * REQUEST_NANO_USD, "moving changes what is held nowhere"
+        assert pool._pools[(customer, None)].free_nano_usd == 3 * REQUEST_NANO_USD and _hold_amounts(engine) == {
+            reservation.hold_id: 3 * REQUEST_NANO_USD, own.hold_id: REQUEST_NANO_USD}, "taken from the pool once"
         assert ledger.renew_holds([HoldRenewal(own.hold_id, 30, 7_000_000, owner, request_id, {"model": "m"})]) == {own.hold_id}
         return own.hold_id
 
@@ -272,3 +280,26 @@ def test_the_last_request_moved_out_of_a_pool_may_leave_it_holding_nothing(ledge
 
     asyncio.run(run())
     assert ledger.balance(customer).held_nano_usd == 0 and _active_holds(engine) == 0
+
+
+def test_moves_of_many_requests_take_each_pool_once_and_refuse_the_requests_of_a_pool_that_is_short(ledger, engine, owner):
+    """One transaction for all: a pool's requests move together or not at all."""
+    rich, poor = customer_with(ledger, 10 * USD), customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger, pool_requests=4)
+        moving = [await pool.reserve(rich, REQUEST_NANO_USD) for _ in range(3)]
+        short = await pool.reserve(poor, REQUEST_NANO_USD)
+        with engine.begin() as conn:  # as if its captures had taken nearly all of it
+            conn.execute(holds.update().where(holds.c.id == short.hold_id).values(amount_nano_usd=REQUEST_NANO_USD - 1))
+        before = money_snapshot(engine)
+        results = await pool.split_many([(r, key("hold")) for r in (*moving, short)])
+        assert [r.status for r in results[:3]] == ["created"] * 3 and isinstance(results[3], HoldNotActive)
+        assert _hold_amounts(engine)[moving[0].hold_id] == REQUEST_NANO_USD, "the rich pool gave up three amounts at once"
+        assert _hold_amounts(engine)[short.hold_id] == REQUEST_NANO_USD - 1, "nothing moved out of the short one"
+        assert money_snapshot(engine)["balances"] == before["balances"]
+        for result in results[:3]:
+            assert ledger.release_hold(result.hold_id)
+        await pool.close()
+
+    asyncio.run(run())

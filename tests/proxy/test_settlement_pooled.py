@@ -96,16 +96,16 @@ def _settled_once_on_its_own_hold(books, generation: Generation) -> None:
 def test_a_settlement_waits_for_a_move_to_its_own_hold_on_its_way_and_settles_that_hold_finally(books):
     """The move and the capture would each take the request's amount from the
     pool's hold; one at a time, the pool loses the amount once."""
-    real_split, go = books.pool.split, None
+    real_split, go = books.pool.split_many, None
 
-    async def held_back_split(reservation, key):
+    async def held_back_split(moves):
         await go.wait()
-        return await real_split(reservation, key)
+        return await real_split(moves)
 
     async def run() -> Generation:
         nonlocal go
         go = asyncio.Event()
-        books.pool.split = held_back_split
+        books.pool.split_many = held_back_split
         generation = await books.open_pooled()
         relay(generation, 10, usage=(12, 10))
         moving = asyncio.ensure_future(books.settler._split(generation))
@@ -123,15 +123,15 @@ def test_a_settlement_waits_for_a_move_to_its_own_hold_on_its_way_and_settles_th
 
 
 def test_a_move_whose_outcome_is_unknown_is_done_again_by_its_key_before_the_settlement(books):
-    real_split = books.ledger.split_hold
+    real_split = books.ledger.split_holds
 
-    def split_then_lose_the_answer(pooled_hold_id, request):
-        real_split(pooled_hold_id, request)  # committed, then the connection drops before the answer
-        books.ledger.split_hold = real_split
+    def split_then_lose_the_answer(splits):
+        real_split(splits)  # committed, then the connection drops before the answer
+        books.ledger.split_holds = real_split
         raise OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
 
     async def run() -> Generation:
-        books.ledger.split_hold = split_then_lose_the_answer
+        books.ledger.split_holds = split_then_lose_the_answer
         generation = await books.open_pooled()
         relay(generation, 10, usage=(12, 10))
         with pytest.raises(OperationalError):
@@ -145,14 +145,14 @@ def test_a_move_whose_outcome_is_unknown_is_done_again_by_its_key_before_the_set
 
 
 def test_a_released_request_whose_move_cannot_be_confirmed_is_forgotten_not_given_back(books):
-    def database_away(pooled_hold_id, request):
+    def database_away(splits):
         raise OperationalError("SELECT 1", {}, Exception("connection refused"))
 
     async def run() -> tuple[int, int]:
         generation = await books.open_pooled()
         pool = generation.reservation.pool
         free_before_release = pool.free_nano_usd
-        books.ledger.split_hold = database_away
+        books.ledger.split_holds = database_away
         with pytest.raises(OperationalError):
             await books.settler._split(generation)
         await generation.settle_once(charge=False)
