@@ -10,7 +10,9 @@ hold and leaves the rest for the next request; a request that ends with no
 charge gives its amount back in memory. A pool whose hold has too little
 left is retired, and released once its last request is settled; a new one
 is placed. The durable path then writes no hold row, and closes none, per
-request: one hold's row is updated per batch.
+request: one hold's row is updated per batch. A request that runs long
+enough to record what it delivers (renewals) moves to a hold of its own
+(`split_many`), where it records it as any request's hold does.
 
 What the pools' holds reserve and nobody uses is credit a customer cannot
 spend through another replica for a moment (as a settled request's hold
@@ -110,11 +112,11 @@ class HoldPool:
             except (InsufficientFunds, SpendLimitReached):
                 if old is None or old.in_flight:
                     raise
-                await self._retire(pool_key, old)
+                await self._retire(old)
                 old = None
                 hold = await self._place(pool_key, amount_nano_usd, lowest)
             if old is not None:
-                await self._retire(pool_key, old)
+                await self._retire(old)
             self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd)
             self.pools_placed += 1
         finally:
@@ -127,11 +129,11 @@ class HoldPool:
             account_id, amount_nano_usd * self.pool_requests, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
             self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
 
-    async def _retire(self, pool_key: tuple[int, int | None], pool: _Pool) -> None:
+    async def _retire(self, pool: _Pool) -> None:
         """No new request reserves from it; released now if nothing is in flight, else by its last settlement."""
         pool.retired = True
-        if self._pools.get(pool_key) is pool:
-            del self._pools[pool_key]
+        if self._pools.get(pool.key) is pool:
+            del self._pools[pool.key]
         if pool.in_flight:
             self._retired.add(pool)
         else:
@@ -237,7 +239,7 @@ class HoldPool:
         now_s = time.monotonic()
         idle = [p for p in self._pools.values() if not p.in_flight and now_s - p.used_at_s >= idle_s]
         for pool in idle:
-            await self._retire(pool.key, pool)
+            await self._retire(pool)
         return len(idle)
 
     def _drop(self, pool: _Pool) -> None:
@@ -249,5 +251,5 @@ class HoldPool:
 
     async def close(self) -> None:
         """Release every pool with nothing in flight (as a replica shuts down)."""
-        for pool_key, pool in list(self._pools.items()):
-            await self._retire(pool_key, pool)
+        for pool in list(self._pools.values()):
+            await self._retire(pool)
