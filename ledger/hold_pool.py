@@ -16,8 +16,10 @@ enough to record what it delivers (renewals) moves to a hold of its own
 
 What the pools' holds reserve and nobody uses is credit a customer cannot
 spend through another replica for a moment (as a settled request's hold
-is, until its release): a pool is at most `HOLD_POOL_REQUESTS` requests' amounts,
-and never more than what the customer has available.
+is, until its release). A pool is `HOLD_POOL_REQUESTS` requests' amounts,
+never more than what the customer has available; a pool granted less (the
+customer's credit ran short) is released as soon as its last request ends,
+so that another replica may have the credit.
 
 Runs on one event loop: the reservations are plain arithmetic between awaits.
 """
@@ -39,16 +41,19 @@ log = logging.getLogger(__name__)
 
 
 class _Pool:
-    __slots__ = ("key", "hold_id", "free_nano_usd", "in_flight", "retired", "gone", "used_at_s")
+    __slots__ = ("key", "hold_id", "free_nano_usd", "in_flight", "retired", "gone", "released", "used_at_s", "short")
 
-    def __init__(self, key: tuple[int, int | None], hold_id: int, amount_nano_usd: int) -> None:
+    def __init__(self, key: tuple[int, int | None], hold_id: int, amount_nano_usd: int, short: bool) -> None:
         self.key = key  # (customer, spend limit)
         self.hold_id = hold_id
         self.free_nano_usd = amount_nano_usd  # the hold's amount less what this process's requests reserve
         self.in_flight = 0
         self.retired = False
         self.gone = False  # its hold was closed elsewhere (the sweeper): nothing to release
+        # Released by this pool: never twice, for SQLite gives a deleted hold's id to the next hold placed.
+        self.released = False
         self.used_at_s = time.monotonic()  # when a request last reserved from it or ended
+        self.short = short  # granted less than asked (the customer's credit ran short): released once drained
 
 
 class Reservation(NamedTuple):
@@ -117,7 +122,8 @@ class HoldPool:
                 hold = await self._place(pool_key, amount_nano_usd, lowest)
             if old is not None:
                 await self._retire(old)
-            self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd)
+            asked_nano_usd = amount_nano_usd * self.pool_requests
+            self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd, hold.amount_nano_usd < asked_nano_usd)
             self.pools_placed += 1
         finally:
             del self._placing[pool_key]
@@ -143,6 +149,9 @@ class HoldPool:
         """Its hold released. Should the database be away, the hold expires
         untouched (it records nothing) and the sweeper, or this replica's next
         start, releases it: no request waits for that."""
+        if pool.released or pool.gone:
+            return
+        pool.released = True
         try:
             await asyncio.to_thread(self.ledger.release_hold, pool.hold_id)
         except Exception:
@@ -216,9 +225,13 @@ class HoldPool:
         pool.free_nano_usd += freed_nano_usd
         pool.in_flight -= 1
         pool.used_at_s = time.monotonic()
-        if pool.retired and not pool.in_flight and not pool.gone:
+        if pool.in_flight or pool.gone:
+            return
+        if pool.retired:
             self._retired.discard(pool)
             await self._release(pool)
+        elif pool.short:  # it holds all the customer had: theirs to spend through any replica again
+            await self._retire(pool)
 
     async def renew(self) -> None:
         """Push back the expiry of every pool's hold (the proxy's renewal loop

@@ -90,7 +90,7 @@ def test_more_requests_in_flight_than_a_pool_holds_place_another_and_release_the
     assert _active_holds(engine) == 0, "every pool released once its last request settled"
 
 
-def test_a_pool_is_never_more_than_the_customer_has_and_a_request_beyond_it_moves_nothing(ledger, engine, owner):
+def test_a_pool_is_never_more_than_the_customer_has_and_such_a_pool_is_released_once_it_drains(ledger, engine, owner):
     customer = customer_with(ledger, 250_000_000)  # two and a half requests' amounts
 
     async def run() -> None:
@@ -103,12 +103,14 @@ def test_a_pool_is_never_more_than_the_customer_has_and_a_request_beyond_it_move
         assert money_snapshot(engine) == before
         clamped = await pool.reserve(customer, REQUEST_NANO_USD, minimum_nano_usd=10_000_000)
         assert clamped.amount_nano_usd == 50_000_000, "given a minimum, what the pool has left"
-        for r in (first, second, clamped):
+        for r in (first, second):
             await pool.give_back(r)
-        await pool.close()
+        assert _active_holds(engine) == 1
+        await pool.give_back(clamped)
+        assert _active_holds(engine) == 0, "a pool that holds all the customer has is released as soon as it drains"
 
     asyncio.run(run())
-    assert ledger.balance(customer).available_nano_usd == 250_000_000 and _active_holds(engine) == 0
+    assert ledger.balance(customer).available_nano_usd == 250_000_000
 
 
 def test_two_replicas_pools_never_reserve_more_than_the_customer_has(ledger, engine, owner):
@@ -117,12 +119,11 @@ def test_two_replicas_pools_never_reserve_more_than_the_customer_has(ledger, eng
     async def run() -> None:
         one, other = HoldPool(ledger, replica_id="one"), HoldPool(ledger, replica_id="other")
         granted = [await one.reserve(customer, REQUEST_NANO_USD)]
-        with pytest.raises(InsufficientFunds):  # the first replica's pool holds all of it, for the moment
+        with pytest.raises(InsufficientFunds):  # the first replica's pool holds all of it while its request runs
             await other.reserve(customer, REQUEST_NANO_USD)
         assert ledger.balance(customer).available_nano_usd == 0
-        await one.give_back(granted[0])
-        await one.close()
-        granted.append(await other.reserve(customer, REQUEST_NANO_USD))  # released: the other replica gets it
+        await one.give_back(granted[0])  # drained: released at once
+        granted.append(await other.reserve(customer, REQUEST_NANO_USD))  # the other replica gets it
         await other.give_back(granted[1])
         await other.close()
 
@@ -138,7 +139,7 @@ def test_a_pool_on_a_spend_limit_is_bound_by_the_limit(ledger, engine, owner):
     async def run() -> None:
         pool = HoldPool(ledger)
         await _request(pool, customer, owner, 150_000_000, spend_limit_id=LIMIT_ID)
-        assert ledger.balance(customer).held_nano_usd == 150_000_000, "the pool took what the limit allowed, then the charge"
+        assert ledger.balance(customer).held_nano_usd == 0, "the pool took all the limit allowed: released once drained"
         first = await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
         with pytest.raises(SpendLimitReached):  # 50 left in the pool, nothing in the limit: a new pool cannot be placed
             await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
@@ -301,5 +302,24 @@ def test_moves_of_many_requests_take_each_pool_once_and_refuse_the_requests_of_a
         for result in results[:3]:
             assert ledger.release_hold(result.hold_id)
         await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_pool_is_released_once_even_when_retired_twice(ledger, engine, owner):
+    """SQLite gives a deleted hold's id to the next hold placed: a pool released
+    twice (a replacement racing an idle release) would release that hold."""
+    customer = customer_with(ledger, 10 * USD)
+
+    async def run() -> None:
+        pool = HoldPool(ledger)
+        first = await pool.reserve(customer, REQUEST_NANO_USD)
+        await pool.give_back(first)
+        retired = first.pool
+        await pool._retire(retired)
+        other = ledger.place_hold(PlaceHold(customer, REQUEST_NANO_USD, key("hold")))  # perhaps under the released id
+        await pool._retire(retired)
+        assert _hold_amounts(engine) == {other.hold_id: REQUEST_NANO_USD}, "the other hold is still there"
+        assert ledger.release_hold(other.hold_id)
 
     asyncio.run(run())
