@@ -222,11 +222,15 @@ def pgbench_tps(server_url: str, seconds: int) -> float:
     return float(match.group(1))
 
 
+def charge_and_meta(n: int) -> tuple[int, dict]:
+    """The `n`th request's charge and metadata, varied as traffic varies them."""
+    return 150 * (900 + n % 97) + 600 * (100 + n % 53), {"model": "bench", "prompt_tokens": 900 + n % 97}
+
+
 def settlement(hold_id: int, owner: int, request_id: str, n: int) -> cmd.SettleRequest:
-    """The `n`th request's settlement: its charge and metadata varied as traffic varies them."""
-    charge = 150 * (900 + n % 97) + 600 * (100 + n % 53)
-    return cmd.SettleRequest(hold_id, owner, charge, request_id, settlement_key(request_id),
-                             {"model": "bench", "prompt_tokens": 900 + n % 97})
+    """The `n`th request's settlement."""
+    charge, meta = charge_and_meta(n)
+    return cmd.SettleRequest(hold_id, owner, charge, request_id, settlement_key(request_id), meta)
 
 
 async def pooled_producer(pool: HoldPool, customer: int, owner: int, deadline: float, latencies_ms: list[float], new_id) -> int:
@@ -235,9 +239,9 @@ async def pooled_producer(pool: HoldPool, customer: int, owner: int, deadline: f
     while time.time() < deadline:
         request_id = new_id("chatcmpl-")
         reservation = await pool.reserve(customer, HOLD_NANO_USD)
-        command = settlement(reservation.hold_id, owner, request_id, done)
+        charge, meta = charge_and_meta(done)
         started = time.perf_counter()
-        await pool.settle(reservation, owner, command.charge_nano_usd, request_id, command.idempotency_key, command.meta)
+        await pool.settle(reservation, owner, charge, request_id, settlement_key(request_id), meta)
         latencies_ms.append((time.perf_counter() - started) * 1000)
         done += 1
     return done

@@ -111,28 +111,28 @@ class HoldPool:
         that fit may still reserve from it) unless nothing is in flight in it:
         then it is released, and the new one is asked for once more."""
         placing = self._placing[pool_key] = asyncio.get_running_loop().create_future()
+        asked_nano_usd = amount_nano_usd * self.pool_requests
         try:
             try:
-                hold = await self._place(pool_key, amount_nano_usd, lowest)
+                hold = await self._place(pool_key, asked_nano_usd, lowest)
             except (InsufficientFunds, SpendLimitReached):
                 if old is None or old.in_flight:
                     raise
                 await self._retire(old)
                 old = None
-                hold = await self._place(pool_key, amount_nano_usd, lowest)
+                hold = await self._place(pool_key, asked_nano_usd, lowest)
             if old is not None:
                 await self._retire(old)
-            asked_nano_usd = amount_nano_usd * self.pool_requests
             self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd, hold.amount_nano_usd < asked_nano_usd)
             self.pools_placed += 1
         finally:
             del self._placing[pool_key]
             placing.set_result(None)
 
-    async def _place(self, pool_key: tuple[int, int | None], amount_nano_usd: int, lowest: int):
+    async def _place(self, pool_key: tuple[int, int | None], asked_nano_usd: int, lowest: int):
         account_id, spend_limit_id = pool_key
         return await self.ledger.place_hold_async(PlaceHold(
-            account_id, amount_nano_usd * self.pool_requests, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
+            account_id, asked_nano_usd, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
             self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
 
     async def _retire(self, pool: _Pool) -> None:

@@ -150,17 +150,9 @@ def split_holds(conn: Connection, splits: list[tuple[int, PlaceHold]]) -> list[H
     storage = storage_of(conn)
     storage.skip_flush_wait(conn)
     results: list[HoldResult | LedgerError | None] = [None] * len(splits)
-    stored = {}
-    for chunk in in_chunks(sorted({r.idempotency_key for _, r in splits})):
-        stored.update({row.idempotency_key: row for row in conn.execute(select(holds).where(storage.one_of(holds.c.idempotency_key, chunk)))})
     wanted: dict[int, list[int]] = {}  # pooled hold: the indexes of its requests still to move
-    for i, (pooled_hold_id, request) in enumerate(splits):
-        row = stored.get(request.idempotency_key)
-        if row is not None:
-            results[i] = HoldResult(EXISTS, row.id, row.amount_nano_usd, row.expires_at) if matches_stored(row, request) \
-                else key_conflict(request)
-        else:
-            wanted.setdefault(pooled_hold_id, []).append(i)
+    for i in _answer_stored_keys(conn, [request for _, request in splits], results):
+        wanted.setdefault(splits[i][0], []).append(i)
     pools = {}
     for chunk in in_chunks(sorted(wanted)):
         pools.update({row.id: row for row in conn.execute(

@@ -420,8 +420,9 @@ def _close_holds(conn: Connection, book: _BatchBook, settles: list[cmd.SettleReq
     storage = storage_of(conn)
     closed = storage.close_holds(conn, sorted(closable))
     taken = storage.take_from_holds(conn, takes) if takes else []
-    book.holds.update({h.hold_id: hold_view_of((h.hold_id, h.account_id, h.amount_nano_usd, True)) for h in closed + taken})
-    kinds.update(dict.fromkeys([h.account_id for h in closed + taken], cmd.CUSTOMER))  # holds are only ever placed on customers
+    either = closed + taken
+    book.holds.update({h.hold_id: hold_view_of((h.hold_id, h.account_id, h.amount_nano_usd, True)) for h in either})
+    kinds.update(dict.fromkeys([h.account_id for h in either], cmd.CUSTOMER))  # holds are only ever placed on customers
     book.closing.update({h.hold_id: h for h in closed})
     book.taken.update({h.hold_id: [h, h.amount_nano_usd] for h in taken})
     # A hold that had less left than its captures is not active for them (book.hold says so).
