@@ -28,6 +28,7 @@ from ledger.anchors import Anchor, read_head
 from ledger.db import make_engine, snapshot_connection
 from ledger.errors import BadDatabaseUrl, InvalidInput
 from ledger.holds import PlaceHold
+from ledger.limits import INT64_MAX
 from ledger.service import Ledger, append_now
 from ledger.schema import utc_now
 from ledger.verify import rebuild_balances, verify
@@ -341,12 +342,20 @@ def _head_and_platform(owner):
     return head, platform
 
 
-def test_legs_in_an_event_row_must_sum_to_zero(books):
+@pytest.mark.parametrize("amounts, total", [
+    ([THOUSAND_USD, -1], THOUSAND_USD - 1),
+    ([THOUSAND_USD, -1, 0], THOUSAND_USD - 1),  # three legs, a settlement's number: added in place
+    ([1, 0, 0, 0], 1),
+    ([INT64_MAX, INT64_MAX, 1], 2 * INT64_MAX + 1),  # three legs out of bigint's range: summed in numeric
+    ([-INT64_MAX - 1, -INT64_MAX - 1, 0], -2 * INT64_MAX - 2),
+])
+def test_legs_in_an_event_row_must_sum_to_zero(books, amounts, total):
     owner, service, customer = books
     head, platform = _head_and_platform(owner)
+    accounts = ", ".join([":c", *[str(platform)] * (len(amounts) - 1)])
     _refused_and_nothing_moved(owner, service, [
-        _forged_event_with_legs(head, f"ARRAY[:c, {platform}]", f"ARRAY[{THOUSAND_USD}, -1]"),
-    ], customer, f"postings sum to {THOUSAND_USD - 1} nano-USD, not 0")
+        _forged_event_with_legs(head, f"ARRAY[{accounts}]", f"ARRAY[{', '.join(map(str, amounts))}]::bigint[]"),
+    ], customer, f"postings sum to {total} nano-USD, not 0")
 
 
 @pytest.mark.parametrize("accounts, amounts", [
