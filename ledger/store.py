@@ -108,11 +108,15 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
 
     `closing_keys_to_the_index` is for a group-commit writer, which runs a
     batch again when the database refuses it: the key of a settlement that
-    closed its hold is then not looked up under the lock (its hold shows it
-    was not settled before, and any other event with its key is a caller's
-    mistake), and the log's unique index refuses such a key instead. The
-    batch that follows on the connection then looks up every key, and the
-    mistake gets its `IdempotencyConflict`.
+    closed or took from its hold is then not looked up under the lock, and
+    the log's unique index refuses such a key instead. A closed hold shows
+    the settlement was not appended before, and any other event with its
+    key is a caller's mistake; a capture that is not final was looked up
+    after its hold's row was locked by the take, so only the same key
+    appended meanwhile through another hold (the rare retry of a moved
+    request) is left to the index. The batch that follows on the
+    connection then looks up every key, and the retry gets its `exists`, a
+    mistake its `IdempotencyConflict`.
 
     Work is split around the append lock so that the lock, which every
     durable append in every process waits for, is held as briefly as possible:
@@ -135,7 +139,8 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     prepared, same_batch = _prepare(commands, digests, texts, pending, book, results)
 
     every_key = not closing_keys_to_the_index or conn.info.pop(LOOK_UP_EVERY_KEY, False)
-    keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or i not in closing]
+    to_the_index = closing.union(_taking(commands, book))
+    keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or i not in to_the_index]
     storage = storage_of(conn)
     drafts = list(prepared.values())
     unchained = storage.encode_unchained([d.columns for d in drafts], [d.postings for d in drafts],
@@ -225,6 +230,12 @@ def _closing_holds(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
     """The indexes of the settlements whose holds this batch closed."""
     closing, settle_type = book.closing, cmd.SettleRequest
     return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and c.hold_id in closing and c.final_capture}
+
+
+def _taking(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
+    """The indexes of the captures that are not final whose holds this batch took from."""
+    taken, settle_type = book.taken, cmd.SettleRequest
+    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and not c.final_capture and c.hold_id in taken} if taken else set()
 
 
 def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> LedgerError | None:

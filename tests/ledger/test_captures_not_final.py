@@ -14,10 +14,11 @@ from ledger import commands as cmd
 from ledger import spend_limits
 from ledger import store
 from ledger.accounts import create_system_account
-from ledger.errors import HoldNotActive, InsufficientFunds
+from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds
 from ledger.holds import PlaceHold, expire_holds, settlement_key
 from ledger.log import read_events
 from ledger.schema import accounts, holds
+from ledger.service import Ledger
 from ledger.store import AppendResult
 from ledger.verify import verify
 from tests.ledger.helpers import customer_with, key, money_snapshot
@@ -207,3 +208,46 @@ def test_captures_may_take_all_a_hold_has_and_it_stays_open_holding_nothing(ledg
     assert ledger.release_hold(hold.hold_id)
     view = ledger.balance(customer)
     assert (view.balance_nano_usd, view.held_nano_usd) == (8 * USD, 0)
+
+
+@pytest.fixture
+def pg_ledger(pg_engine):
+    ledger = Ledger(pg_engine)
+    yield ledger
+    ledger.close()
+
+
+def test_a_captures_key_appended_after_its_look_up_is_refused_by_the_index_and_answered_on_the_run_again(pg_ledger, pg_engine,
+                                                                                                        monkeypatch):
+    """The writer looks a capture that is not final up once, after its
+    hold's row is locked by the take, not again under the append lock: a
+    key another connection appends in between (PostgreSQL, where it can) is
+    refused by the log's unique index. The batch runs again looking every
+    key up: the capture gets its conflict, its take goes back to the pooled
+    hold, and the other capture of the batch is charged once."""
+    customer = customer_with(pg_ledger, 10 * USD)
+    owner = pg_ledger.create_account(cmd.OWNER, "gpu owner")
+    hold = pg_ledger.place_hold(PlaceHold(customer, 4 * USD, key("pool")))
+    racing, fine = _capture(hold.hold_id, owner, USD), _capture(hold.hold_id, owner, USD // 4)
+    lock_and_read, locks_taken = store._lock_and_read, []
+
+    def a_key_appended_first(conn, *args):
+        locks_taken.append(conn)
+        if len(locks_taken) == 1:  # the batch's first run: the grant's own append takes the lock second
+            with pg_engine.begin() as other:
+                store.append_one(other, cmd.GrantCredits(customer, 1, "takes the key", racing.idempotency_key))
+        return lock_and_read(conn, *args)
+
+    monkeypatch.setattr(store, "_lock_and_read", a_key_appended_first)
+    before = money_snapshot(pg_engine)
+    futures = [pg_ledger.appender.submit(command) for command in (racing, fine)]
+    with pytest.raises(IdempotencyConflict):
+        futures[0].result(timeout=30)
+    assert futures[1].result(timeout=30).status == "created"
+    assert len(locks_taken) == 3, "the batch refused by the index, not by a look-up under the lock, then run again"
+    after = money_snapshot(pg_engine)
+    assert after["events"] == before["events"] + 2, "the grant and one capture"
+    assert after["balances"][customer] == before["balances"][customer] + 1 - USD // 4
+    assert _hold_left(pg_engine, hold.hold_id) == 4 * USD - USD // 4, "the conflict's take went back"
+    with pg_engine.connect() as conn:
+        assert verify(conn).ok

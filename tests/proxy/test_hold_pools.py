@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -63,7 +64,11 @@ def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(datab
     assert held_while_pooled > 0
     settled = {s["request_id"]: s for s in fleet.settlements()}
     assert set(settled) == {rid for rid, _ in results} and len(settled) == 40
-    assert all(s["released_nano_usd"] == 0 for s in settled.values()), "each a capture that is not final"
+    # A stream still delivering at a renewal (a slow machine) moved to a hold of its own, captured finally.
+    by_hold = Counter(s["hold_id"] for s in settled.values())
+    [(pool, from_pool)] = by_hold.most_common(1)
+    assert from_pool > len(settled) // 2 and set(by_hold.values()) <= {from_pool, 1}, "one pool; a moved request, a hold each"
+    assert all(s["released_nano_usd"] == 0 for s in settled.values() if s["hold_id"] == pool), "captures that are not final"
     for rid, usage in results:
         assert settled[rid]["charge_nano_usd"] == usage.model_extra["cost_details"]["nano_usd"]
     customer = fleet.balance(fleet.customer_id)
