@@ -108,15 +108,14 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
 
     `closing_keys_to_the_index` is for a group-commit writer, which runs a
     batch again when the database refuses it: the key of a settlement that
-    closed or took from its hold is then not looked up under the lock, and
-    the log's unique index refuses such a key instead. A closed hold shows
-    the settlement was not appended before, and any other event with its
-    key is a caller's mistake; a capture that is not final was looked up
-    after its hold's row was locked by the take, so only the same key
-    appended meanwhile through another hold (the rare retry of a moved
-    request) is left to the index. The batch that follows on the
-    connection then looks up every key, and the retry gets its `exists`, a
-    mistake its `IdempotencyConflict`.
+    closed or took from its hold is then not looked up at all, and the
+    log's unique index refuses such a key instead. A closed hold shows the
+    settlement was not appended before, and any other event with its key is
+    a caller's mistake; a capture that is not final is the proxy's own
+    (its key is made from its request id), sent again only when its answer
+    was lost. The batch that follows on the connection then looks up every
+    key, under the lock: the retry gets its `exists`, a mistake its
+    `IdempotencyConflict`, and what their holds gave is given back.
 
     Work is split around the append lock so that the lock, which every
     durable append in every process waits for, is held as briefly as possible:
@@ -130,16 +129,17 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     texts, digests = _texts_and_digests(commands)
     book = _load_book(conn, commands)
     # A settlement that just closed its hold cannot have been appended before,
-    # so only the others are looked up now; every key is checked again under the lock.
+    # and a capture that took from its hold is the proxy's own, sent again
+    # only when its answer was lost: only the others are looked up now.
     closing = _closing_holds(commands, book)
-    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if i not in closing])
+    to_the_index = closing.union(_taking(commands, book))
+    answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if i not in to_the_index])
     for i, result in answered.items():
         results[i] = result
     pending = [i for i in range(len(commands)) if i not in answered]
     prepared, same_batch = _prepare(commands, digests, texts, pending, book, results)
 
     every_key = not closing_keys_to_the_index or conn.info.pop(LOOK_UP_EVERY_KEY, False)
-    to_the_index = closing.union(_taking(commands, book))
     keyed = [(i, commands[i], digests[i]) for i in prepared if every_key or i not in to_the_index]
     storage = storage_of(conn)
     drafts = list(prepared.values())

@@ -217,37 +217,34 @@ def pg_ledger(pg_engine):
     ledger.close()
 
 
-def test_a_captures_key_appended_after_its_look_up_is_refused_by_the_index_and_answered_on_the_run_again(pg_ledger, pg_engine,
-                                                                                                        monkeypatch):
-    """The writer looks a capture that is not final up once, after its
-    hold's row is locked by the take, not again under the append lock: a
-    key another connection appends in between (PostgreSQL, where it can) is
-    refused by the log's unique index. The batch runs again looking every
-    key up: the capture gets its conflict, its take goes back to the pooled
-    hold, and the other capture of the batch is charged once."""
+@pytest.mark.parametrize("retried", [True, False], ids=["its retry", "another event"])
+def test_a_captures_key_in_the_log_is_refused_by_the_index_and_answered_on_the_run_again(pg_ledger, pg_engine, monkeypatch,
+                                                                                        retried):
+    """The writer does not look up the key of a capture that took from its
+    hold (the proxy's own, sent again only when its answer was lost): the
+    log's unique index refuses it, and the batch runs again looking every
+    key up under the lock. The capture gets its `exists` (its retry) or its
+    conflict (another event's key), its take goes back to the pooled hold,
+    and the other capture of the batch is charged once."""
     customer = customer_with(pg_ledger, 10 * USD)
     owner = pg_ledger.create_account(cmd.OWNER, "gpu owner")
     hold = pg_ledger.place_hold(PlaceHold(customer, 4 * USD, key("pool")))
-    racing, fine = _capture(hold.hold_id, owner, USD), _capture(hold.hold_id, owner, USD // 4)
+    repeated, fine = _capture(hold.hold_id, owner, USD), _capture(hold.hold_id, owner, USD // 4)
+    first = pg_ledger.append(repeated if retried else cmd.GrantCredits(customer, 1, "takes the key", repeated.idempotency_key))
     lock_and_read, locks_taken = store._lock_and_read, []
-
-    def a_key_appended_first(conn, *args):
-        locks_taken.append(conn)
-        if len(locks_taken) == 1:  # the batch's first run: the grant's own append takes the lock second
-            with pg_engine.begin() as other:
-                store.append_one(other, cmd.GrantCredits(customer, 1, "takes the key", racing.idempotency_key))
-        return lock_and_read(conn, *args)
-
-    monkeypatch.setattr(store, "_lock_and_read", a_key_appended_first)
-    before = money_snapshot(pg_engine)
-    futures = [pg_ledger.appender.submit(command) for command in (racing, fine)]
-    with pytest.raises(IdempotencyConflict):
-        futures[0].result(timeout=30)
+    monkeypatch.setattr(store, "_lock_and_read", lambda conn, *args: locks_taken.append(conn) or lock_and_read(conn, *args))
+    before, left = money_snapshot(pg_engine), _hold_left(pg_engine, hold.hold_id)
+    futures = [pg_ledger.appender.submit(command) for command in (repeated, fine)]
+    if retried:
+        assert (futures[0].result(timeout=30).status, futures[0].result().seq) == ("exists", first.seq)
+    else:
+        with pytest.raises(IdempotencyConflict):
+            futures[0].result(timeout=30)
     assert futures[1].result(timeout=30).status == "created"
-    assert len(locks_taken) == 3, "the batch refused by the index, not by a look-up under the lock, then run again"
+    assert len(locks_taken) == 2, "the batch refused by the index, not by a look-up, then run again"
     after = money_snapshot(pg_engine)
-    assert after["events"] == before["events"] + 2, "the grant and one capture"
-    assert after["balances"][customer] == before["balances"][customer] + 1 - USD // 4
-    assert _hold_left(pg_engine, hold.hold_id) == 4 * USD - USD // 4, "the conflict's take went back"
+    assert after["events"] == before["events"] + 1, "the other capture alone"
+    assert after["balances"][customer] == before["balances"][customer] - USD // 4
+    assert _hold_left(pg_engine, hold.hold_id) == left - USD // 4, "the repeated capture's take went back"
     with pg_engine.connect() as conn:
         assert verify(conn).ok
