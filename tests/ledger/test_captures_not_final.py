@@ -16,6 +16,7 @@ from ledger import store
 from ledger.accounts import create_system_account
 from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds
 from ledger.holds import PlaceHold, expire_holds, settlement_key
+from ledger.limits import EVENTS_INSERTED_WITH_COMMIT_MAX
 from ledger.log import read_events
 from ledger.schema import accounts, holds
 from ledger.service import Ledger
@@ -217,34 +218,35 @@ def pg_ledger(pg_engine):
     ledger.close()
 
 
+@pytest.mark.parametrize("others", [1, EVENTS_INSERTED_WITH_COMMIT_MAX], ids=["inserted with the commit", "by copy"])
 @pytest.mark.parametrize("retried", [True, False], ids=["its retry", "another event"])
 def test_a_captures_key_in_the_log_is_refused_by_the_index_and_answered_on_the_run_again(pg_ledger, pg_engine, monkeypatch,
-                                                                                        retried):
+                                                                                        retried, others):
     """The writer does not look up the key of a capture that took from its
     hold (the proxy's own, sent again only when its answer was lost): the
     log's unique index refuses it, and the batch runs again looking every
     key up under the lock. The capture gets its `exists` (its retry) or its
     conflict (another event's key), its take goes back to the pooled hold,
-    and the other capture of the batch is charged once."""
+    and the other captures of the batch are charged once."""
     customer = customer_with(pg_ledger, 10 * USD)
     owner = pg_ledger.create_account(cmd.OWNER, "gpu owner")
     hold = pg_ledger.place_hold(PlaceHold(customer, 4 * USD, key("pool")))
-    repeated, fine = _capture(hold.hold_id, owner, USD), _capture(hold.hold_id, owner, USD // 4)
+    repeated, fine = _capture(hold.hold_id, owner, USD), [_capture(hold.hold_id, owner, USD // 64) for _ in range(others)]
     first = pg_ledger.append(repeated if retried else cmd.GrantCredits(customer, 1, "takes the key", repeated.idempotency_key))
     lock_and_read, locks_taken = store._lock_and_read, []
     monkeypatch.setattr(store, "_lock_and_read", lambda conn, *args: locks_taken.append(conn) or lock_and_read(conn, *args))
     before, left = money_snapshot(pg_engine), _hold_left(pg_engine, hold.hold_id)
-    futures = [pg_ledger.appender.submit(command) for command in (repeated, fine)]
+    futures = [pg_ledger.appender.submit(command) for command in (repeated, *fine)]
     if retried:
         assert (futures[0].result(timeout=30).status, futures[0].result().seq) == ("exists", first.seq)
     else:
         with pytest.raises(IdempotencyConflict):
             futures[0].result(timeout=30)
-    assert futures[1].result(timeout=30).status == "created"
+    assert all(f.result(timeout=30).status == "created" for f in futures[1:])
     assert len(locks_taken) == 2, "the batch refused by the index, not by a look-up, then run again"
     after = money_snapshot(pg_engine)
-    assert after["events"] == before["events"] + 1, "the other capture alone"
-    assert after["balances"][customer] == before["balances"][customer] - USD // 4
-    assert _hold_left(pg_engine, hold.hold_id) == left - USD // 4, "the repeated capture's take went back"
+    assert after["events"] == before["events"] + others, "the other captures alone"
+    assert after["balances"][customer] == before["balances"][customer] - others * (USD // 64)
+    assert _hold_left(pg_engine, hold.hold_id) == left - others * (USD // 64), "the repeated capture's take went back"
     with pg_engine.connect() as conn:
         assert verify(conn).ok
