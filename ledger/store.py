@@ -131,8 +131,7 @@ def append_batch(conn: Connection, commands: list[cmd.Command], *,
     # A settlement that just closed its hold cannot have been appended before,
     # and a capture that took from its hold is the proxy's own, sent again
     # only when its answer was lost: only the others are looked up now.
-    closing = _closing_holds(commands, book)
-    to_the_index = closing.union(_taking(commands, book))
+    to_the_index = _keys_to_the_index(commands, book)
     answered = _known_keys(conn, [(i, c, digests[i]) for i, c in enumerate(commands) if i not in to_the_index])
     for i, result in answered.items():
         results[i] = result
@@ -226,16 +225,13 @@ def append_one(conn: Connection, command: cmd.Command) -> AppendResult:
     return result
 
 
-def _closing_holds(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
-    """The indexes of the settlements whose holds this batch closed."""
-    closing, settle_type = book.closing, cmd.SettleRequest
-    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and c.hold_id in closing and c.final_capture}
-
-
-def _taking(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
-    """The indexes of the captures that are not final whose holds this batch took from."""
-    taken, settle_type = book.taken, cmd.SettleRequest
-    return {i for i, c in enumerate(commands) if isinstance(c, settle_type) and not c.final_capture and c.hold_id in taken} if taken else set()
+def _keys_to_the_index(commands: list[cmd.Command], book: _BatchBook) -> set[int]:
+    """The indexes of the settlements whose holds this batch closed (final
+    captures) or took from (captures that are not final): their keys are
+    left to the log's unique index."""
+    closing, taken, settle_type = book.closing, book.taken, cmd.SettleRequest
+    return {i for i, c in enumerate(commands)
+            if isinstance(c, settle_type) and c.hold_id in (closing if c.final_capture else taken)}
 
 
 def _refusal(book: _BatchBook, event: object, postings: list[ev.Posting]) -> LedgerError | None:

@@ -31,8 +31,6 @@ down_revision = "0038"
 branch_labels = None
 depends_on = None
 
-APPLY = "paralon_apply_event_postings()"
-
 # The first event whose legs do not sum to zero, by its row: WHERE's CASE
 # runs the short branch for three legs, the subquery for any other number.
 # `first_leg` is the first of the three as added: bigint, or numeric after an overflow.
@@ -102,18 +100,17 @@ END $$
 """
 
 
-def _replace(function: str) -> None:
-    """0035's way: its announced closes read where they are used, its settings set again."""
-    revision_0035 = earlier_revision("0035_holds_closed_moved_with_postings.py")
-    op.execute(function.format(schema=op.get_bind().exec_driver_sql("SELECT current_schema()").scalar_one(), **revision_0035._CLOSED))
-    op.execute(f"ALTER FUNCTION {APPLY} SECURITY DEFINER SET search_path = pg_catalog, pg_temp")
+def _revision_0035():
+    """0035's announced closes and its way of replacing the function (its settings set again)."""
+    return earlier_revision("0035_holds_closed_moved_with_postings.py")
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        _replace(APPLY_EVENT_POSTINGS)
+        _revision_0035()._replace(APPLY_EVENT_POSTINGS)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        _replace(earlier_revision("0035_holds_closed_moved_with_postings.py").closes_applied_with_postings())
+        revision_0035 = _revision_0035()
+        revision_0035._replace(revision_0035.closes_applied_with_postings())
