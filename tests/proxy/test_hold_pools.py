@@ -7,8 +7,9 @@ and a replica killed mid-stream is settled at what its callers received."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections import Counter
 
 import httpx
 import openai
@@ -32,15 +33,19 @@ def _recorded_capture(fleet) -> int:
         return conn.execute(select(func.coalesce(func.max(holds.c.capture_nano_usd), 0))).scalar_one()
 
 
-async def _streams(url: str, key: str, count: int, max_tokens: int) -> list:
-    """`count` streams at once: (request id, usage) each, or (None, status) when refused."""
+async def _streams(url: str, key: str, count: int, max_tokens: int, *, plain: int = 0) -> list:
+    """`count` requests at once, all streamed but the first `plain`: (request
+    id, usage) each, or (None, status) when refused."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
     async def one(i: int):
+        messages = [{"role": "user", "content": f"story {i:03d}"}]
         try:
+            if i < plain:
+                answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens)
+                return answer.id, answer.usage
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"story {i:03d}"}], max_tokens=max_tokens,
-                stream=True, stream_options={"include_usage": True})
+                model=MODEL, messages=messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
             chunks = [c async for c in stream]
             return chunks[-1].id, chunks[-1].usage
         except openai.APIStatusError as exc:
@@ -52,23 +57,48 @@ async def _streams(url: str, key: str, count: int, max_tokens: int) -> list:
         await client.close()
 
 
+@contextlib.contextmanager
+def _holds_watched(fleet):
+    """The hold rows (id: idempotency key) and the customer's held sums read
+    again and again in a thread while the block runs: what was reserved while
+    requests ran, whatever the machine's speed."""
+    stop, seen, held = threading.Event(), {}, []
+
+    def watch() -> None:
+        while not stop.is_set():
+            with fleet.engine.connect() as conn:
+                seen.update(conn.execute(select(holds.c.id, holds.c.idempotency_key)).all())
+            held.append(fleet.balance(fleet.customer_id).held_nano_usd)
+            stop.wait(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield seen, held
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(database_url):
+    """Twenty plain requests and twenty streams at once. A plain request never
+    moves, so all twenty capture from the one pool, not finally; a stream
+    still delivering at a renewal (a slow machine) moves to a hold of its own
+    and is captured finally there. Watched until the idle pool is released."""
     worker = sim_worker("instant")
     fleet = make_fleet(database_url, [worker.url])
-    with serving(database_url, **POOLED) as proxy:
-        results = asyncio.run(_streams(proxy.url, fleet.key, 40, 20))
-        assert _hold_rows(fleet) == 1, "forty requests, one pooled hold"
-        held_while_pooled = fleet.balance(fleet.customer_id).held_nano_usd
+    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as (seen, held):
+        results = asyncio.run(_streams(proxy.url, fleet.key, 40, 20, plain=20))
         wait_for(lambda: _hold_rows(fleet) == 0, timeout_s=HOLD_POOL_IDLE_S + 10)
     worker.stop()
-    assert held_while_pooled > 0
+    pools = {hold_id for hold_id, key in seen.items() if key.startswith("pool:")}
+    assert len(pools) == 1 and max(held) > 0, "forty requests, one pooled hold, reserved while they ran"
     settled = {s["request_id"]: s for s in fleet.settlements()}
     assert set(settled) == {rid for rid, _ in results} and len(settled) == 40
-    # A stream still delivering at a renewal (a slow machine) moved to a hold of its own, captured finally.
-    by_hold = Counter(s["hold_id"] for s in settled.values())
-    [(pool, from_pool)] = by_hold.most_common(1)
-    assert from_pool > len(settled) // 2 and set(by_hold.values()) <= {from_pool, 1}, "one pool; a moved request, a hold each"
-    assert all(s["released_nano_usd"] == 0 for s in settled.values() if s["hold_id"] == pool), "captures that are not final"
+    plain = {rid for rid, _ in results[:20]}
+    assert {settled[rid]["hold_id"] for rid in plain} == pools, "every plain request from the pool"
+    from_pool = [s for s in settled.values() if s["hold_id"] in pools]
+    assert all(s["released_nano_usd"] == 0 for s in from_pool), "captures that are not final"
     for rid, usage in results:
         assert settled[rid]["charge_nano_usd"] == usage.model_extra["cost_details"]["nano_usd"]
     customer = fleet.balance(fleet.customer_id)
