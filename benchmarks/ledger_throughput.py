@@ -239,6 +239,8 @@ async def pooled_producer(pool: HoldPool, customer: int, owner: int, deadline: f
     while time.time() < deadline:
         request_id = new_id("chatcmpl-")
         reservation = await pool.reserve(customer, HOLD_NANO_USD)
+        if reservation is None:  # not SystemExit: a pool's worker would die of it and leave the run waiting for ever
+            raise RuntimeError("a customer's credits do not cover a whole pool: fund them more")
         charge, meta = charge_and_meta(done)
         started = time.perf_counter()
         await pool.settle(reservation, owner, charge, request_id, settlement_key(request_id), meta)

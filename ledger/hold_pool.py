@@ -17,9 +17,11 @@ enough to record what it delivers (renewals) moves to a hold of its own
 What the pools' holds reserve and nobody uses is credit a customer cannot
 spend through another replica for a moment (as a settled request's hold
 is, until its release). A pool is `HOLD_POOL_REQUESTS` requests' amounts,
-never more than what the customer has available; a pool granted less (the
-customer's credit ran short) is released as soon as its last request ends,
-so that another replica may have the credit.
+placed whole or not at all: where the customer's available credit (or the
+key's spend limit) does not cover a whole pool, `reserve` answers None and
+the request places a hold of its own, as it would without pools, for
+`HOLD_POOL_RETRY_S`. A customer short of credit then never has a pool
+holding what another replica's request could have used.
 
 Runs on one event loop: the reservations are plain arithmetic between awaits.
 """
@@ -34,16 +36,16 @@ from typing import NamedTuple
 from ledger import commands as cmd
 from ledger.errors import HoldNotActive, InsufficientFunds, LedgerError, SpendLimitReached
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
-from ledger.limits import HOLD_POOL_REQUESTS, HOLD_TTL_S_DEFAULT
+from ledger.limits import HOLD_POOL_REQUESTS, HOLD_POOL_RETRY_S, HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
 
 log = logging.getLogger(__name__)
 
 
 class _Pool:
-    __slots__ = ("key", "hold_id", "free_nano_usd", "in_flight", "retired", "gone", "released", "used_at_s", "short")
+    __slots__ = ("key", "hold_id", "free_nano_usd", "in_flight", "retired", "gone", "released", "used_at_s")
 
-    def __init__(self, key: tuple[int, int | None], hold_id: int, amount_nano_usd: int, short: bool) -> None:
+    def __init__(self, key: tuple[int, int | None], hold_id: int, amount_nano_usd: int) -> None:
         self.key = key  # (customer, spend limit)
         self.hold_id = hold_id
         self.free_nano_usd = amount_nano_usd  # the hold's amount less what this process's requests reserve
@@ -53,7 +55,6 @@ class _Pool:
         # Released by this pool: never twice, for SQLite gives a deleted hold's id to the next hold placed.
         self.released = False
         self.used_at_s = time.monotonic()  # when a request last reserved from it or ended
-        self.short = short  # granted less than asked (the customer's credit ran short): released once drained
 
 
 class Reservation(NamedTuple):
@@ -82,58 +83,65 @@ class HoldPool:
         self._pools: dict[tuple[int, int | None], _Pool] = {}  # (customer, spend limit): the pool requests reserve from
         self._placing: dict[tuple[int, int | None], asyncio.Future] = {}  # a pool being placed: the others wait for it
         self._retired: set[_Pool] = set()  # retired, with requests still in flight
+        # (customer, spend limit): when a pool may be tried again after one was refused
+        self._unpooled_until_s: dict[tuple[int, int | None], float] = {}
         self.pools_placed = 0
 
-    async def reserve(self, account_id: int, amount_nano_usd: int, *, minimum_nano_usd: int | None = None,
-                      spend_limit_id: int | None = None) -> Reservation:
-        """Reserve `amount_nano_usd` (or, given a minimum, at least that much)
-        for one request; raises the hold's typed error when even a new pool
-        cannot be placed."""
-        lowest = minimum_nano_usd or amount_nano_usd
+    async def reserve(self, account_id: int, amount_nano_usd: int, *, spend_limit_id: int | None = None) -> Reservation | None:
+        """Reserve `amount_nano_usd` for one request from its customer's pool;
+        None when no whole pool can be placed (the customer's credit or the
+        key's limit falls short of one): the request then holds its own."""
         pool_key = (account_id, spend_limit_id)
         while True:
             pool = self._pools.get(pool_key)
-            if pool is not None and pool.free_nano_usd >= lowest:
-                granted = min(amount_nano_usd, pool.free_nano_usd)
-                pool.free_nano_usd -= granted
+            if pool is not None and pool.free_nano_usd >= amount_nano_usd:
+                pool.free_nano_usd -= amount_nano_usd
                 pool.in_flight += 1
                 pool.used_at_s = time.monotonic()
-                return Reservation(pool, granted)
+                return Reservation(pool, amount_nano_usd)
             placing = self._placing.get(pool_key)
             if placing is not None:
                 await placing  # its error is its placer's; this request tries again
                 continue
-            await self._replace(pool_key, pool, amount_nano_usd, lowest)
+            if pool_key in self._unpooled_until_s:
+                if time.monotonic() < self._unpooled_until_s[pool_key]:
+                    return None
+                del self._unpooled_until_s[pool_key]
+            await self._replace(pool_key, pool, amount_nano_usd)
 
-    async def _replace(self, pool_key: tuple[int, int | None], old: _Pool | None, amount_nano_usd: int, lowest: int) -> None:
+    async def _replace(self, pool_key: tuple[int, int | None], old: _Pool | None, amount_nano_usd: int) -> None:
         """Place a pool for `pool_key` and retire the one that had too little
         left. Refused, the old one stays (its requests may settle, and those
         that fit may still reserve from it) unless nothing is in flight in it:
-        then it is released, and the new one is asked for once more."""
+        then it is released, and the new one is asked for once more. Refused
+        again, the key's requests hold their own for `HOLD_POOL_RETRY_S`."""
         placing = self._placing[pool_key] = asyncio.get_running_loop().create_future()
-        asked_nano_usd = amount_nano_usd * self.pool_requests
         try:
-            try:
-                hold = await self._place(pool_key, asked_nano_usd, lowest)
-            except (InsufficientFunds, SpendLimitReached):
-                if old is None or old.in_flight:
-                    raise
+            hold = await self._place(pool_key, amount_nano_usd * self.pool_requests)
+            if hold is None and old is not None and not old.in_flight:
                 await self._retire(old)
                 old = None
-                hold = await self._place(pool_key, asked_nano_usd, lowest)
+                hold = await self._place(pool_key, amount_nano_usd * self.pool_requests)
+            if hold is None:
+                self._unpooled_until_s[pool_key] = time.monotonic() + HOLD_POOL_RETRY_S
+                return
             if old is not None:
                 await self._retire(old)
-            self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd, hold.amount_nano_usd < asked_nano_usd)
+            self._pools[pool_key] = _Pool(pool_key, hold.hold_id, hold.amount_nano_usd)
             self.pools_placed += 1
         finally:
             del self._placing[pool_key]
             placing.set_result(None)
 
-    async def _place(self, pool_key: tuple[int, int | None], asked_nano_usd: int, lowest: int):
+    async def _place(self, pool_key: tuple[int, int | None], amount_nano_usd: int) -> HoldResult | None:
+        """A whole pool's hold, or None where the customer's credit or the key's limit falls short of it."""
         account_id, spend_limit_id = pool_key
-        return await self.ledger.place_hold_async(PlaceHold(
-            account_id, asked_nano_usd, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
-            self.ttl_s, minimum_nano_usd=lowest, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
+        try:
+            return await self.ledger.place_hold_async(PlaceHold(
+                account_id, amount_nano_usd, f"pool:{self.replica_id or '-'}:{uuid.uuid4().hex}",
+                self.ttl_s, spend_limit_id=spend_limit_id, replica_id=self.replica_id))
+        except (InsufficientFunds, SpendLimitReached):
+            return None
 
     async def _retire(self, pool: _Pool) -> None:
         """No new request reserves from it; released now if nothing is in flight, else by its last settlement."""
@@ -230,8 +238,6 @@ class HoldPool:
         if pool.retired:
             self._retired.discard(pool)
             await self._release(pool)
-        elif pool.short:  # it holds all the customer had: theirs to spend through any replica again
-            await self._retire(pool)
 
     async def renew(self) -> None:
         """Push back the expiry of every pool's hold (the proxy's renewal loop
@@ -250,6 +256,7 @@ class HoldPool:
         what they hold is the customer's to spend through any replica again.
         Returns how many."""
         now_s = time.monotonic()
+        self._unpooled_until_s = {k: until for k, until in self._unpooled_until_s.items() if until > now_s}
         idle = [p for p in self._pools.values() if not p.in_flight and now_s - p.used_at_s >= idle_s]
         for pool in idle:
             await self._retire(pool)

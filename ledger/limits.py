@@ -40,8 +40,11 @@ EVIDENCE_REQUEST_IDS_MAX = 100
 # before its running requests' holds are settled under them.
 # The proxy serves with this default (PARALON_HOLD_TTL_S overrides it).
 HOLD_TTL_S_DEFAULT = 30
-# A replica's pooled hold (ledger.hold_pool) is placed for this many requests' amounts, or what is available if less.
+# A replica's pooled hold (ledger.hold_pool) is placed for this many requests' amounts, whole or not at all.
 HOLD_POOL_REQUESTS = 64
+# After a pool was refused (the customer's credit or the key's limit falls
+# short of a whole one), that customer's requests hold their own amounts this long.
+HOLD_POOL_RETRY_S = 2.0
 HOLD_TTL_S_MAX = 24 * 3600
 HOLDS_EXPIRED_PER_SWEEP_MAX = 1000
 REPLICA_ID_CHARS_MAX = 200  # who placed a hold (PARALON_REPLICA_ID)

@@ -17,7 +17,7 @@ import time
 import orjson
 
 from ledger.hold_pool import HoldPool, Reservation
-from ledger.holds import PlaceHold
+from ledger.holds import HoldResult, PlaceHold
 from ledger.schema import utc_now
 from ledger.service import Ledger
 from proxy import forwarded_fields, metering, request_checks, routing, tokenize, unbilled
@@ -127,9 +127,13 @@ class InferenceProxy:
         """The request's hold: a hold of its own, or a share of its customer's pooled hold."""
         if self.pool is None:
             return self.ledger.hold_placed(request)
-        return asyncio.ensure_future(self.pool.reserve(request.account_id, request.amount_nano_usd,
-                                                       minimum_nano_usd=request.minimum_nano_usd,
-                                                       spend_limit_id=request.spend_limit_id))
+        return asyncio.ensure_future(self._pooled_or_own(request))
+
+    async def _pooled_or_own(self, request: PlaceHold) -> Reservation | HoldResult:
+        """A share of the customer's pool; a hold of its own where no whole pool
+        fits the customer's credit or the key's limit (clamped there, as ever)."""
+        reservation = await self.pool.reserve(request.account_id, request.amount_nano_usd, spend_limit_id=request.spend_limit_id)
+        return reservation if reservation is not None else await self.ledger.hold_placed(request)
 
     def _prepare(self, kind: str, body: object, grant: KeyGrant, counted: int | None = None, *,
                  counted_asked: bool = False) -> tuple[Generation, list[registry.WorkerView], PlaceHold] | None:

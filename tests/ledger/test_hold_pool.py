@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from ledger import commands as cmd
 from ledger import spend_limits
 from ledger.errors import HoldNotActive, InsufficientFunds, SpendLimitReached, WrongAccountKind
+from ledger import hold_pool
 from ledger.hold_pool import HoldPool
 from ledger.holds import HoldRenewal, PlaceHold, expire_holds, settlement_key
 from ledger.schema import holds, utc_now
@@ -90,66 +91,75 @@ def test_more_requests_in_flight_than_a_pool_holds_place_another_and_release_the
     assert _active_holds(engine) == 0, "every pool released once its last request settled"
 
 
-def test_a_pool_is_never_more_than_the_customer_has_and_such_a_pool_is_released_once_it_drains(ledger, engine, owner):
+def test_a_pool_is_placed_whole_or_not_at_all_and_a_refused_one_is_not_asked_for_again_for_a_while(ledger, engine, owner, monkeypatch):
     customer = customer_with(ledger, 250_000_000)  # two and a half requests' amounts
 
     async def run() -> None:
+        monkeypatch.setattr(hold_pool, "HOLD_POOL_RETRY_S", 1.0)
         pool = HoldPool(ledger, pool_requests=64)
-        first, second = await pool.reserve(customer, REQUEST_NANO_USD), await pool.reserve(customer, REQUEST_NANO_USD)
-        assert ledger.balance(customer).held_nano_usd == 250_000_000, "the pool took what was available, not 64 requests' worth"
-        before = money_snapshot(engine)
-        with pytest.raises(InsufficientFunds):
-            await pool.reserve(customer, REQUEST_NANO_USD)
-        assert money_snapshot(engine) == before
-        clamped = await pool.reserve(customer, REQUEST_NANO_USD, minimum_nano_usd=10_000_000)
-        assert clamped.amount_nano_usd == 50_000_000, "given a minimum, what the pool has left"
-        for r in (first, second):
-            await pool.give_back(r)
-        assert _active_holds(engine) == 1
-        await pool.give_back(clamped)
-        assert _active_holds(engine) == 0, "a pool that holds all the customer has is released as soon as it drains"
+        before, asked = money_snapshot(engine), ledger.holder.commands_committed
+        assert await pool.reserve(customer, REQUEST_NANO_USD) is None, "64 requests' amounts are more than the customer has"
+        assert money_snapshot(engine) == before and ledger.holder.commands_committed == asked + 1
+        assert await pool.reserve(customer, REQUEST_NANO_USD) is None
+        assert ledger.holder.commands_committed == asked + 1, "not asked again within HOLD_POOL_RETRY_S"
+        await asyncio.sleep(1.0)
+        assert await pool.reserve(customer, REQUEST_NANO_USD) is None
+        assert ledger.holder.commands_committed == asked + 2, "asked again after it"
+        small = HoldPool(ledger, pool_requests=2)
+        placed = await small.reserve(customer, REQUEST_NANO_USD)
+        assert placed is not None and ledger.balance(customer).held_nano_usd == 2 * REQUEST_NANO_USD, "a whole pool, not what was available"
+        await small.give_back(placed)
+        await small.close()
 
     asyncio.run(run())
-    assert ledger.balance(customer).available_nano_usd == 250_000_000
 
 
 def test_two_replicas_pools_never_reserve_more_than_the_customer_has(ledger, engine, owner):
     customer = customer_with(ledger, 500_000_000)
 
     async def run() -> None:
-        one, other = HoldPool(ledger, replica_id="one"), HoldPool(ledger, replica_id="other")
-        granted = [await one.reserve(customer, REQUEST_NANO_USD)]
-        with pytest.raises(InsufficientFunds):  # the first replica's pool holds all of it while its request runs
-            await other.reserve(customer, REQUEST_NANO_USD)
+        one, other = HoldPool(ledger, replica_id="one", pool_requests=4), HoldPool(ledger, replica_id="other", pool_requests=4)
+        pooled = await one.reserve(customer, REQUEST_NANO_USD)
+        assert pooled is not None and ledger.balance(customer).available_nano_usd == REQUEST_NANO_USD
+        assert await other.reserve(customer, REQUEST_NANO_USD) is None, "what is left does not cover a whole pool"
+        own = ledger.place_hold(PlaceHold(customer, REQUEST_NANO_USD, key("hold")))  # the other replica's request, its own hold
         assert ledger.balance(customer).available_nano_usd == 0
-        await one.give_back(granted[0])  # drained: released at once
-        granted.append(await other.reserve(customer, REQUEST_NANO_USD))  # the other replica gets it
-        await other.give_back(granted[1])
-        await other.close()
+        before = money_snapshot(engine)
+        with pytest.raises(InsufficientFunds):
+            ledger.place_hold(PlaceHold(customer, REQUEST_NANO_USD, key("hold")))
+        assert money_snapshot(engine) == before
+        assert ledger.release_hold(own.hold_id)
+        await one.give_back(pooled)
+        await one.close()
 
     asyncio.run(run())
-    assert ledger.balance(customer).held_nano_usd == 0
+    assert ledger.balance(customer).held_nano_usd == 0 and _active_holds(engine) == 0
 
 
-def test_a_pool_on_a_spend_limit_is_bound_by_the_limit(ledger, engine, owner):
+def test_a_pool_on_a_spend_limit_is_placed_only_where_the_limit_covers_it_whole(ledger, engine, owner):
     customer = customer_with(ledger, 100 * USD)
     with engine.begin() as conn:
         spend_limits.create_limit(conn, LIMIT_ID, 300_000_000)
 
     async def run() -> None:
-        pool = HoldPool(ledger)
-        await _request(pool, customer, owner, 150_000_000, spend_limit_id=LIMIT_ID)
-        assert ledger.balance(customer).held_nano_usd == 0, "the pool took all the limit allowed: released once drained"
-        first = await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
-        with pytest.raises(SpendLimitReached):  # 50 left in the pool, nothing in the limit: a new pool cannot be placed
-            await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)
+        before = money_snapshot(engine)
+        assert await HoldPool(ledger).reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID) is None, "64 amounts: over the limit"
+        assert money_snapshot(engine) == before
+        pool = HoldPool(ledger, pool_requests=2)
+        await _request(pool, customer, owner, 80_000_000, spend_limit_id=LIMIT_ID)
+        first = await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID)  # 120 left in the pool
+        assert first is not None and first.hold_id == pool._pools[(customer, LIMIT_ID)].hold_id
+        before = money_snapshot(engine)
+        assert await pool.reserve(customer, REQUEST_NANO_USD, spend_limit_id=LIMIT_ID) is None, \
+            "20 left in the pool, 100 in the limit: no new pool of 200"
+        assert money_snapshot(engine) == before
         await pool.give_back(first)
         await pool.close()
 
     asyncio.run(run())
     with engine.connect() as conn:
         limit = spend_limits.read_limits(conn, [LIMIT_ID])[LIMIT_ID]
-    assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (150_000_000, 0)
+    assert (limit["spent_nano_usd"], limit["held_nano_usd"]) == (80_000_000, 0)
 
 
 def test_a_settlement_refused_gives_the_reservation_back(ledger, engine, owner):

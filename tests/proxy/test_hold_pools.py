@@ -106,10 +106,12 @@ def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(datab
     fleet.assert_books_close()
 
 
-def test_200_pooled_streams_against_credits_for_about_20_never_overspend(database_url):
+def test_200_pooled_streams_against_credits_for_about_100_never_overspend(database_url):
+    """Credit for one whole pool and some more: the pool, then holds of their
+    own for what it leaves (no second pool fits), then refusals."""
     worker = sim_worker("h200", time_scale=4.0)
-    fleet = make_fleet(database_url, [worker.url], credits_usd="0.00060")
-    with serving(database_url, **POOLED) as proxy:
+    fleet = make_fleet(database_url, [worker.url], credits_usd="0.00300")
+    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as (seen, _):
         with lowest_available_watched(fleet) as lowest:
             results = asyncio.run(_streams(proxy.url, fleet.key, 200, 40))
         wait_for(lambda: _hold_rows(fleet) == 0, timeout_s=HOLD_POOL_IDLE_S + 10)
@@ -118,10 +120,12 @@ def test_200_pooled_streams_against_credits_for_about_20_never_overspend(databas
     refused = [status for rid, status in results if rid is None]
     assert set(refused) <= {402} and 10 <= len(completed) < 200
     assert min(lowest) >= 0
+    pools = [k for k in seen.values() if k.startswith("pool:")]
+    assert len(pools) == 1 and len(seen) > 1, ("one pool, holds of their own beside it", len(seen))
     settled = {s["request_id"]: s for s in fleet.settlements()}
     assert set(settled) == {rid for rid, usage in completed.items() if usage.completion_tokens}
     customer = fleet.balance(fleet.customer_id)
-    assert customer.held_nano_usd == 0 and customer.balance_nano_usd == 600_000 - sum(s["charge_nano_usd"] for s in settled.values())
+    assert customer.held_nano_usd == 0 and customer.balance_nano_usd == 3_000_000 - sum(s["charge_nano_usd"] for s in settled.values())
     fleet.assert_books_close()
 
 

@@ -38,7 +38,7 @@ class PooledBooks(Books):
             wants_usage=True, wants_continuous_usage=False, started_at=utc_now(), streaming=True,
             settle=self.settler.settle)
         plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
-        reservation = await self.pool.reserve(self.customer, plan.amount_nano_usd, minimum_nano_usd=plan.minimum_nano_usd)
+        reservation = await self.pool.reserve(self.customer, plan.amount_nano_usd)
         generation.accept_hold(reservation.hold_id, reservation.amount_nano_usd)
         generation.reservation = reservation
         self.settler.track(generation)
