@@ -121,7 +121,7 @@ class ProxyConfig(_Group):
     key_cache_ttl_ms: int = _env("PARALON_KEY_CACHE_TTL_MS", in_ms(KEY_CACHE_TTL_S), ge=0, le=KEY_CACHE_TTL_MS_MAX)
     hold_ttl_s: int = _env("PARALON_HOLD_TTL_S", HOLD_TTL_S_DEFAULT, ge=HOLD_TTL_S_MIN, le=HOLD_TTL_S_MAX)
     # Requests reserve from one pooled hold per customer and spend limit (ledger.hold_pool), not a hold row each.
-    hold_pools: bool = _env("PARALON_HOLD_POOLS", False)
+    hold_pools: bool = _env("PARALON_HOLD_POOLS", True)
     hold_sweep_interval_ms: int = _env("PARALON_HOLD_SWEEP_INTERVAL_MS", in_ms(HOLD_SWEEP_INTERVAL_S),
                                        ge=INTERVAL_MS_MIN, le=HOLD_SWEEP_INTERVAL_MS_MAX)
     public_url: str = _env("PARALON_PUBLIC_URL", PUBLIC_URL_DEFAULT)

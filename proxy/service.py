@@ -61,7 +61,7 @@ class _TooLong(_Retry):
 
 class InferenceProxy:
     def __init__(self, ledger: Ledger, directory: Directory, upstream: UpstreamPool, *, hold_ttl_s: int = HOLD_TTL_S_DEFAULT,
-                 replica_id: str | None = None, journal: WithheldJournal | None = None, hold_pools: bool = False) -> None:
+                 replica_id: str | None = None, journal: WithheldJournal | None = None, hold_pools: bool = True) -> None:
         self.ledger = ledger
         self.directory = directory
         self.upstream = upstream

@@ -72,7 +72,7 @@ def create_app(ledger: Ledger, *, key_cache_ttl_s: float = KEY_CACHE_TTL_S,
                worker_ca_bundle_path: str | None = None, replica_id: str | None = None,
                withheld_journal_path: str | None = None, capacity_period_s: float = CAPACITY_PERIOD_S,
                routing_policy: str = AFFINITY, console_settings: ConsoleSettings | None = None,
-               hold_pools: bool = False) -> Litestar:
+               hold_pools: bool = True) -> Litestar:
     """Settings left out are read from the environment (app/wiring.py). The
     holds this replica places carry `replica_id`; as it starts, it settles those
     its crashed run left under it (none when None)."""

@@ -43,7 +43,9 @@ def agent(postgres_url):
 
 
 def assert_exact_books(fleet, before_nano_usd: int) -> list[dict]:
-    """The customer lost exactly the settled charges, the owner got exactly 80% of each, nothing is held."""
+    """The customer lost exactly the settled charges, the owner got exactly 80%
+    of each, nothing is held (once the pools are released)."""
+    fleet.pools_released()
     settled = fleet.settlements()
     customer = fleet.balance(fleet.customer_id)
     assert before_nano_usd - customer.balance_nano_usd == sum(s["charge_nano_usd"] for s in settled)

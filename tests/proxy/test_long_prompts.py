@@ -72,6 +72,8 @@ class MixedFleet:
         return [tokenize_route(s.app).calls for s in self.sims]
 
     def balances(self) -> tuple[int, int, list[int]]:
+        """Once the pools are released: the customer's held sum is 0 only then."""
+        self.fleet.pools_released()
         customer = self.fleet.balance(self.fleet.customer_id)
         return customer.balance_nano_usd, customer.held_nano_usd, [self.fleet.balance(o).balance_nano_usd
                                                                      for o in self.fleet.owner_ids]

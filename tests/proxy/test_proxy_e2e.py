@@ -71,6 +71,7 @@ def test_the_openai_sdk_gets_billed_answers_sync_and_streaming(one_worker):
     settled = fleet.settlements()
     assert len(settled) == 4
     assert fleet.balance(fleet.customer_id).balance_nano_usd == before - sum(s["charge_nano_usd"] for s in settled)
+    fleet.pools_released()
     assert fleet.balance(fleet.customer_id).held_nano_usd == 0
     fleet.assert_books_close()
 

@@ -73,7 +73,9 @@ def _charge(usage) -> int:
 
 
 def _assert_paid(fleet, before_nano_usd: int) -> list[dict]:
-    """The customer paid exactly the settled charges, nothing is held, owners got 80%."""
+    """The customer paid exactly the settled charges, nothing is held (once
+    the pools are released), owners got 80%."""
+    fleet.pools_released()
     settled = fleet.settlements()
     after = fleet.balance(fleet.customer_id)
     assert after.held_nano_usd == 0
@@ -166,6 +168,7 @@ def test_another_accounts_response_is_not_found_and_costs_nothing(database_url, 
     append_now(fleet.engine, cmd.GrantCredits(other, usd_to_nano_usd("5"), "test credits", f"grant:{other}"))
     with serving(database_url) as proxy:
         mine = _client(fleet, proxy).responses.create(model=MODEL, input="A secret.", max_output_tokens=20)
+        fleet.pools_released()  # what the first request's pool held is free again
         before = {account: fleet.balance(account) for account in (fleet.customer_id, other, *fleet.owner_ids)}
         with pytest.raises(openai.NotFoundError) as refused:
             _client(fleet, proxy, other_key).responses.create(model=MODEL, previous_response_id=mine.id, input="Tell me.")

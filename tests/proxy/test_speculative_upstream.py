@@ -43,7 +43,8 @@ def test_a_request_sent_before_its_hold_is_refused_is_stopped_at_the_worker_and_
 
     headers = {"authorization": f"Bearer {fleet.key}"}
     try:
-        with TestClient(create_app(ledger, health_interval_s=60)) as client:
+        # A hold of its own (no pool): its placement is what this test holds back until the worker has the request.
+        with TestClient(create_app(ledger, health_interval_s=60, hold_pools=False)) as client:
             first = client.post("/v1/chat/completions", headers=headers,
                                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             assert first.status_code == 200, first.text  # a hold granted in full: the next request goes out before its hold

@@ -20,11 +20,11 @@ from ledger import accounts as acc
 from ledger import commands as cmd
 from ledger.db import make_engine, snapshot_connection
 from ledger.money import usd_to_nano_usd
-from ledger.schema import ledger_events
+from ledger.schema import holds, ledger_events
 from ledger.service import append_now
 from proxy import keys, prices
 from proxy import workers as registry
-from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S
+from proxy.limits import DIRECTORY_REFRESH_INTERVAL_S, HOLD_POOL_IDLE_S
 from proxy.sim.worker import build_app
 from tests.support.db_roles import app_role_url
 from tests.support.serve_forks import ForkedProcess, fork_serve
@@ -227,6 +227,9 @@ class Fleet:
         with self.engine.connect() as conn:
             return acc.read_balance(conn, account_id)
 
+    def pools_released(self) -> None:
+        pools_released(self.engine)
+
     def settlements(self) -> list[dict]:
         import orjson
 
@@ -321,6 +324,17 @@ def lowest_available_watched(fleet: "Fleet"):
     finally:
         stop.set()
         watcher.join()
+
+
+def pools_released(engine, timeout_s: float = HOLD_POOL_IDLE_S + 10) -> None:
+    """Wait until no replica's pooled hold is left: a pool (PARALON_HOLD_POOLS,
+    the default) holds what its requests did not use until HOLD_POOL_IDLE_S
+    after its last one, so a customer's held sum is 0 only then."""
+    def none_left() -> bool:
+        with engine.connect() as conn:
+            return not conn.execute(select(holds.c.id).where(holds.c.idempotency_key.like("pool:%")).limit(1)).first()
+
+    wait_for(none_left, timeout_s=timeout_s)
 
 
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
