@@ -158,8 +158,8 @@ def main() -> None:
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                         help="tokens per request at 64 callers, give or take a quarter: a request's own cost weighs less in longer ones")
-    parser.add_argument("--hold-pools", action="store_true",
-                        help="the proxy reserves its requests from pooled holds (PARALON_HOLD_POOLS=1)")
+    parser.add_argument("--hold-per-request", action="store_true",
+                        help="the proxy places a hold per request (PARALON_HOLD_POOLS=0), not pooled holds (the default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.max_tokens < 1:
@@ -175,7 +175,7 @@ def main() -> None:
             url = scratch.url.render_as_string(hide_password=False)
             fleet = make_fleet(url, [worker.url], credits_usd="100000")
             proxy = ServeProcess(url, PARALON_HEALTH_INTERVAL_MS="2000", PARALON_KEY_CACHE_TTL_MS="1000",
-                                 PARALON_GROUP_COMMIT_WAIT_MS="1", PARALON_HOLD_POOLS="1" if args.hold_pools else "0").start()
+                                 PARALON_GROUP_COMMIT_WAIT_MS="1", PARALON_HOLD_POOLS="0" if args.hold_per_request else "1").start()
             try:
                 path = "/v1/chat/completions"
                 direct_url, relay_url, proxy_url = worker.url + path, relay.url + path, proxy.url + path
@@ -208,7 +208,7 @@ def main() -> None:
                    "tcp_forwarder_cpu_s": round(forwarder_cpu_s, 2)})
     result.update({"load_generator_cpu_s": {"relay_phase": round(relay_client_cpu_s, 2), "proxy_phase": round(proxy_client_cpu_s, 2)},
                    "load_generator_cpu_share": round(proxy_client_cpu_s / args.seconds, 2),
-                   "requests_settled": settled, "hold_pools": args.hold_pools, "profile": args.profile, "max_tokens": args.max_tokens, "seconds_per_phase": args.seconds,
+                   "requests_settled": settled, "hold_pools": not args.hold_per_request, "profile": args.profile, "max_tokens": args.max_tokens, "seconds_per_phase": args.seconds,
                    "requests_measured": {name: len(values) for name, values in ttfts.items()}})
     print(json.dumps(result, sort_keys=True) if args.json else "\n".join(f"{k}: {v}" for k, v in sorted(result.items())))
 
