@@ -256,6 +256,7 @@ def test_a_dishonest_worker_is_billed_at_most_what_the_caller_received(database_
         time.sleep(DIRECTORY_REFRESH_WAIT_S)
         requests_before = len(worker.app.received)
         after = stream_chat(clients[0], [{"role": "user", "content": "One more, please (after)."}])
+        fleet.pools_released()  # by the replica, idle: none left for its shutdown to release
 
     settled = settled_by_request(fleet)
     discrepancies = discrepancy_request_ids(fleet)
