@@ -103,10 +103,8 @@ class HoldPool:
             if placing is not None:
                 await placing  # its error is its placer's; this request tries again
                 continue
-            if pool_key in self._unpooled_until_s:
-                if time.monotonic() < self._unpooled_until_s[pool_key]:
-                    return None
-                del self._unpooled_until_s[pool_key]
+            if time.monotonic() < self._unpooled_until_s.get(pool_key, 0.0):  # past ones pruned by release_idle
+                return None
             await self._replace(pool_key, pool, amount_nano_usd)
 
     async def _replace(self, pool_key: tuple[int, int | None], old: _Pool | None, amount_nano_usd: int) -> None:
@@ -116,12 +114,13 @@ class HoldPool:
         then it is released, and the new one is asked for once more. Refused
         again, the key's requests hold their own for `HOLD_POOL_RETRY_S`."""
         placing = self._placing[pool_key] = asyncio.get_running_loop().create_future()
+        asked_nano_usd = amount_nano_usd * self.pool_requests
         try:
-            hold = await self._place(pool_key, amount_nano_usd * self.pool_requests)
+            hold = await self._place(pool_key, asked_nano_usd)
             if hold is None and old is not None and not old.in_flight:
                 await self._retire(old)
                 old = None
-                hold = await self._place(pool_key, amount_nano_usd * self.pool_requests)
+                hold = await self._place(pool_key, asked_nano_usd)
             if hold is None:
                 self._unpooled_until_s[pool_key] = time.monotonic() + HOLD_POOL_RETRY_S
                 return

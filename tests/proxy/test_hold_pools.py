@@ -7,8 +7,6 @@ and a replica killed mid-stream is settled at what its callers received."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 
 import httpx
@@ -17,7 +15,7 @@ from sqlalchemy import func, select
 
 from ledger.schema import holds
 from proxy.limits import HOLD_POOL_IDLE_S
-from tests.support.harness import MODEL, lowest_available_watched, make_fleet, serving, sim_worker, wait_for
+from tests.support.harness import MODEL, lowest_available_watched, make_fleet, serving, sim_worker, wait_for, watched
 
 POOLED = {"PARALON_HOLD_POOLS": "1"}
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -57,27 +55,21 @@ async def _streams(url: str, key: str, count: int, max_tokens: int, *, plain: in
         await client.close()
 
 
-@contextlib.contextmanager
 def _holds_watched(fleet):
-    """The hold rows (id: idempotency key) and the customer's held sums read
-    again and again in a thread while the block runs: what was reserved while
-    requests ran, whatever the machine's speed."""
-    stop, seen, held = threading.Event(), {}, []
+    """The hold rows (id, idempotency key) and the customer's held sum, watched
+    while the block runs: what was reserved while requests ran, whatever the
+    machine's speed."""
+    def read() -> tuple[list, int]:
+        with fleet.engine.connect() as conn:
+            rows = conn.execute(select(holds.c.id, holds.c.idempotency_key)).all()
+        return rows, fleet.balance(fleet.customer_id).held_nano_usd
 
-    def watch() -> None:
-        while not stop.is_set():
-            with fleet.engine.connect() as conn:
-                seen.update(conn.execute(select(holds.c.id, holds.c.idempotency_key)).all())
-            held.append(fleet.balance(fleet.customer_id).held_nano_usd)
-            stop.wait(0.01)
+    return watched(read, interval_s=0.01)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        yield seen, held
-    finally:
-        stop.set()
-        watcher.join()
+
+def _seen(readings: list) -> dict[int, str]:
+    """Every hold row watched: id -> idempotency key (SQLite may give a later hold a released one's id)."""
+    return {hold_id: key for rows, _ in readings for hold_id, key in rows}
 
 
 def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(database_url):
@@ -87,12 +79,12 @@ def test_pooled_requests_are_charged_exactly_and_the_idle_pool_is_released(datab
     and is captured finally there. Watched until the idle pool is released."""
     worker = sim_worker("instant")
     fleet = make_fleet(database_url, [worker.url])
-    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as (seen, held):
+    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as readings:
         results = asyncio.run(_streams(proxy.url, fleet.key, 40, 20, plain=20))
         wait_for(lambda: _hold_rows(fleet) == 0, timeout_s=HOLD_POOL_IDLE_S + 10)
     worker.stop()
-    pools = {hold_id for hold_id, key in seen.items() if key.startswith("pool:")}
-    assert len(pools) == 1 and max(held) > 0, "forty requests, one pooled hold, reserved while they ran"
+    pools = {hold_id for hold_id, key in _seen(readings).items() if key.startswith("pool:")}
+    assert len(pools) == 1 and max(held for _, held in readings) > 0, "forty requests, one pooled hold, reserved while they ran"
     settled = {s["request_id"]: s for s in fleet.settlements()}
     assert set(settled) == {rid for rid, _ in results} and len(settled) == 40
     plain = {rid for rid, _ in results[:20]}
@@ -111,7 +103,7 @@ def test_200_pooled_streams_against_credits_for_about_100_never_overspend(databa
     own for what it leaves (no second pool fits), then refusals."""
     worker = sim_worker("h200", time_scale=4.0)
     fleet = make_fleet(database_url, [worker.url], credits_usd="0.00300")
-    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as (seen, _):
+    with serving(database_url, **POOLED) as proxy, _holds_watched(fleet) as readings:
         with lowest_available_watched(fleet) as lowest:
             results = asyncio.run(_streams(proxy.url, fleet.key, 200, 40))
         wait_for(lambda: _hold_rows(fleet) == 0, timeout_s=HOLD_POOL_IDLE_S + 10)
@@ -120,6 +112,7 @@ def test_200_pooled_streams_against_credits_for_about_100_never_overspend(databa
     refused = [status for rid, status in results if rid is None]
     assert set(refused) <= {402} and 10 <= len(completed) < 200
     assert min(lowest) >= 0
+    seen = _seen(readings)
     pools = [k for k in seen.values() if k.startswith("pool:")]
     assert len(pools) == 1 and len(seen) > 1, ("one pool, holds of their own beside it", len(seen))
     settled = {s["request_id"]: s for s in fleet.settlements()}

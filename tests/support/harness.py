@@ -228,7 +228,14 @@ class Fleet:
             return acc.read_balance(conn, account_id)
 
     def pools_released(self) -> None:
-        pools_released(self.engine)
+        """Wait until no replica's pooled hold is left: a pool (PARALON_HOLD_POOLS,
+        the default) holds what its requests did not use until HOLD_POOL_IDLE_S
+        after its last one, so a customer's held sum is 0 only then."""
+        def none_left() -> bool:
+            with self.engine.connect() as conn:
+                return not conn.execute(select(holds.c.id).where(holds.c.idempotency_key.like("pool:%")).limit(1)).first()
+
+        wait_for(none_left, timeout_s=HOLD_POOL_IDLE_S + 10)
 
     def settlements(self) -> list[dict]:
         import orjson
@@ -308,14 +315,15 @@ def print_log_tail(proc: ServeProcess) -> None:
 
 
 @contextmanager
-def lowest_available_watched(fleet: "Fleet"):
-    """The customer's available balance read again and again in a thread while
-    the block runs: yields the list of readings (its minimum is what matters)."""
+def watched(read, interval_s: float = 0.0):
+    """`read()` called again and again in a thread while the block runs,
+    `interval_s` apart: yields the list of its readings."""
     stop, readings = threading.Event(), []
 
     def watch() -> None:
         while not stop.is_set():
-            readings.append(fleet.balance(fleet.customer_id).available_nano_usd)
+            readings.append(read())
+            stop.wait(interval_s)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -326,15 +334,9 @@ def lowest_available_watched(fleet: "Fleet"):
         watcher.join()
 
 
-def pools_released(engine, timeout_s: float = HOLD_POOL_IDLE_S + 10) -> None:
-    """Wait until no replica's pooled hold is left: a pool (PARALON_HOLD_POOLS,
-    the default) holds what its requests did not use until HOLD_POOL_IDLE_S
-    after its last one, so a customer's held sum is 0 only then."""
-    def none_left() -> bool:
-        with engine.connect() as conn:
-            return not conn.execute(select(holds.c.id).where(holds.c.idempotency_key.like("pool:%")).limit(1)).first()
-
-    wait_for(none_left, timeout_s=timeout_s)
+def lowest_available_watched(fleet: "Fleet"):
+    """The customer's available balance watched while the block runs (its minimum is what matters)."""
+    return watched(lambda: fleet.balance(fleet.customer_id).available_nano_usd)
 
 
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
