@@ -75,6 +75,7 @@ lint: dev-venv
 bench: dev-venv
 	$(BIN)/python benchmarks/ledger_throughput.py --json
 	$(BIN)/python benchmarks/ledger_throughput.py --postings-in-event-row --json
+	$(BIN)/python benchmarks/ledger_throughput.py --postings-in-event-row --pooled-holds --json
 	$(BIN)/python benchmarks/append_statement.py --json
 	$(BIN)/python benchmarks/settlement_instructions.py --json
 	$(BIN)/python benchmarks/postings_layout.py --json
