@@ -34,7 +34,7 @@ import uuid
 from typing import NamedTuple
 
 from ledger import commands as cmd
-from ledger.errors import HoldNotActive, InsufficientFunds, LedgerError, SpendLimitReached
+from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, LedgerError, SpendLimitReached
 from ledger.hold_commands import HoldRenewal, HoldResult, PlaceHold
 from ledger.limits import HOLD_POOL_REQUESTS, HOLD_POOL_RETRY_S, HOLD_TTL_S_DEFAULT
 from ledger.service import Ledger
@@ -183,7 +183,12 @@ class HoldPool:
 
     async def refused(self, reservation: Reservation, error: LedgerError) -> None:
         """The capture was refused: nothing was taken. A hold that is gone (or
-        short) is dropped: no request reserves from it again."""
+        short) is dropped: no request reserves from it again. A key used
+        before (IdempotencyConflict) is a settlement of this request that may
+        have taken from the hold: the reservation is forgotten, not given back."""
+        if isinstance(error, IdempotencyConflict):
+            await self.forget(reservation)
+            return
         if isinstance(error, HoldNotActive):
             self._drop(reservation.pool)
         await self.give_back(reservation)

@@ -106,6 +106,7 @@ class Generation:
     # Its share of this replica's pooled hold (PARALON_HOLD_POOLS) until it settles, releases, or moves to a hold of its own.
     reservation: Reservation | None = field(default=None, init=False)
     split_pending: bool = field(default=False, init=False)  # its move to a hold of its own may or may not have happened
+    capture_unknown: bool = field(default=False, init=False)  # its capture from the pool was sent, its outcome not known
     hold_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)  # one use of its hold at a time
     # The upstream attempt (use_worker, attach, read_to_first_token; forget_attempt undoes them)
     worker: registry.WorkerView | None = field(default=None, init=False)

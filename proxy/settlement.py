@@ -139,13 +139,17 @@ class Settler:
                 await self._journal_withheld(generation.request_id)
             generation.withhold()
             try:
-                await self.release(generation)
+                if not await self._forget_unknown_capture(generation):
+                    await self.release(generation)
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
             if database_away:
                 self.in_background(self._when_back(generation.request_id, self._reverse_withheld, generation.request_id))
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
+        if generation.capture_unknown:  # a move now could take its amount from the pool's hold a second time
+            self.in_background(self._capture_when_back(generation, billed))
+            return
         try:
             await self._split(generation)  # a pooled request records what it delivered on a hold of its own
             await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
@@ -153,6 +157,26 @@ class Settler:
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
             self.in_background(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+
+    async def _forget_unknown_capture(self, generation: Generation) -> bool:
+        """A pooled capture whose outcome is not known may have taken its charge
+        from the pool's hold: its reservation is forgotten, never given back
+        (the pool then counts less free than its hold has, never more). True
+        when it was: the request has no hold of its own to release."""
+        async with generation.hold_lock:
+            reservation = generation.reservation
+            if reservation is None or not generation.capture_unknown:
+                return False
+            generation.reservation = None
+            await self.pool.forget(reservation)
+            return True
+
+    async def _capture_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """A stream's pooled capture whose outcome is not known, sent again by
+        its key once the database answers (found if it committed); forgotten
+        if it never could be."""
+        await self._when_back(generation.request_id, self._settle_delivered, generation, billed)
+        await self._forget_unknown_capture(generation)
 
     async def _journal_withheld(self, request_id: str) -> None:
         if self.journal is None:
@@ -214,7 +238,11 @@ class Settler:
         charge = generation.price.charge_nano_usd(covered.prompt_tokens, covered.completion_tokens)
         async with generation.hold_lock:  # not while its move to a hold of its own is on its way
             if generation.split_pending:
-                await self._split_held(generation)
+                try:
+                    await self._split_held(generation)
+                except HoldNotActive:  # its pool's hold is gone, and nothing of it was captured: charged under a hold of its own
+                    await self._settle_rest(generation, meta)
+                    return
             reservation = generation.reservation  # pooled: a capture that is not final, the rest left in the pool's hold
             try:
                 await self._append(cmd.SettleRequest(generation.hold_id, generation.worker.owner_account_id, charge,
@@ -226,6 +254,11 @@ class Settler:
                     await self.pool.refused(reservation, exc)
                 await self._settle_rest(generation, meta)
                 return
+            except Exception as exc:
+                # Committed, perhaps: its charge may have left the pool's hold. Sent
+                # again by its key, it is found or made; never counted free meanwhile.
+                generation.capture_unknown = reservation is not None and _database_away(exc)
+                raise
             if reservation is not None:
                 generation.reservation = None
                 await self.pool.captured(reservation, charge)

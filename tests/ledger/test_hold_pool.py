@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from ledger import commands as cmd
 from ledger import spend_limits
-from ledger.errors import HoldNotActive, InsufficientFunds, SpendLimitReached, WrongAccountKind
+from ledger.errors import HoldNotActive, IdempotencyConflict, InsufficientFunds, SpendLimitReached, WrongAccountKind
 from ledger import hold_pool
 from ledger.hold_pool import HoldPool
 from ledger.holds import HoldRenewal, PlaceHold, expire_holds, settlement_key
@@ -180,6 +180,27 @@ def test_a_settlement_refused_gives_the_reservation_back(ledger, engine, owner):
         return pool.pools_placed
 
     assert asyncio.run(run()) == 1, "both requests fit in the first pool again"
+
+
+def test_a_settlement_whose_key_was_used_before_forgets_the_reservation(ledger, engine, owner):
+    """A request's capture committed but its answer was lost, and its retry
+    carries other content: refused, its reservation is forgotten, not given
+    back, for the first capture took from the pool's hold unknown to the pool."""
+    customer = customer_with(ledger, 10 * USD)
+
+    async def run() -> tuple[int, int, int]:
+        pool = HoldPool(ledger, pool_requests=2)
+        reservation = await pool.reserve(customer, REQUEST_NANO_USD)
+        request_id = key("req")
+        ledger.append(cmd.SettleRequest(reservation.hold_id, owner, 1_000, request_id, settlement_key(request_id), {}, False))
+        with pytest.raises(IdempotencyConflict):
+            await pool.settle(reservation, owner, 2_000, request_id, settlement_key(request_id))
+        free, hold = reservation.pool.free_nano_usd, _hold_amounts(engine)[reservation.hold_id]
+        await pool.close()
+        return free, hold, reservation.pool.in_flight
+
+    free, hold, in_flight = asyncio.run(run())
+    assert in_flight == 0 and free <= hold, "never more counted free than the pool's hold has"
 
 
 def test_a_pool_whose_hold_expired_is_dropped_and_the_next_request_places_another(ledger, engine, owner):

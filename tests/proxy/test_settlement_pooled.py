@@ -9,12 +9,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+from ledger.errors import FlushNotConfirmed
 from ledger.hold_pool import HoldPool
 from ledger.schema import holds
 from proxy import metering
 from proxy.generation import CHAT, Generation
 from proxy.keys import KeyGrant
-from proxy.settlement import Settler
+from proxy.settlement import Settler, hold_key
 from proxy.upstream import UpstreamPool
 from ledger.schema import utc_now
 from proxy.limits import HOLD_TTL_S_DEFAULT
@@ -29,13 +30,13 @@ class PooledBooks(Books):
         self.pool = HoldPool(self.ledger, ttl_s=HOLD_TTL_S_DEFAULT, pool_requests=POOL_REQUESTS)
         self.settler = Settler(self.ledger, self.directory, UpstreamPool(), hold_ttl_s=HOLD_TTL_S_DEFAULT, pool=self.pool)
 
-    async def open_pooled(self) -> Generation:
+    async def open_pooled(self, *, streaming: bool = True) -> Generation:
         """A request reserved from the pool, as the proxy leaves it with PARALON_HOLD_POOLS=1."""
         self.requests += 1
         generation = Generation(
             kind=CHAT, request_id=f"chatcmpl-{self.requests}", model="m", price=PRICE,
             grant=KeyGrant(1, self.customer, None), prompt_bound=PROMPT_BOUND, max_tokens=MAX_TOKENS,
-            wants_usage=True, wants_continuous_usage=False, started_at=utc_now(), streaming=True,
+            wants_usage=True, wants_continuous_usage=False, started_at=utc_now(), streaming=streaming,
             settle=self.settler.settle)
         plan = metering.plan_hold(PRICE, PROMPT_BOUND, MAX_TOKENS)
         reservation = await self.pool.reserve(self.customer, plan.amount_nano_usd)
@@ -160,3 +161,97 @@ def test_a_released_request_whose_move_cannot_be_confirmed_is_forgotten_not_give
 
     free_before, free_after, in_flight = asyncio.run(run())
     assert (free_after, in_flight) == (free_before, 0), "never counted free again: it may have left the pool"
+
+
+def _commit_then_lose_the_answer(books) -> None:
+    """The next append commits, then its answer is lost ("committed, perhaps")."""
+    real_append = books.ledger.append_async
+
+    async def lost(command):
+        await real_append(command)
+        books.ledger.append_async = real_append
+        raise FlushNotConfirmed()
+
+    books.ledger.append_async = lost
+
+
+def test_a_pooled_capture_whose_answer_is_lost_is_never_counted_free_again(books):
+    """A non-streaming caller gets no answer and its settlement is reversed;
+    what the capture took from the pool's hold is not reserved again, so
+    every later request of the pool's whole amount is captured from it."""
+    charge = 12 * 150 + 10 * 600
+
+    async def run() -> tuple[int, int, list[Generation], int]:
+        lost = await books.open_pooled(streaming=False)
+        pool = lost.reservation.pool
+        free_before = pool.free_nano_usd
+        _commit_then_lose_the_answer(books)
+        relay(lost, 10, usage=(12, 10))
+        await lost.settle_once(charge=True)
+        free_after = pool.free_nano_usd
+        later = [await books.open_pooled(streaming=False) for _ in range(POOL_REQUESTS)]  # all the pool counts free, and more
+        for generation in later:
+            relay(generation, 10, usage=(12, 10))
+            await generation.settle_once(charge=True)
+        await books.settler.drain_background()
+        return free_before, free_after, later, pool.hold_id
+
+    free_before, free_after, later, pool_hold = asyncio.run(run())
+    assert free_after == free_before, "its reservation may have been captured: never free again"
+    settled = books.settlements()
+    assert all(settled[f"settle:{g.request_id}"]["charge_nano_usd"] == charge for g in later), "every later request paid"
+    assert sum(s["hold_id"] == pool_hold for s in settled.values()) == POOL_REQUESTS, "the lost one and the first three of the pool's"
+    view = books.balance(books.customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10**9 - POOL_REQUESTS * charge, 0), \
+        "the withheld answer's charge reversed, each later one paid once, nothing left held"
+
+
+def test_a_streams_pooled_capture_whose_answer_is_lost_is_sent_again_not_moved(books):
+    """Moved to a hold of its own, the stream would take its amount from the
+    pool's hold after its capture took its charge: it is sent again by its
+    key instead, found, and charged once."""
+    charge = 12 * 150 + 10 * 600
+
+    async def run() -> Generation:
+        stream = await books.open_pooled()
+        _commit_then_lose_the_answer(books)
+        relay(stream, 10, usage=(12, 10))
+        await stream.settle_once(charge=True)
+        await books.settler.drain_background()
+        return stream
+
+    stream = asyncio.run(run())
+    [settled] = books.settlements().values()
+    assert settled["charge_nano_usd"] == charge and stream.reservation is None
+    with books.engine.connect() as conn:
+        own = conn.execute(select(holds.c.id).where(holds.c.idempotency_key == hold_key(stream.request_id))).all()
+    assert own == [], "no hold of its own"
+    view = books.balance(books.customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10**9 - charge, 0)
+
+
+def test_a_stream_whose_pending_move_finds_its_pool_gone_is_charged_on_a_hold_of_its_own(books):
+    """Its move's outcome was not known, and the pool's hold was swept since:
+    nothing of it was captured, so the whole charge is placed and captured anew."""
+    charge = 12 * 150 + 10 * 600
+
+    def database_away(splits):
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    async def run() -> Generation:
+        stream = await books.open_pooled()
+        relay(stream, 10, usage=(12, 10))
+        real_split, books.ledger.split_holds = books.ledger.split_holds, database_away
+        with pytest.raises(OperationalError):
+            await books.settler._split(stream)
+        books.ledger.split_holds = real_split
+        books.sweep()  # the pool's hold expired, untouched: released
+        await stream.settle_once(charge=True)
+        await books.settler.drain_background()
+        return stream
+
+    stream = asyncio.run(run())
+    [settled] = books.settlements().values()
+    assert settled["charge_nano_usd"] == charge, "charged, not given away"
+    view = books.balance(books.customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10**9 - charge, 0)
