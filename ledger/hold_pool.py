@@ -52,7 +52,7 @@ class _Pool:
         self.in_flight = 0
         self.retired = False
         self.gone = False  # its hold was closed elsewhere (the sweeper): nothing to release
-        # Released by this pool: never twice, for SQLite gives a deleted hold's id to the next hold placed.
+        # Released by this pool: never twice (a second release would only find it gone).
         self.released = False
         self.used_at_s = time.monotonic()  # when a request last reserved from it or ended
 
@@ -228,8 +228,8 @@ class HoldPool:
             if isinstance(result, HoldNotActive):
                 self._drop(reservation.pool)
                 await self.give_back(reservation)
-            elif not isinstance(result, LedgerError):
-                await self._done(reservation, 0)  # its amount left the pool's hold with it
+            else:  # moved, its amount with it; or refused otherwise (its key used before), and no longer the pool's
+                await self._done(reservation, 0)
         return results
 
     async def _done(self, reservation: Reservation, freed_nano_usd: int) -> None:

@@ -158,6 +158,9 @@ holds = Table(
     Column("replica_id", String(REPLICA_ID_CHARS_MAX)),
     # No index by expiry (migration 0032): renewals then rewrite a hold in
     # place, and the sweeper scans what is in flight.
+    # No id is given twice (SQLite's AUTOINCREMENT, migration 0040): a replica
+    # may still hold the id of a hold the sweeper deleted.
+    sqlite_autoincrement=True,
 )
 
 # A spend limit (an API key's) is reserved like a customer's balance: placing a

@@ -139,7 +139,7 @@ class Settler:
                 await self._journal_withheld(generation.request_id)
             generation.withhold()
             try:
-                if not await self._forget_unknown_capture(generation):
+                if not (generation.capture_unknown and await self._forget_reservation(generation)):
                     await self.release(generation)
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)
@@ -148,7 +148,7 @@ class Settler:
             return
         log.warning("request %s could not be settled now", generation.request_id, exc_info=not database_away)
         if generation.capture_unknown:  # a move now could take its amount from the pool's hold a second time
-            self.in_background(self._capture_when_back(generation, billed))
+            self.in_background(self._settle_when_back(generation, billed))
             return
         try:
             await self._split(generation)  # a pooled request records what it delivered on a hold of its own
@@ -156,27 +156,30 @@ class Settler:
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
-            self.in_background(self._when_back(generation.request_id, self._settle_delivered, generation, billed))
+            self.in_background(self._settle_when_back(generation, billed))
+        else:  # nothing tries again: a share of a pool it still has is forgotten, so that the pool is released in time
+            await self._forget_reservation(generation)
 
-    async def _forget_unknown_capture(self, generation: Generation) -> bool:
-        """A pooled capture whose outcome is not known may have taken its charge
-        from the pool's hold: its reservation is forgotten, never given back
-        (the pool then counts less free than its hold has, never more). True
-        when it was: the request has no hold of its own to release."""
+    async def _forget_reservation(self, generation: Generation) -> bool:
+        """Its share of a pool, if it still has one, forgotten: never given
+        back, for a capture or a move whose outcome is not known may have
+        taken it from the pool's hold (the pool then counts less free than its
+        hold has, never more). True when it had one: then it has no hold of
+        its own to release."""
         async with generation.hold_lock:
             reservation = generation.reservation
-            if reservation is None or not generation.capture_unknown:
+            if reservation is None:
                 return False
             generation.reservation = None
             await self.pool.forget(reservation)
             return True
 
-    async def _capture_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
-        """A stream's pooled capture whose outcome is not known, sent again by
-        its key once the database answers (found if it committed); forgotten
-        if it never could be."""
+    async def _settle_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """Its settlement, sent again by its key once the database answers
+        (found if it committed). A share of a pool still held when the tries
+        end is forgotten, so that the pool is released in time."""
         await self._when_back(generation.request_id, self._settle_delivered, generation, billed)
-        await self._forget_unknown_capture(generation)
+        await self._forget_reservation(generation)
 
     async def _journal_withheld(self, request_id: str) -> None:
         if self.journal is None:

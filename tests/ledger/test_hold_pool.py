@@ -220,6 +220,25 @@ def test_a_pool_whose_hold_expired_is_dropped_and_the_next_request_places_anothe
     assert ledger.balance(customer).balance_nano_usd == 10 * USD - 2_000 and _active_holds(engine) == 0
 
 
+def test_a_swept_pools_id_is_never_given_to_another_customers_hold(ledger, engine, owner):
+    """Its replica still holds the id: had another customer's new hold got it,
+    the renewal would find it active and the next capture charge that customer."""
+    customer, other = customer_with(ledger, 10 * USD), customer_with(ledger, 10 * USD)
+
+    async def run() -> tuple[int, int, bool]:
+        pool = HoldPool(ledger, ttl_s=1)
+        reservation = await pool.reserve(customer, REQUEST_NANO_USD)
+        with engine.begin() as conn:
+            assert expire_holds(conn, now=utc_now() + timedelta(days=1)) == 1
+        others_hold = ledger.place_hold(PlaceHold(other, REQUEST_NANO_USD, key("hold"), 30))
+        await pool.renew()
+        return reservation.hold_id, others_hold.hold_id, reservation.lost
+
+    swept_id, others_id, lost = asyncio.run(run())
+    assert others_id != swept_id and lost, "the swept pool is found gone, its id nobody's"
+    assert ledger.balance(other).held_nano_usd == REQUEST_NANO_USD and ledger.balance(other).balance_nano_usd == 10 * USD
+
+
 def test_a_replica_that_died_with_requests_in_flight_leaves_a_pool_its_restart_releases(ledger, engine, owner):
     """The requests it had in flight had recorded nothing: nothing is charged, everything is freed."""
     customer = customer_with(ledger, 10 * USD)

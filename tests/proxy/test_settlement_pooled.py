@@ -255,3 +255,26 @@ def test_a_stream_whose_pending_move_finds_its_pool_gone_is_charged_on_a_hold_of
     assert settled["charge_nano_usd"] == charge, "charged, not given away"
     view = books.balance(books.customer)
     assert (view.balance_nano_usd, view.held_nano_usd) == (10**9 - charge, 0)
+
+
+def test_a_streams_share_is_forgotten_when_its_tries_end_so_its_pool_is_released(books):
+    """Its move never confirmed, the database away until shutdown: the tries
+    end, and the pool no longer counts it in flight (kept, the pool's hold
+    would be renewed and held for as long as the replica runs)."""
+
+    def database_away(splits):
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    async def run() -> tuple[int, dict]:
+        stream = await books.open_pooled()
+        pool = stream.reservation.pool
+        relay(stream, 10, usage=(12, 10))
+        books.ledger.split_holds = database_away
+        with pytest.raises(OperationalError):
+            await books.settler._split(stream)
+        await stream.settle_once(charge=True)
+        await books.settler.drain_background()
+        return pool.in_flight, books.hold_amounts()
+
+    in_flight, left = asyncio.run(run())
+    assert (in_flight, left) == (0, {}), "nothing in flight, the pool released at shutdown"
