@@ -139,7 +139,7 @@ class Settler:
                 await self._journal_withheld(generation.request_id)
             generation.withhold()
             try:
-                if not (generation.capture_unknown and await self._forget_reservation(generation)):
+                if not (getattr(generation, "capture_unknown", False) and await self._forget_reservation(generation)):
                     await self.release(generation)
             except Exception:  # the sweeper releases it once it expires
                 log.warning("request %s: its hold is left to expire", generation.request_id, exc_info=True)

@@ -23,6 +23,7 @@ from ledger.store import append_batch
 from proxy import metering
 from proxy import workers as registry
 from proxy.directory import Directory, WorkerLoad
+from proxy.embeddings import HeldRequest
 from proxy.generation import CHAT, Generation
 from proxy.generations import rest_key
 from proxy.keys import KeyGrant
@@ -328,3 +329,13 @@ def test_a_non_streamed_answer_that_cannot_be_settled_is_withheld_and_nothing_ch
     books.sweep()
     assert books.settlements() == {}
     assert books.balance(books.customer).available_nano_usd == CREDITS_NANO_USD
+
+
+def test_an_embeddings_settlement_that_cannot_be_written_releases_its_hold(books):
+    """An embedding request is no Generation (proxy.embeddings.HeldRequest):
+    its answer is withheld and its own hold released, nothing charged."""
+    hold = books.ledger.place_hold(PlaceHold(books.customer, 10_000, hold_key("emb-1"), HOLD_TTL_S_DEFAULT))
+    held = HeldRequest(hold.hold_id, "emb-1")
+    asyncio.run(books.settler._settle_later(held, None, database_away=False))
+    view = books.balance(books.customer)
+    assert held.withheld and (view.held_nano_usd, view.balance_nano_usd) == (0, CREDITS_NANO_USD)
