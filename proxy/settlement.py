@@ -348,7 +348,10 @@ class Settler:
         interval_s = min(HOLD_RENEW_INTERVAL_S_MAX, self.hold_ttl_s / HOLD_RENEWALS_PER_TTL_MIN)
         while True:
             await asyncio.sleep(interval_s)
-            await self.renew_holds_once()
+            try:
+                await self.renew_holds_once()
+            except Exception:  # one round's fault must not end the renewals: every hold would expire
+                log.exception("a round of hold renewals failed")
 
     async def renew_holds_once(self) -> None:
         live = [g for g in list(self._live.values()) if not g.finished]
@@ -435,7 +438,8 @@ class Settler:
                     return True
                 except Exception:
                     reservation, generation.reservation, generation.split_pending = generation.reservation, None, False
-                    await self.pool.forget(reservation)
+                    if reservation is not None:  # a move refused otherwise than as gone has left the pool already
+                        await self.pool.forget(reservation)
                     return True
             reservation = generation.reservation
             if reservation is None:
@@ -470,7 +474,8 @@ class Settler:
     def _book_relayed(self, generation: Generation) -> None:
         """What a request relayed since it was last booked counts as its
         worker's delivery (proxy/capacity.py): each second, not per chunk."""
-        load = self.directory.loads.get(generation.worker.id) if generation.worker is not None else None
+        worker = getattr(generation, "worker", None)  # an embedding request (HeldRequest) books no relayed tokens
+        load = self.directory.loads.get(worker.id) if worker is not None else None
         if load is not None:
             load.relayed_tokens += generation.counted_tokens - generation.relayed_booked
             generation.relayed_booked = generation.counted_tokens

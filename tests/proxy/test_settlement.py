@@ -339,3 +339,21 @@ def test_an_embeddings_settlement_that_cannot_be_written_releases_its_hold(books
     asyncio.run(books.settler._settle_later(held, None, database_away=False))
     view = books.balance(books.customer)
     assert held.withheld and (view.held_nano_usd, view.balance_nano_usd) == (0, CREDITS_NANO_USD)
+
+
+def test_an_embedding_in_flight_does_not_stop_the_renewal_of_other_holds(books):
+    """Renewals book each request's relayed tokens; an embedding request has
+    no worker to book them for, and the round went on to renew the chat's hold."""
+    chat = books.open()
+    embedding = books.ledger.place_hold(PlaceHold(books.customer, 10_000, hold_key("emb-2"), HOLD_TTL_S_DEFAULT))
+    books.settler.track(HeldRequest(embedding.hold_id, "emb-2"))
+    renewed: list = []
+    real_renew = books.ledger.renew_holds
+
+    def watched(renewals):
+        renewed.extend(r.hold_id for r in renewals)
+        return real_renew(renewals)
+
+    books.ledger.renew_holds = watched
+    asyncio.run(books.settler.renew_holds_once())
+    assert set(renewed) == {chat.hold_id, embedding.hold_id}
