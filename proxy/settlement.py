@@ -176,10 +176,36 @@ class Settler:
 
     async def _settle_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
         """Its settlement, sent again by its key once the database answers
-        (found if it committed). A share of a pool still held when the tries
-        end is forgotten, so that the pool is released in time."""
+        (found if it committed). A pooled capture whose outcome is still not
+        known when the tries end is looked up: found, it counts as captured;
+        absent, the stream records what it delivered on a hold of its own,
+        which the sweeper settles. A share of a pool still held then is
+        forgotten, so that the pool is released in time."""
         await self._when_back(generation.request_id, self._settle_delivered, generation, billed)
+        if generation.capture_unknown and generation.reservation is not None:
+            try:
+                await self._capture_found_or_recorded(generation, billed)
+            except Exception:  # the database still away: nothing can record it now
+                log.error("request %s: its capture's outcome is not known and nothing records it", generation.request_id,
+                          exc_info=True)
         await self._forget_reservation(generation)
+
+    async def _capture_found_or_recorded(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        first = await asyncio.to_thread(self._settled, generation.request_id)
+        if first is not None:
+            async with generation.hold_lock:
+                reservation, generation.reservation = generation.reservation, None
+                if reservation is not None:
+                    await self.pool.captured(reservation, first.charge_nano_usd)
+            generation.charged(first.charge_nano_usd)
+            return
+        generation.capture_unknown = False  # known now: nothing was captured, so a move takes nothing twice
+        try:
+            await self._split(generation)
+        except HoldNotActive:  # its pool's hold is gone: charged under a new hold of its own
+            await self._settle_rest(generation, _settlement_meta(generation, billed))
+            return
+        await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
 
     async def _journal_withheld(self, request_id: str) -> None:
         if self.journal is None:
@@ -260,7 +286,8 @@ class Settler:
             except Exception as exc:
                 # Committed, perhaps: its charge may have left the pool's hold. Sent
                 # again by its key, it is found or made; never counted free meanwhile.
-                generation.capture_unknown = reservation is not None and _database_away(exc)
+                if reservation is not None and _database_away(exc):  # a later try's refusal does not make it known
+                    generation.capture_unknown = True
                 raise
             if reservation is not None:
                 generation.reservation = None

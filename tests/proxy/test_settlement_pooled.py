@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from ledger.errors import FlushNotConfirmed
+from ledger.errors import DatabaseUnavailable, FlushNotConfirmed, InvariantBroken
 from ledger.hold_pool import HoldPool
 from ledger.schema import holds
 from proxy import metering
@@ -278,3 +278,32 @@ def test_a_streams_share_is_forgotten_when_its_tries_end_so_its_pool_is_released
 
     in_flight, left = asyncio.run(run())
     assert (in_flight, left) == (0, {}), "nothing in flight, the pool released at shutdown"
+
+
+def test_a_streams_capture_never_made_is_recorded_on_a_hold_of_its_own_when_its_tries_end(books):
+    """Its capture's answer lost without committing, then its retry refused
+    for another reason: looked up, it was never made, so the stream records
+    what it delivered on a hold of its own, which the sweeper settles."""
+    charge = 12 * 150 + 10 * 600
+    real_append, failures = books.ledger.append_async, [DatabaseUnavailable("the database is unavailable"), InvariantBroken("refused")]
+
+    async def failing(command):
+        if failures:
+            raise failures.pop(0)
+        return await real_append(command)
+
+    async def run() -> Generation:
+        stream = await books.open_pooled()
+        books.ledger.append_async = failing
+        relay(stream, 10, usage=(12, 10))
+        await stream.settle_once(charge=True)
+        await books.settler.drain_background()
+        return stream
+
+    stream = asyncio.run(run())
+    assert books.settlements() == {} and stream.reservation is None
+    books.sweep()
+    [settled] = books.settlements().values()
+    assert settled["charge_nano_usd"] == charge, "charged once, by the sweeper, at what the stream delivered"
+    view = books.balance(books.customer)
+    assert (view.balance_nano_usd, view.held_nano_usd) == (10**9 - charge, 0)
