@@ -151,8 +151,7 @@ class Settler:
             self.in_background(self._settle_when_back(generation, billed))
             return
         try:
-            await self._split(generation)  # a pooled request records what it delivered on a hold of its own
-            await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
+            await self._record_delivered(generation, billed)
         except Exception:  # the hold keeps the usage recorded at the last renewal
             log.warning("request %s: its hold keeps the usage last recorded", generation.request_id, exc_info=not database_away)
         if database_away:  # the same idempotency key makes every try safe; a hold the sweeper settled is found
@@ -167,12 +166,23 @@ class Settler:
         hold has, never more). True when it had one: then it has no hold of
         its own to release."""
         async with generation.hold_lock:
-            reservation = generation.reservation
-            if reservation is None:
-                return False
-            generation.reservation = None
-            await self.pool.forget(reservation)
-            return True
+            return await self._end_reservation(generation, HoldPool.forget)
+
+    async def _end_reservation(self, generation: Generation, end) -> bool:
+        """Under its hold lock: its share of a pool taken off it and ended by
+        `end(pool, reservation)` (`HoldPool.give_back`, `forget` or a capture);
+        False if it had none (then there may be no pool at all)."""
+        reservation, generation.reservation = generation.reservation, None
+        if reservation is None:
+            return False
+        await end(self.pool, reservation)
+        return True
+
+    async def _record_delivered(self, generation: Generation, billed: metering.BilledUsage) -> None:
+        """What a stream delivered, recorded on its hold (a pooled request's
+        moved to a hold of its own first), which the sweeper settles."""
+        await self._split(generation)
+        await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
 
     async def _settle_when_back(self, generation: Generation, billed: metering.BilledUsage) -> None:
         """Its settlement, sent again by its key once the database answers
@@ -194,18 +204,14 @@ class Settler:
         first = await asyncio.to_thread(self._settled, generation.request_id)
         if first is not None:
             async with generation.hold_lock:
-                reservation, generation.reservation = generation.reservation, None
-                if reservation is not None:
-                    await self.pool.captured(reservation, first.charge_nano_usd)
+                await self._end_reservation(generation, lambda pool, reservation: pool.captured(reservation, first.charge_nano_usd))
             generation.charged(first.charge_nano_usd)
             return
         generation.capture_unknown = False  # known now: nothing was captured, so a move takes nothing twice
         try:
-            await self._split(generation)
+            await self._record_delivered(generation, billed)
         except HoldNotActive:  # its pool's hold is gone: charged under a new hold of its own
             await self._settle_rest(generation, _settlement_meta(generation, billed))
-            return
-        await asyncio.shield(asyncio.to_thread(self.ledger.renew_holds, [self.renewal(generation, billed)]))
 
     async def _journal_withheld(self, request_id: str) -> None:
         if self.journal is None:
@@ -464,16 +470,10 @@ class Settler:
                 except HoldNotActive:
                     return True
                 except Exception:
-                    reservation, generation.reservation, generation.split_pending = generation.reservation, None, False
-                    if reservation is not None:  # a move refused otherwise than as gone has left the pool already
-                        await self.pool.forget(reservation)
+                    generation.split_pending = False  # a move refused otherwise than as gone has left the pool already
+                    await self._end_reservation(generation, HoldPool.forget)
                     return True
-            reservation = generation.reservation
-            if reservation is None:
-                return False
-            generation.reservation = None
-            await self.pool.give_back(reservation)
-            return True
+            return await self._end_reservation(generation, HoldPool.give_back)
 
     async def _split(self, generation: Generation) -> None:
         """A pooled request's reservation moved to a hold of its own (`HoldPool.split`)."""
